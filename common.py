@@ -1,0 +1,330 @@
+"""Plumbing every stage shares: DDP set-up, printing, seeding, checkpoints, logging, LR schedule, MFU.
+
+Nothing algorithmic lives here; each stage's algorithm is inline in its own train_*.py.
+"""
+
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class UserError(Exception):
+    """A user mistake (bad data, flags or checkpoint): the message is one line; scripts print it and exit 2."""
+
+
+@dataclass
+class CommonArgs:
+    """Flags every stage shares (DESIGN §4)."""
+
+    # --- run
+    out_dir: str = "out"
+    """where ckpt.pt, TensorBoard event files and samples.jsonl go"""
+    seed: int = 1337
+    """run seed (init, data order, sampling); per-rank sampling seeds are seed*1000+rank"""
+    task_seed: int = 1337
+    """seed of the built-in task (grammar draws, splits, tokenizer); keep it the same across stages"""
+    task_dir: str = "out/data"
+    """where the built-in task's data and tokenizer are cached"""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N (auto: cuda if present, else cpu; under torchrun each rank takes cuda:LOCAL_RANK)"""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 (auto: bf16 autocast on GPU, fp32 on CPU)"""
+    compile: bool = True
+    """torch.compile the training forward (CUDA only; ignored on CPU where it costs more than it saves)"""
+    max_steps: Optional[int] = None
+    """stop after this many steps (optimizer steps in SFT/RM, iterations in PPO); None: the stage's default schedule"""
+    save_every: int = 0
+    """save ckpt.pt every N steps (0: only at the end)"""
+    resume: bool = False
+    """continue from out_dir/ckpt.pt (same world size)"""
+    log_every: int = 10
+    """print and log training metrics every N steps"""
+    peak_flops: Optional[float] = None
+    """peak FLOP/s for perf/mfu (None: a table for known GPUs, a short matmul measurement on CPU)"""
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    """a / b when it divides exactly, else a one-line user error that says how to fix it."""
+    if b <= 0 or a % b != 0:
+        raise UserError(f"{what}: {a} must divide by {b}")
+    return a // b
+
+
+def is_master() -> bool:
+    """Rank 0 (also before init_process_group: torchrun sets RANK)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def print0(*args, **kwargs) -> None:
+    if is_master():
+        print(*args, **kwargs, flush=True)
+
+
+def run_main(main: Callable, args) -> None:
+    """Run a stage's main(args); a UserError becomes one line on stderr (rank 0 only) and exit code 2."""
+    try:
+        main(args)
+    except UserError as e:
+        if is_master():
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)
+
+
+# -----------------------------------------------------------------------------
+# devices and DDP
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    ddp: bool
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def setup_dist(device: str = "auto") -> Dist:
+    """Initialise DDP when launched by torchrun (nccl on GPU, gloo on CPU); a plain process otherwise."""
+    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank, local_rank, world_size = 0, 0, 1
+    if ddp:
+        rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available here (use --device cpu)")
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if ddp and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    return Dist(rank, local_rank, world_size, dev, ddp)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in ("float32", "bfloat16"):
+        raise UserError(f"--dtype {dtype}: expected auto, float32 or bfloat16")
+    return getattr(torch, dtype)
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """bf16 autocast context (weights stay fp32); a no-op for fp32."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks in place (identity without DDP); returns x."""
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def cleanup_dist() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# seeding and RNG state
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state(generator: Optional[torch.Generator] = None) -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if generator is not None:
+        state["generator"] = generator.get_state()
+    return state
+
+
+def set_rng_state(state: dict, generator: Optional[torch.Generator] = None) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if generator is not None and "generator" in state:
+        generator.set_state(state["generator"])
+
+
+# -----------------------------------------------------------------------------
+# checkpoints
+
+
+def save_checkpoint(obj: dict, path: str) -> None:
+    """Atomic save: write a temp file, fsync it, os.replace; a kill at any moment leaves the old file or the new one."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(path: str, kind: Optional[str | tuple] = None, flag: str = "--init") -> dict:
+    """Load one of our checkpoints (our own files: weights_only=False); a missing or wrong-kind file is a UserError."""
+    if not os.path.isfile(path):
+        raise UserError(f"{flag} {path}: no such checkpoint (run the previous stage first, or pass the right path)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated or foreign file
+        raise UserError(f"{flag} {path}: not a readable checkpoint ({type(e).__name__})") from None
+    if not isinstance(ckpt, dict) or "kind" not in ckpt or "model" not in ckpt:
+        raise UserError(f"{flag} {path}: not a checkpoint written by this repo")
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if kinds is not None and ckpt["kind"] not in kinds:
+        raise UserError(f"{flag} {path}: is a '{ckpt['kind']}' checkpoint, expected {' or '.join(kinds)}")
+    return ckpt
+
+
+# -----------------------------------------------------------------------------
+# logging
+
+
+class Logger:
+    """TensorBoard scalars (rank 0 only) plus the console line `step 00042/00500 | loss 1.23 | ...`."""
+
+    def __init__(self, out_dir: str, master: bool, purge_step: Optional[int] = None):
+        self.writer = None
+        if master:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(out_dir, purge_step=purge_step)
+
+    def log(self, step: int, metrics: dict, max_steps: Optional[int] = None, console: bool = True) -> None:
+        if self.writer is None:
+            return
+        for tag, v in metrics.items():
+            self.writer.add_scalar(tag, float(v), step)
+        if console:
+            head = f"step {step:05d}" + (f"/{max_steps:05d}" if max_steps else "")
+            print(" | ".join([head] + [f"{t.split('/')[-1]} {_fmt(v)}" for t, v in metrics.items()]), flush=True)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _fmt(v: float) -> str:
+    v = float(v)
+    return f"{v:.3g}" if abs(v) < 1e-2 or abs(v) >= 1e4 else f"{v:.4f}".rstrip("0").rstrip(".")
+
+
+# -----------------------------------------------------------------------------
+# LR schedule and MFU
+
+
+def lr_at(step: int, max_steps: int, lr: float, warmup_steps: int, min_lr_ratio: float = 0.1) -> float:
+    """Linear warm-up to lr, then cosine decay to lr*min_lr_ratio at max_steps (step counts from 0)."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# dense bf16 peak FLOP/s of known GPUs (per device)
+GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+
+
+def peak_flops(device: torch.device, override: Optional[float] = None) -> float:
+    """Peak FLOP/s for MFU: --peak-flops, else a table for known GPUs, else a 0.2 s fp32 matmul measurement (CPU)."""
+    if override:
+        return override
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return flops
+        return 100e12  # unknown GPU: say so in the docs; pass --peak-flops for a true figure
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    iters, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.2:
+        a @ b
+        iters += 1
+    return 2 * n**3 * iters / (time.perf_counter() - t0)
+
+
+# -----------------------------------------------------------------------------
+# the --init grammar (DESIGN §2), shared by every stage that builds a model
+
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+def load_init(spec: str, tokenizer=None, scratch: Optional[dict] = None, score_head: bool = False,
+              lm_head: bool = True, flag: str = "--init"):
+    """Build (model, tokenizer, ckpt or None) from an --init spec:
+    `*.pt` our checkpoint | `gpt2`... or a local GPT-2 folder | `hf:<name-or-path>` | `scratch` (tiny config, given tokenizer).
+    Heads are set by the caller (an RM starts from an SFT checkpoint and gains a fresh scalar head)."""
+    from data import Tokenizer, load_tokenizer  # local imports: data.py imports this module
+    from model import GPT, GPTConfig
+
+    ckpt = None
+    if spec.endswith(".pt"):
+        ckpt = load_checkpoint(spec, flag=flag)
+        cfg = GPTConfig(**{**ckpt["model_config"], "lm_head": lm_head, "score_head": score_head})
+        model = GPT(cfg)
+        sd = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in ckpt["model"].items()}
+        own = model.state_dict()
+        fresh = [k for k in own if k.startswith("score_head.") and k not in sd]
+        model.load_state_dict({k: v for k, v in sd.items() if k in own} | {k: own[k] for k in fresh})
+        tokenizer = Tokenizer.from_state(ckpt["tokenizer"])
+    elif spec in GPT2_NAMES or os.path.isfile(os.path.join(spec, "config.json")):
+        model = GPT.from_pretrained(spec, score_head=score_head)
+        has_tok = os.path.isdir(spec) and any(os.path.exists(os.path.join(spec, f)) for f in ("tokenizer.json", "vocab.json"))
+        tokenizer = load_tokenizer(f"hf:{spec}" if has_tok else "gpt2")
+    elif spec.startswith("hf:"):
+        raise UserError(f"{flag} {spec}: the adapter for other Hugging Face causal LMs is not implemented yet")
+    elif spec == "scratch":
+        assert tokenizer is not None, "scratch needs a tokenizer"
+        model = GPT(GPTConfig(**{**(scratch or {}), "vocab_size": tokenizer.vocab_size, "lm_head": lm_head,
+                                 "score_head": score_head}))
+    else:
+        raise UserError(f"{flag} {spec}: expected a .pt checkpoint, gpt2[-medium|-large|-xl], a local GPT-2 folder, "
+                        f"hf:<name-or-path> or scratch")
+    return model, tokenizer, ckpt

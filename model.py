@@ -1,0 +1,384 @@
+"""GPT language model, nanoGPT-shaped, for every RLHF role: policy and reference (LM head), critic (scalar head),
+reward model (both heads). Batched KV-cache generation over left-padded prompts, GPT-2 weights through transformers
+(`from_pretrained`, `export_hf`) and our own checkpoints (`from_checkpoint`).
+
+References:
+1) OpenAI's GPT-2 TensorFlow implementation: https://github.com/openai/gpt-2/blob/master/src/model.py
+2) nanoGPT: https://github.com/karpathy/nanoGPT/blob/master/model.py
+"""
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+# GPT-2 stores these as Conv1D (in, out); we use nn.Linear (out, in)
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 128
+    vocab_size: int = 1024
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linears and LayerNorms, like GPT-2
+    lm_head: bool = True  # next-token head, tied to wte (policy, reference, reward model)
+    score_head: bool = False  # scalar head nn.Linear(n_embd, 1) (critic, reward model)
+
+
+class KVCache:
+    """Keys and values of one layer, preallocated as (B, nh, max_len, hs) on the first update, filled left to right."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.pos = 0
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.k is None:
+            B, nh, _, hs = k.shape
+            self.k = k.new_empty(B, nh, self.max_len, hs)
+            self.v = v.new_empty(B, nh, self.max_len, hs)
+        T = k.size(2)
+        assert self.pos + T <= self.max_len, f"kv cache overflow: {self.pos} + {T} > {self.max_len}"
+        self.k[:, :, self.pos : self.pos + T] = k
+        self.v[:, :, self.pos : self.pos + T] = v
+        self.pos += T
+        return self.k[:, :, : self.pos], self.v[:, :, : self.pos]  # (B, nh, pos, hs)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, f"n_embd {config.n_embd} must divide by n_head {config.n_head}"
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, kv_cache: KVCache | None = None) -> Tensor:
+        """attn_mask: bool (B, 1, T, Tk), True = attend; None = plain causal over x itself."""
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # (B, nh, Tk, hs)
+        assert attn_mask is not None or k.size(2) == T, "a query over cached keys needs an explicit attn_mask"
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None,
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, kv_cache: KVCache | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask, kv_cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+def padded_causal_mask(real: Tensor) -> Tensor:
+    """real: bool (B, T), True = real token -> bool (B, 1, T, T): causal AND key is real, OR the diagonal,
+    so a left-pad query attends to itself and no attention row is fully masked."""
+    T = real.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=real.device).tril()
+    eye = torch.eye(T, dtype=torch.bool, device=real.device)
+    return (causal & real[:, None, None, :]) | eye  # (B, 1, T, T)
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """logits (B, T, V), tokens (B, T) -> (B, T) log_softmax(logits / temperature) gathered at tokens, in fp32 or wider.
+    Ids outside [0, V) (padding) give the log-prob of id 0: mask them."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    tokens = tokens.masked_fill((tokens < 0) | (tokens >= logits.size(-1)), 0)
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        assert config.lm_head or config.score_head, "a GPT needs an lm_head or a score_head (or both)"
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False) if config.lm_head else None
+        self.score_head = nn.Linear(config.n_embd, 1) if config.score_head else None
+        if self.lm_head is not None:
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying (Press & Wolf, 2017)
+        # init all weights, then the GPT-2 paper's scaled init of the residual projections
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():
+            if pn.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        # the scalar head starts small and unbiased (InstructGPT / summarize_from_feedback)
+        if self.score_head is not None:
+            torch.nn.init.normal_(self.score_head.weight, mean=0.0, std=1 / math.sqrt(config.n_embd + 1))
+            torch.nn.init.zeros_(self.score_head.bias)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count, tied weights once. non_embedding drops wpe, and wte too unless it doubles as the lm head."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+            if self.lm_head is None:
+                n -= self.transformer.wte.weight.numel()
+        return n
+
+    def flops_per_token(self, T: int) -> int:
+        """Training FLOPs per token at context T, the PaLM estimate (appendix B): 6N + 12·L·H·Q·T,
+        N = num_params(non_embedding=True) (non-embedding weights plus the lm head if present)."""
+        cfg = self.config
+        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
+
+    def _trunk(self, idx: Tensor, pos: Tensor, attn_mask: Tensor | None, kv_caches: list | None = None) -> Tensor:
+        """idx, pos (B, T) long (pos may be (T,)) -> final hidden states (B, T, C) after ln_f."""
+        idx = idx.masked_fill((idx < 0) | (idx >= self.config.vocab_size), 0)  # pad ids may lie outside the vocab
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, attn_mask, None if kv_caches is None else kv_caches[i])
+        return self.transformer.ln_f(x)
+
+    def forward(
+        self, idx: Tensor, attention_mask: Tensor | None = None, logits: bool = True
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """idx (B, T) long, attention_mask (B, T) 1 = real token (any dtype) or None (no padding)
+        -> (logits (B, T, V) or None, scores (B, T) or None). Padding never changes a real token's outputs."""
+        T = idx.size(1)
+        assert T <= self.config.block_size, f"sequence of length {T} > block_size {self.config.block_size}"
+        if attention_mask is None:
+            pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+            h = self._trunk(idx, pos, None)  # plain causal fast path
+        else:
+            real = attention_mask.bool()
+            idx = idx.masked_fill(~real, 0)
+            pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, T) position ids from the mask
+            h = self._trunk(idx, pos, padded_causal_mask(real))
+        out_logits = self.lm_head(h) if logits and self.lm_head is not None else None
+        scores = self.score_head(h).squeeze(-1) if self.score_head is not None else None
+        return out_logits, scores
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        attention_mask: Tensor | None,
+        max_new_tokens: int,
+        eos_id: int,
+        pad_id: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_new_tokens: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Sample responses to left-padded prompts idx (B, P) with attention_mask (B, P) (None = no padding).
+        One prefill over the prompts, then one token a step with a preallocated KV cache.
+        Returns (response (B, Tn) long, pad_id after a row's EOS; response_mask (B, Tn) float, 1 for real tokens
+        including the EOS; logprobs (B, Tn) float, 0 on padding), Tn <= max_new_tokens the number of steps run.
+        logprobs are log_softmax(logits / temperature) at the sampled token: the full tempered distribution, not the
+        top-k/top-p truncated one; temperature 0 samples greedily and reports them at temperature 1. While EOS is
+        suppressed (the first min_new_tokens tokens) they are under that distribution with the EOS logit at -inf,
+        the one actually sampled from. Rows are independent: a row's tokens do not depend on the batch.
+        generator: a torch.Generator on the model's device (None = the global RNG)."""
+        assert self.lm_head is not None, "generate needs a model with an lm head"
+        B, P = idx.size()
+        assert P + max_new_tokens <= self.config.block_size, (
+            f"prompt length {P} + max_new_tokens {max_new_tokens} > block_size {self.config.block_size}: "
+            "shorten the prompts or lower max_new_tokens"
+        )
+        if max_new_tokens <= 0:  # nothing to generate (e.g. the prompt fills the context)
+            return idx.new_empty(B, 0), torch.zeros(B, 0, device=idx.device), torch.zeros(B, 0, device=idx.device)
+        real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        n_real = real.long().sum(-1)  # (B,) real prompt tokens
+        key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1)  # (B, P + max_new_tokens)
+        kv_caches = [KVCache(P + max_new_tokens) for _ in range(self.config.n_layer)]
+        # prefill: the whole prompt once, logits of its last position only
+        pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
+        h = self._trunk(idx.masked_fill(~real, 0), pos, padded_causal_mask(real), kv_caches)
+        logits = self.lm_head(h[:, -1])  # (B, V)
+        finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        tokens, masks, logprobs = [], [], []
+        for step in range(max_new_tokens):
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            logits = logits / temperature if temperature > 0 else logits
+            if step < min_new_tokens:
+                logits[:, eos_id] = -float("inf")
+            if temperature > 0:
+                probs = F.softmax(self._filter(logits, top_k, top_p), dim=-1)
+                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+            else:
+                tok = logits.argmax(dim=-1)  # (B,)
+            lp = logits.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (B,)
+            tokens.append(tok.masked_fill(finished, pad_id))
+            masks.append((~finished).to(lp.dtype))
+            logprobs.append(lp.masked_fill(finished, 0.0))
+            finished = finished | (tok == eos_id)
+            if step == max_new_tokens - 1 or ((step + 1) % 8 == 0 and finished.all()):
+                break  # host sync only every 8 steps
+            # decode: the new token sits at position n_real + step and attends to real prompt keys and all new keys
+            Tk = P + step + 1
+            h = self._trunk(tok[:, None], (n_real + step)[:, None], key_real[:, None, None, :Tk], kv_caches)
+            logits = self.lm_head(h[:, -1])  # (B, V)
+        return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(logprobs, 1)
+
+    @staticmethod
+    def _filter(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
+        """Keep the top_k largest logits, then the smallest set whose probability reaches top_p; the rest -> -inf."""
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
+            logits = logits.masked_fill(logits < kth, -float("inf"))
+        if top_p is not None:
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+            probs = F.softmax(sorted_logits, dim=-1)
+            drop = probs.cumsum(-1) - probs > top_p  # mass before a token already reaches top_p (the top one stays)
+            logits = logits.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
+        return logits
+
+    def configure_optimizers(
+        self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
+    ) -> torch.optim.AdamW:
+        """AdamW; weight decay on every 2D+ parameter (matmuls, embeddings), none on biases and LayerNorms."""
+        params = [p for p in self.parameters() if p.requires_grad]  # tied weights once
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir: str, score_head: bool = False) -> "GPT":
+        """GPT-2 weights from Hugging Face: "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl" or a local GPT-2 folder."""
+        from transformers import GPT2LMHeadModel
+
+        hf = GPT2LMHeadModel.from_pretrained(name_or_dir, dtype=torch.float32)
+        c = hf.config
+        assert c.activation_function in ("gelu_new", "gelu_pytorch_tanh"), f"unsupported {c.activation_function=}"
+        assert c.layer_norm_epsilon == 1e-5, f"unsupported layer_norm_epsilon {c.layer_norm_epsilon}"
+        assert not c.scale_attn_by_inverse_layer_idx, "scale_attn_by_inverse_layer_idx is not supported"
+        config = GPTConfig(
+            block_size=c.n_positions,
+            vocab_size=c.vocab_size,
+            n_layer=c.n_layer,
+            n_head=c.n_head,
+            n_embd=c.n_embd,
+            bias=True,
+            score_head=score_head,
+        )
+        model = cls(config)
+        sd_hf = hf.state_dict()
+        with torch.no_grad():
+            for k, p in model.state_dict().items():
+                if k.startswith(("lm_head.", "score_head.")):
+                    continue  # lm_head is tied to wte; the score head keeps its fresh init
+                w = sd_hf[k]
+                p.copy_(w.t() if k.endswith(CONV1D_WEIGHTS) else w)
+        assert torch.equal(sd_hf["lm_head.weight"], sd_hf["transformer.wte.weight"]), "lm_head must be tied to wte"
+        return model
+
+    def export_hf(self, out_dir: str, eos_id: int | None = None) -> None:
+        """Write a GPT2LMHeadModel folder (config + safetensors) that transformers loads with identical logits.
+        eos_id goes into the config (default vocab_size - 1: GPT-2's and the built-in tokenizer's EOS)."""
+        assert self.lm_head is not None, "export_hf needs an lm head (reward-model export is not implemented yet)"
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = self.config
+        eos_id = cfg.vocab_size - 1 if eos_id is None else eos_id
+        hf_config = GPT2Config(
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.block_size,
+            n_embd=cfg.n_embd,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            activation_function="gelu_new",
+            layer_norm_epsilon=1e-5,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=True,
+            bos_token_id=eos_id,
+            eos_token_id=eos_id,
+        )
+        hf = GPT2LMHeadModel(hf_config)
+        sd = self.state_dict()
+        with torch.no_grad():
+            for k, p in hf.state_dict().items():
+                if k == "lm_head.weight":
+                    continue  # tied to wte
+                if k not in sd:  # bias=False: GPT-2 has biases, zero them
+                    assert k.endswith(".bias"), f"no weight for {k}"
+                    p.zero_()
+                    continue
+                w = sd[k]
+                p.copy_(w.t() if k.endswith(CONV1D_WEIGHTS) else w)
+        hf.save_pretrained(out_dir)
+
+    @classmethod
+    def from_checkpoint(
+        cls, ckpt: str | os.PathLike | dict, map_location: str | torch.device = "cpu", key: str = "model"
+    ) -> "GPT":
+        """A GPT from one of our checkpoints (a path or the loaded dict): config from ckpt["model_config"], weights
+        from ckpt[key], loaded strictly. Which heads exist is read from the state dict, so key="critic" works too.
+        A leading "_orig_mod." (torch.compile) or "module." (DDP) on the keys is stripped."""
+        if not isinstance(ckpt, dict):
+            ckpt = torch.load(ckpt, map_location=map_location, weights_only=False)  # our own files hold RNG states
+        sd = {}
+        for k, v in ckpt[key].items():
+            for prefix in ("_orig_mod.", "module.", "_orig_mod."):  # either wrapping order
+                k = k.removeprefix(prefix)
+            sd[k] = v
+        config = replace(
+            GPTConfig(**ckpt["model_config"]), lm_head="lm_head.weight" in sd, score_head="score_head.weight" in sd
+        )
+        model = cls(config)
+        model.load_state_dict(sd)
+        return model.to(map_location) if isinstance(map_location, (str, torch.device)) else model
