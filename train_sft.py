@@ -51,7 +51,7 @@ class Args(common.CommonArgs):
     """sequences per optimizer step, summed over ranks"""
     micro_batch_size: int = 64
     """sequences per rank per forward (gradient accumulation makes up the rest)"""
-    epochs: int = 2
+    epochs: int = 3
     """passes over the training data (when --max-steps is not given)"""
     lr: float = 2e-3
     """peak learning rate (warm-up, then cosine to 10%); use ~1e-5..5e-5 for pretrained models"""
@@ -116,6 +116,7 @@ def sample_responses(model, tok, prompts: list, temperature: float, max_new_toke
 
 def main(args: Args) -> None:
     t_start = time.time()
+    common.seed_everything(args.seed)
     # 1. data, tokenizer and model (user mistakes surface here, before any process group)
     builtin = args.data is None
     task = build_task(args.task_dir, args.task_seed) if builtin else None
@@ -150,7 +151,6 @@ def main(args: Args) -> None:
     print0(f"sft: {len(train)} train / {len(evals)} eval examples ({n_skip} too long, skipped) | "
            f"{model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
            f"{grad_accum_steps} accum x {args.micro_batch_size} | {max_steps} steps | device {d.device} {dtype}")
-    common.seed_everything(args.seed)
     model.to(d.device)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
@@ -233,9 +233,10 @@ def main(args: Args) -> None:
             sync = micro == grad_accum_steps - 1 or not d.ddp
             with (nullcontext() if sync else model.no_sync()), common.autocast(d.device, dtype):
                 logits, _ = model(x)
-                loss = sft_loss(logits, y, m, denom=denom)
+                # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
+                loss = sft_loss(logits, y, m, denom=denom) * d.world_size
                 loss.backward()
-            loss_sum += loss.detach()
+            loss_sum += loss.detach() / d.world_size
             tokens_since += x.numel()
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf"))
         # nan/inf guard: the norm is computed after the all-reduce, so every rank takes the same decision
