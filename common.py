@@ -3,6 +3,7 @@
 Nothing algorithmic lives here; each stage's algorithm is inline in its own train_*.py.
 """
 
+import json
 import math
 import os
 import random
@@ -296,8 +297,17 @@ def peak_flops(device: torch.device, override: Optional[float] = None) -> float:
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
+def _model_type(path: str) -> Optional[str]:
+    """model_type of a local Hugging Face folder, None if it is not one."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("model_type", "?")
+    except (OSError, ValueError):
+        return None
+
+
 def load_init(spec: str, tokenizer=None, scratch: Optional[dict] = None, score_head: bool = False,
-              lm_head: bool = True, flag: str = "--init"):
+              lm_head: bool = True, flag: str = "--init", kind: Optional[str | tuple] = None):
     """Build (model, tokenizer, ckpt or None) from an --init spec:
     `*.pt` our checkpoint | `gpt2`... or a local GPT-2 folder | `hf:<name-or-path>` | `scratch` (tiny config, given tokenizer).
     Heads are set by the caller (an RM starts from an SFT checkpoint and gains a fresh scalar head)."""
@@ -306,7 +316,7 @@ def load_init(spec: str, tokenizer=None, scratch: Optional[dict] = None, score_h
 
     ckpt = None
     if spec.endswith(".pt"):
-        ckpt = load_checkpoint(spec, flag=flag)
+        ckpt = load_checkpoint(spec, kind=kind, flag=flag)
         cfg = GPTConfig(**{**ckpt["model_config"], "lm_head": lm_head, "score_head": score_head})
         model = GPT(cfg)
         sd = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in ckpt["model"].items()}
@@ -314,12 +324,13 @@ def load_init(spec: str, tokenizer=None, scratch: Optional[dict] = None, score_h
         fresh = [k for k in own if k.startswith("score_head.") and k not in sd]
         model.load_state_dict({k: v for k, v in sd.items() if k in own} | {k: own[k] for k in fresh})
         tokenizer = Tokenizer.from_state(ckpt["tokenizer"])
-    elif spec in GPT2_NAMES or os.path.isfile(os.path.join(spec, "config.json")):
+    elif spec in GPT2_NAMES or _model_type(spec) == "gpt2":
         model = GPT.from_pretrained(spec, score_head=score_head)
         has_tok = os.path.isdir(spec) and any(os.path.exists(os.path.join(spec, f)) for f in ("tokenizer.json", "vocab.json"))
         tokenizer = load_tokenizer(f"hf:{spec}" if has_tok else "gpt2")
-    elif spec.startswith("hf:"):
-        raise UserError(f"{flag} {spec}: the adapter for other Hugging Face causal LMs is not implemented yet")
+    elif spec.startswith("hf:") or _model_type(spec):
+        raise UserError(f"{flag} {spec}: only GPT-2 models load for now (the adapter for other Hugging Face causal LMs "
+                        f"is not implemented yet)")
     elif spec == "scratch":
         assert tokenizer is not None, "scratch needs a tokenizer"
         model = GPT(GPTConfig(**{**(scratch or {}), "vocab_size": tokenizer.vocab_size, "lm_head": lm_head,
