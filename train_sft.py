@@ -154,7 +154,7 @@ def main(args: Args) -> None:
     model.to(d.device)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
-    step, seconds, epoch, pos = 0, 0.0, 0, 0
+    step, seconds, epoch, pos, skipped = 0, 0.0, 0, 0, 0
     perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     if args.resume:
@@ -164,7 +164,7 @@ def main(args: Args) -> None:
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         step, seconds = ck["step"], ck["seconds"]
-        epoch, pos, perm = ck["data_state"]["epoch"], ck["data_state"]["pos"], ck["data_state"]["perm"]
+        epoch, pos, perm, skipped = (ck["data_state"][k] for k in ("epoch", "pos", "perm", "skipped"))
         common.set_rng_state(ck["rng"][d.rank], sampler)
         print0(f"resumed from {ckpt_path} at step {step}")
     raw_model = model
@@ -187,7 +187,7 @@ def main(args: Args) -> None:
                 kind="sft", model=raw_model.state_dict(), model_config=asdict(raw_model.config),
                 tokenizer=tok.state(), args=asdict(args), step=step, optimizer=optimizer.state_dict(),
                 scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps),
-                rng=rngs, data_state=dict(epoch=epoch, pos=pos, perm=perm), world_size=d.world_size,
+                rng=rngs, data_state=dict(epoch=epoch, pos=pos, perm=perm, skipped=skipped), world_size=d.world_size,
                 seconds=seconds + time.time() - t_start), ckpt_path)
 
     @torch.no_grad()
@@ -213,7 +213,7 @@ def main(args: Args) -> None:
 
     # 3. training loop: each step takes the next global batch of the epoch permutation; rank r owns a slice
     model.train()
-    skipped, t_last, tokens_since = 0, time.time(), 0
+    skipped_in_row, t_last, tokens_since = 0, time.time(), 0
     while step < max_steps:
         if pos + args.batch_size > len(train):  # new epoch, new permutation (the remainder is dropped)
             epoch, pos = epoch + 1, 0
@@ -242,9 +242,12 @@ def main(args: Args) -> None:
         # nan/inf guard: the norm is computed after the all-reduce, so every rank takes the same decision
         if torch.isfinite(grad_norm):
             optimizer.step()
+            skipped_in_row = 0
         else:
-            skipped += 1
-            print0(f"step {step}: non-finite grad norm ({grad_norm.item()}), step skipped")
+            skipped, skipped_in_row = skipped + 1, skipped_in_row + 1
+            print0(f"step {step}: non-finite grad norm ({grad_norm.item()}, loss {loss_sum.item()}), step skipped")
+            if skipped_in_row >= 10:
+                raise RuntimeError(f"{skipped_in_row} non-finite steps in a row: lower --lr or check the data")
         optimizer.zero_grad(set_to_none=True)
         step += 1
 
