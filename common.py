@@ -309,7 +309,8 @@ def _model_type(path: str) -> Optional[str]:
 def load_init(spec: str, tokenizer=None, scratch: Optional[dict] = None, score_head: bool = False,
               lm_head: bool = True, flag: str = "--init", kind: Optional[str | tuple] = None):
     """Build (model, tokenizer, ckpt or None) from an --init spec:
-    `*.pt` our checkpoint | `gpt2`... or a local GPT-2 folder | `hf:<name-or-path>` | `scratch` (tiny config, given tokenizer).
+    `*.pt` our checkpoint (an adapter one if its model_config has hf_config) | `gpt2`... or a local GPT-2 folder (native
+    GPT) | `hf:<name-or-path>` or any other local HF folder (hf.HFCausalLM) | `scratch` (tiny config, given tokenizer).
     Heads are set by the caller (an RM starts from an SFT checkpoint and gains a fresh scalar head)."""
     from data import Tokenizer, load_tokenizer  # local imports: data.py imports this module
     from model import GPT, GPTConfig
@@ -317,20 +318,35 @@ def load_init(spec: str, tokenizer=None, scratch: Optional[dict] = None, score_h
     ckpt = None
     if spec.endswith(".pt"):
         ckpt = load_checkpoint(spec, kind=kind, flag=flag)
-        cfg = GPTConfig(**{**ckpt["model_config"], "lm_head": lm_head, "score_head": score_head})
-        model = GPT(cfg)
-        sd = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in ckpt["model"].items()}
-        own = model.state_dict()
-        fresh = [k for k in own if k.startswith("score_head.") and k not in sd]
-        model.load_state_dict({k: v for k, v in sd.items() if k in own} | {k: own[k] for k in fresh})
+        if "hf_config" in ckpt["model_config"]:  # written by the adapter: rebuild it from the config alone
+            from hf import HFCausalLM
+
+            model = HFCausalLM.from_checkpoint(ckpt, lm_head=lm_head, score_head=score_head)
+        else:
+            cfg = GPTConfig(**{**ckpt["model_config"], "lm_head": lm_head, "score_head": score_head})
+            model = GPT(cfg)
+            sd = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in ckpt["model"].items()}
+            own = model.state_dict()
+            fresh = [k for k in own if k.startswith("score_head.") and k not in sd]
+            model.load_state_dict({k: v for k, v in sd.items() if k in own} | {k: own[k] for k in fresh})
         tokenizer = Tokenizer.from_state(ckpt["tokenizer"])
     elif spec in GPT2_NAMES or _model_type(spec) == "gpt2":
         model = GPT.from_pretrained(spec, score_head=score_head)
         has_tok = os.path.isdir(spec) and any(os.path.exists(os.path.join(spec, f)) for f in ("tokenizer.json", "vocab.json"))
         tokenizer = load_tokenizer(f"hf:{spec}" if has_tok else "gpt2")
-    elif spec.startswith("hf:") or _model_type(spec):
-        raise UserError(f"{flag} {spec}: only GPT-2 models load for now (the adapter for other Hugging Face causal LMs "
-                        f"is not implemented yet)")
+    elif spec.startswith("hf:") or _model_type(spec):  # any other causal LM, through the adapter
+        from hf import HFCausalLM
+
+        path = spec.removeprefix("hf:")
+        tokenizer = load_tokenizer(f"hf:{path}")
+        try:
+            model = HFCausalLM.from_pretrained(path, lm_head=lm_head, score_head=score_head)
+        except (OSError, ValueError, KeyError) as e:  # not found, offline, not a causal LM
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"{flag} {spec}: could not load a causal LM: {msg}") from None
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise UserError(f"{flag} {spec}: the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding "
+                            f"only {model.config.vocab_size}")
     elif spec == "scratch":
         assert tokenizer is not None, "scratch needs a tokenizer"
         model = GPT(GPTConfig(**{**(scratch or {}), "vocab_size": tokenizer.vocab_size, "lm_head": lm_head,

@@ -325,14 +325,20 @@ class GPT(nn.Module):
         assert torch.equal(sd_hf["lm_head.weight"], sd_hf["transformer.wte.weight"]), "lm_head must be tied to wte"
         return model
 
-    def export_hf(self, out_dir: str, eos_id: int | None = None) -> None:
-        """Write a GPT2LMHeadModel folder (config + safetensors) that transformers loads with identical logits.
-        eos_id goes into the config (default vocab_size - 1: GPT-2's and the built-in tokenizer's EOS)."""
-        assert self.lm_head is not None, "export_hf needs an lm head (reward-model export is not implemented yet)"
-        from transformers import GPT2Config, GPT2LMHeadModel
+    def export_hf(self, out_dir: str, eos_id: int | None = None, pad_id: int | None = None) -> None:
+        """Write a folder (config + safetensors) that transformers loads with identical outputs: a GPT2LMHeadModel
+        (same logits), or for a model with a score head a GPT2ForSequenceClassification (num_labels=1, same scores).
+        eos_id goes into the config (default vocab_size - 1: GPT-2's and the built-in tokenizer's EOS). pad_id: the id
+        transformers treats as padding when it reads the score at the last non-pad token, so it must be a vocab id
+        other than EOS (default 0, or 1 if 0 is the EOS); right-pad RM inputs with it."""
+        from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
 
+        assert self.lm_head is not None, "export_hf needs an lm head (a policy or a reward model, not a critic)"
         cfg = self.config
         eos_id = cfg.vocab_size - 1 if eos_id is None else eos_id
+        pad_id = (1 if eos_id == 0 else 0) if pad_id is None else pad_id
+        rm = self.score_head is not None
+        assert not rm or (0 <= pad_id < cfg.vocab_size and pad_id != eos_id), f"pad_id {pad_id}: a vocab id, not EOS"
         hf_config = GPT2Config(
             vocab_size=cfg.vocab_size,
             n_positions=cfg.block_size,
@@ -347,19 +353,26 @@ class GPT(nn.Module):
             tie_word_embeddings=True,
             bos_token_id=eos_id,
             eos_token_id=eos_id,
+            **(dict(num_labels=1, pad_token_id=pad_id) if rm else {}),
         )
-        hf = GPT2LMHeadModel(hf_config)
+        hf = GPT2ForSequenceClassification(hf_config) if rm else GPT2LMHeadModel(hf_config)
         sd = self.state_dict()
         with torch.no_grad():
             for k, p in hf.state_dict().items():
                 if k == "lm_head.weight":
                     continue  # tied to wte
+                if k == "score.weight":
+                    p.copy_(sd["score_head.weight"])
+                    continue
                 if k not in sd:  # bias=False: GPT-2 has biases, zero them
                     assert k.endswith(".bias"), f"no weight for {k}"
                     p.zero_()
                     continue
                 w = sd[k]
                 p.copy_(w.t() if k.endswith(CONV1D_WEIGHTS) else w)
+            if rm:  # `score` has no bias: w·(ln_f(x) + b·w/‖w‖²) = w·ln_f(x) + b, every score unchanged
+                w, b = self.score_head.weight[0], self.score_head.bias[0]
+                hf.transformer.ln_f.bias += b * w / w.norm() ** 2
         hf.save_pretrained(out_dir)
 
     @classmethod

@@ -1,0 +1,243 @@
+"""Any Hugging Face causal LM (Llama, Qwen, GPT-2, ...) behind the interface of `model.GPT`, so every stage uses it
+unchanged: forward -> (logits, scores) with padding handled the same way, an optional scalar head, batched KV-cache
+generation, parameter and FLOP counts, optimizer groups, our checkpoints and `export_hf`.
+
+`--init hf:<name-or-path>` builds one (common.load_init); a checkpoint whose model_config holds `hf_config` rebuilds one
+from that config alone (no hub access). transformers is imported inside the functions, like in model.py.
+"""
+
+import inspect
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from model import GPT, logprobs_from_logits
+
+
+@dataclass
+class HFConfig:
+    """What the stages read from `model.config`, plus what rebuilds the wrapped model (saved as model_config)."""
+
+    block_size: int  # max_position_embeddings (or n_positions)
+    vocab_size: int  # rows of the input embedding = width of the logits
+    n_layer: int
+    n_head: int
+    n_embd: int
+    lm_head: bool = True  # logits are computed (policy, reference, reward model)
+    score_head: bool = False  # scalar head nn.Linear(n_embd, 1) on the last hidden state (critic, reward model)
+    hf_name_or_path: str = ""  # where the weights first came from (for the record)
+    hf_config: dict = field(default_factory=dict)  # the HF config's to_dict(): rebuilds the architecture offline
+
+
+def _no_dropout(hf_config) -> None:
+    """Dropout is off in every RLHF stage (DESIGN §2): zero every dropout probability the HF config holds."""
+    for k, v in hf_config.to_dict().items():
+        if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
+            setattr(hf_config, k, 0.0)
+
+
+class HFCausalLM(nn.Module):
+    def __init__(self, hf_model: nn.Module, lm_head: bool = True, score_head: bool = False, name_or_path: str = ""):
+        super().__init__()
+        assert lm_head or score_head, "a model needs an lm_head or a score_head (or both)"
+        self.hf = hf_model
+        c = hf_model.config
+        C = c.hidden_size
+        self.config = HFConfig(
+            block_size=getattr(c, "max_position_embeddings", None) or c.n_positions,
+            vocab_size=hf_model.get_input_embeddings().num_embeddings,
+            n_layer=c.num_hidden_layers,
+            n_head=c.num_attention_heads,
+            n_embd=C,
+            lm_head=lm_head,
+            score_head=score_head,
+            hf_name_or_path=name_or_path,
+            hf_config=c.to_dict(),
+        )
+        self.head_dim = getattr(c, "head_dim", None) or C // c.num_attention_heads
+        for m in self.hf.modules():  # belt and braces: modules that kept a dropout probability of their own
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+        out = self.hf.get_output_embeddings()
+        if not lm_head and out is not None and out.weight is not self.hf.get_input_embeddings().weight:
+            out.weight.requires_grad_(False)  # an untied lm head a critic never uses: no grads, no DDP complaints
+        # the scalar head starts small and unbiased (InstructGPT / summarize_from_feedback), as in model.GPT
+        self.score_head = nn.Linear(C, 1) if score_head else None
+        if self.score_head is not None:
+            nn.init.normal_(self.score_head.weight, mean=0.0, std=1 / math.sqrt(C + 1))
+            nn.init.zeros_(self.score_head.bias)
+            self.score_head.to(self.hf.dtype)
+        params = inspect.signature(self.hf.forward).parameters  # transformers >= 5.24 renamed past_key_values
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keep_kw = "logits_to_keep" in params
+
+    # --- construction
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, lm_head: bool = True, score_head: bool = False) -> "HFCausalLM":
+        """Weights from the hub or a local folder, in fp32 (bf16 comes from autocast), dropout off."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        hf_config = AutoConfig.from_pretrained(name_or_path)
+        _no_dropout(hf_config)
+        hf = AutoModelForCausalLM.from_pretrained(name_or_path, config=hf_config, dtype=torch.float32)
+        return cls(hf, lm_head=lm_head, score_head=score_head, name_or_path=name_or_path)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        ckpt: str | os.PathLike | dict,
+        key: str = "model",
+        lm_head: bool | None = None,
+        score_head: bool | None = None,
+        map_location: str | torch.device = "cpu",
+    ) -> "HFCausalLM":
+        """Rebuild from one of our checkpoints: architecture from model_config["hf_config"] (AutoModelForCausalLM
+        .from_config, nothing downloaded), weights from ckpt[key]. Heads default to what was saved; a score head asked
+        for but absent from the checkpoint starts fresh (an RM from an SFT model), one not asked for is dropped."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if not isinstance(ckpt, dict):
+            ckpt = torch.load(ckpt, map_location=map_location, weights_only=False)  # our own files hold RNG states
+        mc = ckpt["model_config"]
+        sd = {}
+        for k, v in ckpt[key].items():
+            for prefix in ("_orig_mod.", "module.", "_orig_mod."):  # torch.compile and DDP, either wrapping order
+                k = k.removeprefix(prefix)
+            sd[k] = v
+        lm_head = mc["lm_head"] if lm_head is None else lm_head
+        score_head = "score_head.weight" in sd if score_head is None else score_head
+        hf_config = AutoConfig.for_model(**mc["hf_config"])
+        _no_dropout(hf_config)
+        model = cls(AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32), lm_head, score_head,
+                    mc.get("hf_name_or_path", ""))
+        own = model.state_dict()
+        fresh = {k: own[k] for k in own if k.startswith("score_head.") and k not in sd}
+        model.load_state_dict({k: v for k, v in sd.items() if k in own} | fresh)
+        return model.to(map_location)
+
+    def export_hf(self, out_dir: str) -> None:
+        """save_pretrained of the wrapped causal LM (config + safetensors). The scalar head is not part of it."""
+        self.hf.save_pretrained(out_dir)
+
+    # --- what the stages call
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count, tied weights once. non_embedding drops the embedding tables (token and, if any, position)
+        except the one that doubles as the lm head in use, and an untied lm head a model without lm_head never uses."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            out = self.hf.get_output_embeddings()
+            in_use = out.weight if (self.config.lm_head and out is not None) else None
+            tables = [m.weight for m in self.hf.modules() if isinstance(m, nn.Embedding) and m.weight is not in_use]
+            n -= sum(w.numel() for w in tables)
+            if out is not None and in_use is None and out.weight is not self.hf.get_input_embeddings().weight:
+                n -= out.weight.numel()
+        return n
+
+    def flops_per_token(self, T: int) -> int:
+        """Training FLOPs per token at context T, the PaLM estimate (appendix B): 6N + 12·L·H·Q·T, as model.GPT."""
+        cfg = self.config
+        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * self.head_dim * T
+
+    def configure_optimizers(
+        self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
+    ) -> torch.optim.AdamW:
+        """AdamW; weight decay on every 2D+ parameter, none on biases and norms (model.GPT's groups)."""
+        return GPT.configure_optimizers(self, weight_decay, learning_rate, betas, device_type)
+
+    def _inputs(self, idx: Tensor, real: Tensor) -> dict:
+        """Padded ids and the mask -> HF kwargs: pad ids replaced by 0 before the embedding, position ids explicit
+        from the mask (the HF default would count the left padding)."""
+        idx = idx.masked_fill(~real | (idx < 0) | (idx >= self.config.vocab_size), 0)
+        pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+        return dict(input_ids=idx, attention_mask=real.long(), position_ids=pos)
+
+    def forward(
+        self, idx: Tensor, attention_mask: Tensor | None = None, logits: bool = True
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """idx (B, T) long, attention_mask (B, T) 1 = real token (any dtype) or None (no padding)
+        -> (logits (B, T, V) or None, scores (B, T) or None). Padding never changes a real token's outputs:
+        pad keys are masked out of attention (transformers builds the 4D mask from the 2D one)."""
+        T = idx.size(1)
+        assert T <= self.config.block_size, f"sequence of length {T} > block_size {self.config.block_size}"
+        real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        inputs = self._inputs(idx, real)
+        if attention_mask is None:
+            inputs = dict(input_ids=inputs["input_ids"])  # plain causal fast path, positions 0..T-1
+        want_logits = logits and self.config.lm_head
+        if want_logits:  # the full causal LM: its own lm head, logit scaling or soft-capping included
+            out = self.hf(**inputs, use_cache=False, output_hidden_states=self.score_head is not None)
+            out_logits, h = out.logits, (out.hidden_states[-1] if self.score_head is not None else None)
+        else:  # the trunk alone: no (B, T, V) logits for a critic or a score-only pass
+            out_logits, h = None, self.hf.base_model(**inputs, use_cache=False).last_hidden_state  # (B, T, C)
+        scores = self.score_head(h).squeeze(-1) if self.score_head is not None else None
+        return out_logits, scores
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        attention_mask: Tensor | None,
+        max_new_tokens: int,
+        eos_id: int,
+        pad_id: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_new_tokens: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """model.GPT.generate's contract exactly (see its docstring): left-padded prompts, one prefill, then one token
+        a step through the HF model's own KV cache (a DynamicCache). Returns (response (B, Tn), response_mask (B, Tn),
+        logprobs (B, Tn)) with log-probs under the full tempered distribution."""
+        from transformers import DynamicCache
+
+        assert self.config.lm_head, "generate needs a model with an lm head"
+        B, P = idx.size()
+        assert P + max_new_tokens <= self.config.block_size, (
+            f"prompt length {P} + max_new_tokens {max_new_tokens} > block_size {self.config.block_size}: "
+            "shorten the prompts or lower max_new_tokens"
+        )
+        if max_new_tokens <= 0:
+            return idx.new_empty(B, 0), torch.zeros(B, 0, device=idx.device), torch.zeros(B, 0, device=idx.device)
+        real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        n_real = real.long().sum(-1)  # (B,) real prompt tokens
+        key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1).long()  # (B, P + max_new_tokens)
+        try:
+            cache = DynamicCache(config=self.hf.config)  # sliding-window and hybrid layers laid out per the config
+        except TypeError:  # older transformers
+            cache = DynamicCache()
+        kw = {self._cache_kw: cache, "use_cache": True} | ({"logits_to_keep": 1} if self._keep_kw else {})
+        # prefill: the whole prompt once, logits of its last position only
+        logits = self.hf(**self._inputs(idx, real), **kw).logits[:, -1]  # (B, V)
+        finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        tokens, masks, logprobs = [], [], []
+        for step in range(max_new_tokens):
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            logits = logits / temperature if temperature > 0 else logits
+            if step < min_new_tokens:
+                logits[:, eos_id] = -float("inf")
+            if temperature > 0:
+                probs = F.softmax(GPT._filter(logits, top_k, top_p), dim=-1)
+                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+            else:
+                tok = logits.argmax(dim=-1)  # (B,)
+            lp = logprobs_from_logits(logits[:, None], tok[:, None]).squeeze(1)  # (B,) already tempered
+            tokens.append(tok.masked_fill(finished, pad_id))
+            masks.append((~finished).to(lp.dtype))
+            logprobs.append(lp.masked_fill(finished, 0.0))
+            finished = finished | (tok == eos_id)
+            if step == max_new_tokens - 1 or ((step + 1) % 8 == 0 and finished.all()):
+                break  # host sync only every 8 steps
+            # decode: the new token sits at position n_real + step; it sees the real prompt keys and all new keys
+            Tk = P + step + 1
+            pos = (n_real + step)[:, None]  # (B, 1)
+            out = self.hf(input_ids=tok[:, None], attention_mask=key_real[:, :Tk], position_ids=pos, **kw)
+            logits = out.logits[:, -1]  # (B, V)
+        return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(logprobs, 1)

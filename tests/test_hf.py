@@ -1,0 +1,272 @@
+"""hf.py (any Hugging Face causal LM behind GPT's interface) and GPT's reward-model export, against transformers itself.
+Tiny random Llama and GPT-2 folders written by the tests (weights widened to std 0.3 so greedy paths are varied and
+peaked), a word-level tokenizer beside them, no network. Greedy comparisons stop at the first step whose top-two logit
+gap is ≤ 1e-4 (DESIGN §9): Llama's RMSNorm and rotary tables run in fp32 even in a float64 model."""
+
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import common
+from hf import HFCausalLM
+from model import GPT, GPTConfig, logprobs_from_logits
+
+V = 97  # embedding rows of every tiny model; the tokenizer has 83 tokens (ids 0..82)
+EOS, PAD = 1, 2  # the tokenizer's; PAD lies inside the vocab, the tests also pad with ids outside it
+
+
+def write_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<eos>", "<pad>"] + [f"w{i}" for i in range(80)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    hf_tok.save_pretrained(path)
+
+
+def write_model(path: str, config) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3) if p.dim() >= 2 else p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(path)
+    write_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> str:
+    from transformers import LlamaConfig
+
+    path = str(tmp_path_factory.mktemp("hf_llama"))
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=64, bos_token_id=None,
+                      eos_token_id=EOS, pad_token_id=PAD)
+    write_model(path, cfg)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory) -> str:
+    from transformers import GPT2Config
+
+    path = str(tmp_path_factory.mktemp("hf_gpt2"))
+    write_model(path, GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=V, n_positions=64, bos_token_id=EOS,
+                                 eos_token_id=EOS, pad_token_id=PAD))
+    return path
+
+
+@pytest.fixture(params=["llama", "gpt2"])
+def hf_dir(request, llama_dir, gpt2_dir) -> str:
+    return {"llama": llama_dir, "gpt2": gpt2_dir}[request.param]
+
+
+def raw_hf(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(s) for s in seqs)
+    idx = torch.tensor([[pad_id] * (T - len(s)) + s for s in seqs])
+    mask = torch.tensor([[0] * (T - len(s)) + [1] * len(s) for s in seqs])
+    return idx, mask
+
+
+def prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 83, (n,), generator=g).tolist() for n in lengths]
+
+
+# -----------------------------------------------------------------------------
+# --init hf:, forward, padding
+
+
+def test_load_init_routes(llama_dir, gpt2_dir):
+    model, tok, ckpt = common.load_init(f"hf:{llama_dir}")
+    assert isinstance(model, HFCausalLM) and ckpt is None and model.score_head is None
+    assert (tok.eos_id, tok.pad_id, tok.vocab_size) == (EOS, PAD, 83)
+    c = model.config
+    assert (c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd) == (64, V, 2, 4, 32)
+    assert c.hf_config["model_type"] == "llama" and c.hf_name_or_path == llama_dir
+    # a plain folder: Llama goes to the adapter, GPT-2 to the native GPT; hf: forces the adapter
+    assert isinstance(common.load_init(llama_dir, score_head=True, lm_head=False)[0], HFCausalLM)
+    assert type(common.load_init(gpt2_dir)[0]) is GPT
+    gpt2 = common.load_init(f"hf:{gpt2_dir}")[0]
+    assert isinstance(gpt2, HFCausalLM) and gpt2.config.block_size == 64
+    # counts as GPT's: the untied Llama lm head is a matmul (kept), the tied GPT-2 one is wte (kept), wpe dropped
+    emb = V * 32
+    assert model.num_params() == model.num_params(non_embedding=False) - emb
+    assert gpt2.num_params() == gpt2.num_params(non_embedding=False) - 64 * 32
+    assert model.flops_per_token(16) == 6 * model.num_params() + 12 * 2 * 4 * 8 * 16
+    with pytest.raises(common.UserError, match="could not load"):
+        common.load_init(f"hf:{llama_dir}/missing")
+
+
+def test_forward_matches_transformers_and_padding_invariance(hf_dir):
+    model = common.load_init(f"hf:{hf_dir}", score_head=True)[0].eval()
+    raw = raw_hf(hf_dir)
+    seqs = prompts([7, 12, 3])
+    for pad in (PAD, V + 5):  # a pad id inside the vocab, and one outside it (replaced before the embedding)
+        idx, mask = left_pad(seqs, pad)
+        with torch.no_grad():
+            logits, scores = model(idx, mask)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            ref = raw(input_ids=idx.clamp(max=V - 1), attention_mask=mask, position_ids=pos).logits
+            real = mask.bool()
+            assert (logits[real] - ref[real]).abs().max() <= 1e-4
+            for i, s in enumerate(seqs):  # each row alone, unpadded: same logits and scores
+                alone_logits, alone_scores = model(torch.tensor([s]))
+                assert (logits[i, real[i]] - alone_logits[0]).abs().max() <= 1e-5
+                assert (scores[i, real[i]] - alone_scores[0]).abs().max() <= 1e-5
+                assert (alone_logits[0] - raw(torch.tensor([s])).logits[0]).abs().max() <= 1e-4
+            # the score-only pass (the trunk alone) reads the same hidden state
+            none, scores_only = model(idx, mask, logits=False)
+            assert none is None and (scores_only[real] - scores[real]).abs().max() <= 1e-5
+    # a critic: no logits; its untied lm head (Llama) is frozen so DDP sees no unused parameter
+    critic = common.load_init(f"hf:{hf_dir}", score_head=True, lm_head=False)[0]
+    assert critic(idx, mask)[0] is None
+    assert all(p.requires_grad for p in critic.hf.get_input_embeddings().parameters())
+    assert critic.score_head.bias.item() == 0.0
+
+
+# -----------------------------------------------------------------------------
+# generation
+
+
+def greedy_agrees(ours: list[int], ref: list[int], gaps: list[float], eos_id: int) -> int:
+    """Compare two greedy continuations token for token up to the reference's EOS, stopping at the first step whose
+    top-two logit gap is ≤ 1e-4 (a near-tie either side may take). Returns the number of tokens compared."""
+    n = 0
+    for t, r in enumerate(ref):
+        if gaps[t] <= 1e-4:
+            break
+        assert t < len(ours) and ours[t] == r, f"step {t}: {ours} != {ref}"
+        n += 1
+        if r == eos_id:
+            assert len(ours) == t + 1, "ours did not stop at EOS"
+            break
+    return n
+
+
+def test_greedy_generation_matches_transformers(hf_dir):
+    model = common.load_init(f"hf:{hf_dir}")[0].double().eval()
+    raw = raw_hf(hf_dir).double()
+    seqs = prompts([5, 9, 2, 7], seed=3)
+    idx, mask = left_pad(seqs, PAD)
+    # an EOS the greedy paths actually produce: the token row 0 emits at step 3 (so rows stop at different steps)
+    probe, _, _ = model.generate(idx, mask, 4, eos_id=-1, pad_id=PAD, temperature=0.0)
+    eos = int(probe[0, 3])
+    new = 20
+    response, response_mask, _ = model.generate(idx, mask, new, eos_id=eos, pad_id=PAD, temperature=0.0)
+    out = raw.generate(input_ids=idx, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=eos,
+                       pad_token_id=PAD, return_dict_in_generate=True, output_logits=True)
+    top2 = torch.stack(out.logits, 1).topk(2, dim=-1).values  # (B, steps, 2)
+    gaps = (top2[..., 0] - top2[..., 1]).tolist()
+    compared = 0
+    for i, s in enumerate(seqs):
+        ours = response[i, : int(response_mask[i].sum())].tolist()
+        ref = out.sequences[i, idx.size(1) :].tolist()
+        compared += greedy_agrees(ours, ref, gaps[i], eos)
+        alone, alone_mask, _ = model.generate(torch.tensor([s]), None, new, eos_id=eos, pad_id=PAD, temperature=0.0)
+        greedy_agrees(alone[0, : int(alone_mask[0].sum())].tolist(), ref, gaps[i], eos)
+        assert (response[i, int(response_mask[i].sum()) :] == PAD).all()
+    assert compared >= 20, f"only {compared} tokens compared: the test lost its power"
+    assert response_mask[0].sum() <= 4  # row 0 stopped at its EOS
+
+
+def test_sampled_logprobs_equal_a_full_forward(llama_dir):
+    model = common.load_init(f"hf:{llama_dir}")[0].double().eval()
+    idx, mask = left_pad(prompts([6, 3, 10]), V + 5)
+    temperature, P = 0.7, idx.size(1)
+    g = torch.Generator().manual_seed(0)
+    response, response_mask, logprobs = model.generate(idx, mask, 12, eos_id=EOS, pad_id=V + 5, temperature=temperature,
+                                                       top_k=20, min_new_tokens=2, generator=g)
+    again = model.generate(idx, mask, 12, eos_id=EOS, pad_id=V + 5, temperature=temperature, top_k=20,
+                           min_new_tokens=2, generator=torch.Generator().manual_seed(0))[0]
+    assert torch.equal(response, again)  # the explicit generator decides everything
+    with torch.no_grad():
+        logits, _ = model(torch.cat([idx, response], 1), torch.cat([mask, response_mask.long()], 1))
+    logits = logits[:, P - 1 : -1].clone()  # the positions that predict each response token
+    logits[:, :2, EOS] = -float("inf")  # EOS suppressed for min_new_tokens: the distribution actually sampled from
+    ref = logprobs_from_logits(logits, response, temperature) * response_mask
+    assert (ref - logprobs).abs().max() <= 1e-5
+    assert (logprobs[response_mask == 0] == 0).all()
+
+
+# -----------------------------------------------------------------------------
+# checkpoints and export
+
+
+def test_checkpoint_round_trip(llama_dir, tmp_path, monkeypatch):
+    import transformers
+
+    model, tok, _ = common.load_init(f"hf:{llama_dir}", score_head=True)
+    with torch.no_grad():
+        model.score_head.bias.fill_(0.3)
+        model.hf.get_input_embeddings().weight.add_(0.01)  # weights that are no longer the folder's
+    path = str(tmp_path / "ckpt.pt")
+    common.save_checkpoint(dict(kind="rm", model=model.state_dict(), model_config=asdict(model.config),
+                                tokenizer=tok.state()), path)
+    # rebuilt from model_config alone: the hub and the folder's weights are never read
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)
+    again, tok2, ckpt = common.load_init(path, score_head=True, kind="rm")
+    assert isinstance(again, HFCausalLM) and ckpt["kind"] == "rm" and tok2.state() == tok.state()
+    idx, mask = left_pad(prompts([4, 8]), PAD)
+    with torch.no_grad():
+        (a_logits, a_scores), (b_logits, b_scores) = model.eval()(idx, mask), again.eval()(idx, mask)
+    assert torch.equal(a_logits, b_logits) and torch.equal(a_scores, b_scores)
+    # a critic from it keeps the score head, a load without one drops it, an SFT-style checkpoint gains a fresh one
+    critic = common.load_init(path, score_head=True, lm_head=False)[0]
+    assert critic.score_head.bias.item() == pytest.approx(0.3) and not critic.config.lm_head
+    sft_like = {**ckpt, "model": {k: v for k, v in ckpt["model"].items() if not k.startswith("score_head.")}}
+    rm = HFCausalLM.from_checkpoint(sft_like, score_head=True)
+    assert rm.score_head.bias.item() == 0.0
+    assert HFCausalLM.from_checkpoint(ckpt, score_head=False).score_head is None
+
+
+def test_hf_export_round_trip(llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = common.load_init(f"hf:{llama_dir}")[0].eval()
+    model.export_hf(str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    idx = torch.randint(3, 83, (2, 9))
+    with torch.no_grad():
+        assert (model(idx)[0] - hf(idx).logits).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_reward_model_export(tmp_path, bias):
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    rm = GPT(GPTConfig(block_size=64, vocab_size=V, n_layer=2, n_head=2, n_embd=32, bias=bias, score_head=True)).eval()
+    with torch.no_grad():
+        for p in rm.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        rm.score_head.bias.fill_(0.7)  # a calibrated RM: the bias must survive the bias-free `score` layer
+    eos = V - 1
+    rm.export_hf(str(tmp_path), eos_id=eos, pad_id=0)
+    hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path)).eval()
+    assert hf.config.pad_token_id == 0 and hf.config.num_labels == 1
+    # right-padded responses ending with EOS, padded with id 0 (inside the vocab); transformers reads the last non-pad
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 11, 8]
+    idx = torch.zeros(3, 11, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        idx[i, : n - 1] = torch.randint(1, V - 1, (n - 1,), generator=g)
+        idx[i, n - 1] = eos
+    mask = (torch.arange(11)[None] < torch.tensor(lengths)[:, None]).long()
+    with torch.no_grad():
+        _, scores = rm(idx, mask)
+        ours = scores[torch.arange(3), torch.tensor(lengths) - 1]  # the score at the EOS token
+        theirs = hf(input_ids=idx).logits.squeeze(-1)
+    assert (ours - theirs).abs().max() <= 1e-4
+    assert ours.abs().min() > 1e-2  # not trivially zero
