@@ -237,9 +237,11 @@ class Logger:
             return
         for tag, v in metrics.items():
             self.writer.add_scalar(tag, float(v), step)
-        if console:
+        if console:  # keys are the tags' last parts, the whole tag where a last part repeats (policy/loss, value/loss)
             head = f"step {step:05d}" + (f"/{max_steps:05d}" if max_steps else "")
-            print(" | ".join([head] + [f"{t.split('/')[-1]} {_fmt(v)}" for t, v in metrics.items()]), flush=True)
+            last = [t.split("/")[-1] for t in metrics]
+            keys = [k if last.count(k) == 1 else t for k, t in zip(last, metrics)]
+            print(" | ".join([head] + [f"{k} {_fmt(v)}" for k, v in zip(keys, metrics.values())]), flush=True)
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:
