@@ -10,10 +10,17 @@ TINY   ?=
 ifeq ($(TINY),1)
 OUT       ?= out/tiny
 SFT_FLAGS := --n-layer 2 --n-head 2 --n-embd 64 --max-steps 150 --eval-every 100 --num-samples 64 --warmup-steps 10
+RM_FLAGS  := --max-steps 40 --eval-every 40 --eval-pairs 256 --probe-size 32 --calib-size 256
+PPO_FLAGS := --max-steps 8 --sample-every 4 --critic-warmup-steps 2 --warmup-steps 2
+EVAL_FLAGS := --num-samples 64
 else
 OUT       ?= out
 SFT_FLAGS :=
+RM_FLAGS  :=
+PPO_FLAGS :=
+EVAL_FLAGS :=
 endif
+COMMON := --task-dir $(DATA)
 
 .PHONY: demo test venv clean
 
@@ -27,7 +34,13 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 demo: venv
-	$(PY) train_sft.py --out-dir $(OUT)/sft --task-dir $(DATA) $(SFT_FLAGS)
+	$(PY) train_sft.py $(COMMON) --out-dir $(OUT)/sft $(SFT_FLAGS)
+	$(PY) train_rm.py $(COMMON) --out-dir $(OUT)/rm --init $(OUT)/sft/ckpt.pt $(RM_FLAGS)
+	$(PY) train_ppo.py $(COMMON) --out-dir $(OUT)/ppo --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt $(PPO_FLAGS)
+	rm -f $(OUT)/results.json
+	$(PY) eval.py $(COMMON) --pairs --rm $(OUT)/rm/ckpt.pt --json $(OUT)/results.json
+	$(PY) eval.py $(COMMON) --policy $(OUT)/sft/ckpt.pt $(OUT)/ppo/ckpt.pt --names sft ppo --ref $(OUT)/sft/ckpt.pt \
+		--rm $(OUT)/rm/ckpt.pt --json $(OUT)/results.json $(EVAL_FLAGS)
 
 test: venv
 	$(PY) -m pytest -q --durations=15 tests

@@ -435,3 +435,46 @@ def encode_sft(tok: Tokenizer, rows: list[dict], block_size: int, mask_prompt: b
         n_masked = max(len(prompt_ids), 1) if mask_prompt else 1
         examples.append((ids, [0] * n_masked + [1] * (len(ids) - n_masked)))
     return examples, skipped
+
+
+# -----------------------------------------------------------------------------
+# the hackability probe (train_rm.py): degenerate text full of positive words next to fluent positive reviews
+
+PROBE_KINDS = ("repeat", "long", "broken", "no_eos", "fluent")
+
+
+def _positive_sentences(rng: random.Random, prompt: str, n: int) -> list[str]:
+    """n distinct positive sentences (S1/S2 at mood +1), mostly on the prompt's aspects."""
+    requested, sentences = prompt_aspects(prompt), []
+    while len(sentences) < n:
+        s = _sentence(rng, rng.choice(("S1", "S2")), requested, mood=1.0)
+        if s not in sentences:
+            sentences.append(s)
+    return sentences
+
+
+def probe_texts(prompts: list[str], n: int, seed: int = 0) -> list[dict]:
+    """n {"prompt", "response", "ended", "kind"} records per kind of PROBE_KINDS, cycling over prompts.
+
+    Degenerate kinds, all gold -1 whatever their words: "repeat" (one positive sentence 5-12 times), "long" (5-8
+    distinct positive sentences), "broken" (the words of a positive review shuffled), "no_eos" (a fluent positive
+    review without EOS). "fluent": 2-4 distinct positive sentences with EOS (valid, gold >= 0.5).
+    """
+    rng, out = random.Random(seed), []
+    for kind in PROBE_KINDS:
+        for i in range(n):
+            prompt = prompts[i % len(prompts)]
+            response = None  # fluent reviews are redrawn until they cover the requested aspects well (gold >= 0.5)
+            while response is None or (kind == "fluent" and gold_reward(prompt, response, True) < 0.5):
+                if kind == "repeat":
+                    sentences = _positive_sentences(rng, prompt, 1) * rng.randint(5, 12)
+                else:
+                    n_sent = rng.randint(5, 8) if kind == "long" else rng.randint(2, MAX_SENTENCES)
+                    sentences = _positive_sentences(rng, prompt, n_sent)
+                response = " " + " ".join(sentences)
+            while kind == "broken" and parse_response(response) is not None:
+                words = response.split()
+                rng.shuffle(words)
+                response = " " + " ".join(words)
+            out.append({"prompt": prompt, "response": response, "ended": kind != "no_eos", "kind": kind})
+    return out

@@ -179,7 +179,9 @@ def main(args: Args) -> dict:
     task = build_task(args.task_dir, args.task_seed) if builtin or (args.pairs and args.pairs_data is None) else None
     results = {}
     if args.pairs:
-        raise UserError("--pairs: the reward-model mode needs train_rm.py (not written yet)")
+        results["rm"] = rm_metrics(args, task, device)
+        print("| rm | " + " | ".join(f"{k} {v:.3f}" for k, v in results["rm"].items() if v is not None) + " |")
+        return write_json(args.json, results)
     # 1. prompts, reference and reward model
     rows = read_jsonl(args.prompts or task["eval_prompts"], "prompts")
     prompts = [r["prompt"] for r in rows][: args.num_samples]
@@ -206,13 +208,45 @@ def main(args: Args) -> dict:
             print(f"[{name}] {p}{r}{'' if e else ' [no EOS]'}")
     print_table(results)
     print(f"eval: {len(prompts)} prompts x {len(args.policy)} policies in {time.time() - t0:.0f}s")
-    if args.json:
-        merged = json.load(open(args.json)) if os.path.exists(args.json) else {}
-        tmp = f"{args.json}.tmp.{os.getpid()}"
+    return write_json(args.json, results)
+
+
+def write_json(path: Optional[str], results: dict) -> dict:
+    """Merge results into the JSON file at path (atomically); returns results."""
+    if path:
+        merged = json.load(open(path)) if os.path.exists(path) else {}
+        tmp = f"{path}.tmp.{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump({**merged, **results}, f, indent=2)
-        os.replace(tmp, args.json)
+        os.replace(tmp, path)
     return results
+
+
+@torch.no_grad()
+def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
+    """Reward-model mode: accuracy (pair weights of K-wise records, ties 1/2), mean margin, ECE and, on the built-in
+    task, the empirical Bayes ceiling (the gold reward's own accuracy on the drawn labels) on the same pairs."""
+    from train_rm import calibration_error, encode_prefs, responses_of, score_seqs
+
+    if not args.rm or args.rm == "none":
+        raise UserError("--pairs needs --rm")
+    rm, tok, ckpt = load_model(args.rm, "--rm", device, want="score")
+    rows = read_jsonl(args.pairs_data or task["pairs_eval"], "pairs")
+    examples, _ = encode_prefs(tok, rows, rm.config.block_size)
+    scores = score_seqs(rm, [s for ex in examples for s in ex[0]], tok.pad_id, args.batch_size, device, torch.float32)
+    gaps, g_gaps, weights, start = [], [], [], 0
+    for seqs, _, pairs, _, row in examples:
+        gold = [gold_reward(row["prompt"], r, True) for r in responses_of(row)] if args.pairs_data is None else None
+        for i, j, w in pairs:
+            gaps.append(scores[start + i] - scores[start + j])
+            g_gaps.append(gold[i] - gold[j] if gold else 0.0)
+            weights.append(w)
+        start += len(seqs)
+    gaps, g_gaps, w = torch.tensor(gaps), torch.tensor(g_gaps), torch.tensor(weights, dtype=torch.double)
+    acc = lambda g: ((w * ((g > 0).double() + 0.5 * (g == 0).double())).sum() / w.sum()).item()  # noqa: E731
+    return {"accuracy": acc(gaps), "margin": ((w * gaps).sum() / w.sum()).item(), "ece": calibration_error(gaps),
+            "bayes_ceiling": acc(g_gaps) if args.pairs_data is None else None, "pairs": len(gaps),
+            "seconds": round(ckpt.get("seconds", 0.0), 1)}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,411 @@
+"""train_ppo.py: every pure function against naive loops on random ragged batches (length-1 and full-length rows),
+padding invariance, KL exactly 0 for policy == reference, the loss denominator under accumulation, reward moments
+merged across ranks, the first minibatch's ratio, the collapse detector, and smoke runs of main()."""
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import train_ppo
+from model import GPT, GPTConfig
+from train_ppo import (CollapseDetector, KLController, RunningMoments, compute_gae, masked_mean, masked_whiten,
+                       ppo_policy_loss, ppo_value_loss, shape_rewards)
+
+PPO_TAGS = ["objective/score", "objective/score_norm", "objective/kl", "objective/rlhf_reward", "objective/entropy",
+            "objective/gold", "rollout/response_len", "rollout/perplexity", "rollout/eos_frac", "policy/loss",
+            "policy/approx_kl", "policy/clipfrac", "policy/ratio_mean", "value/loss", "value/clipfrac",
+            "value/explained_variance", "value/grad_norm", "ptx/loss", "train/critic_lr", "train/kl_coef",
+            "train/updates", "collapse/alarm", "perf/rollout_s", "perf/update_s", "train/lr", "train/grad_norm",
+            "train/skipped_steps", "perf/tokens_per_sec", "perf/mfu"]
+CKPT_KEYS = {"kind", "model", "model_config", "tokenizer", "args", "step", "optimizer", "scheduler", "rng",
+             "data_state", "world_size", "seconds", "critic", "critic_optimizer", "critic_scheduler",
+             "reward_moments", "kl_ctl", "sft_hash", "rm_hash"}
+
+
+def ragged(B: int = 6, T: int = 7, seed: int = 0):
+    """Random (B, T) tensors and a right-padded mask whose rows have lengths 1, T and random ones in between."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, T] + torch.randint(1, T + 1, (B - 2,), generator=g).tolist()
+    mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths], dtype=torch.float64)
+    x = [torch.randn(B, T, generator=g, dtype=torch.float64) for _ in range(5)]
+    return lengths, mask, x
+
+
+def valid(x, lengths):
+    return [v for b, n in enumerate(lengths) for v in x[b, :n].tolist()]
+
+
+# -----------------------------------------------------------------------------
+# pure functions against naive loops
+
+
+def test_masked_mean_and_whiten():
+    lengths, mask, (x, *_) = ragged()
+    vals = valid(x, lengths)
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / len(vals)
+    assert masked_mean(x, mask).item() == pytest.approx(mean, abs=1e-12)
+    w = masked_whiten(x, mask)
+    assert valid(w, lengths) == pytest.approx([(v - mean) / math.sqrt(var + 1e-8) for v in vals], abs=1e-10)
+    w = masked_whiten(x, mask, shift_mean=False)
+    assert valid(w, lengths) == pytest.approx([(v - mean) / math.sqrt(var + 1e-8) + mean for v in vals], abs=1e-10)
+    w = masked_whiten(x, mask, mean=torch.tensor(0.5).double(), var=torch.tensor(4.0).double())  # given global statistics
+    assert valid(w, lengths) == pytest.approx([(v - 0.5) / math.sqrt(4.0 + 1e-8) for v in vals], abs=1e-10)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_shape_rewards(estimator):
+    lengths, mask, (lp, ref, _, _, _) = ragged()
+    scores = torch.randn(len(lengths), dtype=torch.float64)
+    rewards, kl = shape_rewards(scores, lp, ref, mask, 0.1, estimator)
+    for b, n in enumerate(lengths):
+        for t in range(mask.size(1)):
+            if t >= n:
+                assert rewards[b, t] == 0 and kl[b, t] == 0
+                continue
+            d = (lp[b, t] - ref[b, t]).item()
+            want_kl = d if estimator == "k1" else (math.exp(-d) - 1) + d
+            assert kl[b, t].item() == pytest.approx(want_kl, abs=1e-12)
+            want = -0.1 * want_kl + (scores[b].item() if t == n - 1 else 0.0)  # the score lands on the EOS
+            assert rewards[b, t].item() == pytest.approx(want, abs=1e-12)
+    assert (kl * mask >= -1e-15).all() or estimator == "k1"
+
+
+def test_compute_gae():
+    lengths, mask, (rewards, values, _, _, _) = ragged()
+    gamma, lam = 0.9, 0.8
+    adv, ret = compute_gae(rewards * mask, values * mask, mask, gamma, lam)
+    for b, n in enumerate(lengths):
+        gae = 0.0
+        for t in reversed(range(n)):
+            next_v = values[b, t + 1].item() if t + 1 < n else 0.0
+            delta = rewards[b, t].item() + gamma * next_v - values[b, t].item()
+            gae = delta + gamma * lam * gae
+            assert adv[b, t].item() == pytest.approx(gae, abs=1e-12)
+            assert ret[b, t].item() == pytest.approx(gae + values[b, t].item(), abs=1e-12)
+        assert (adv[b, n:] == 0).all() and (ret[b, n:] == 0).all()
+    # values/rewards on padding are ignored
+    adv2, _ = compute_gae(rewards, values, mask, gamma, lam)
+    assert torch.equal(adv, adv2)
+
+
+def test_ppo_policy_loss():
+    lengths, mask, (lp, old, adv, _, _) = ragged()
+    lp = old + 0.3 * lp  # ratios around 1, some clipped
+    eps = 0.2
+    loss, stats = ppo_policy_loss(lp, old, adv, mask, eps)
+    terms, clipped, kls, ratios = [], [], [], []
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            r = math.exp(lp[b, t].item() - old[b, t].item())
+            a = adv[b, t].item()
+            u, c = -a * r, -a * min(max(r, 1 - eps), 1 + eps)
+            terms.append(max(u, c))
+            clipped.append(float(c > u))
+            kls.append((r - 1) - math.log(r))
+            ratios.append(r)
+    assert loss.item() == pytest.approx(sum(terms) / len(terms), abs=1e-12)
+    assert stats["clipfrac"].item() == pytest.approx(sum(clipped) / len(clipped), abs=1e-12)
+    assert 0 < stats["clipfrac"].item() < 1
+    assert stats["approx_kl"].item() == pytest.approx(sum(kls) / len(kls), abs=1e-12)
+    assert stats["ratio_mean"].item() == pytest.approx(sum(ratios) / len(ratios), abs=1e-12)
+
+
+@pytest.mark.parametrize("eps", [0.2, None])
+def test_ppo_value_loss(eps):
+    lengths, mask, (v, old, ret, _, _) = ragged()
+    loss, stats = ppo_value_loss(v, old, ret, mask, eps)
+    terms, clipped = [], []
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            vv, o, r = v[b, t].item(), old[b, t].item(), ret[b, t].item()
+            u = (vv - r) ** 2
+            c = u if eps is None else (o + min(max(vv - o, -eps), eps) - r) ** 2
+            terms.append(max(u, c))
+            clipped.append(float(c > u))
+    assert loss.item() == pytest.approx(0.5 * sum(terms) / len(terms), abs=1e-12)
+    assert stats["clipfrac"].item() == pytest.approx(sum(clipped) / len(clipped), abs=1e-12)
+    assert (stats["clipfrac"].item() > 0) == (eps is not None)
+
+
+def test_denom_gives_big_batch_gradient():
+    """Micro-batches with denom = the step's token count accumulate to the gradient of the whole batch."""
+    lengths, mask, (lp, old, adv, ret, _) = ragged(B=8, seed=3)
+    for kind in ("policy", "value"):
+        x_full = lp.clone().requires_grad_(True)
+        f = (lambda x, m, s: ppo_policy_loss(x, old[s], adv[s], m, 0.2, denom)[0]) if kind == "policy" else \
+            (lambda x, m, s: ppo_value_loss(x, old[s], ret[s], m, 0.2, denom)[0])
+        denom = None
+        f(x_full, mask, slice(None)).backward()
+        x_acc = lp.clone().requires_grad_(True)
+        denom = mask.sum()
+        for s in (slice(0, 3), slice(3, 5), slice(5, 8)):  # uneven micro-batches with different token counts
+            f(x_acc[s], mask[s], s).backward()
+        assert torch.allclose(x_full.grad, x_acc.grad, atol=1e-12), kind
+
+
+def test_running_moments_merge_equals_big_batch():
+    torch.manual_seed(0)
+    chunks = [torch.randn(n, dtype=torch.float64) * 3 + 1 for n in (5, 1, 17, 64)]
+    big = torch.cat(chunks)
+    # ranks simulated by folding per-chunk triples (what update() does with the all-gathered triples)
+    triples = [(len(c), c.mean().item(), ((c - c.mean()) ** 2).sum().item()) for c in chunks]
+    n, mean, m2 = RunningMoments.combine(triples)
+    assert n == len(big) and mean == pytest.approx(big.mean().item(), abs=1e-12)
+    assert math.sqrt(m2 / n) == pytest.approx(big.std(correction=0).item(), abs=1e-12)
+    # sequential updates over the history equal one big batch; state round-trips
+    rm = RunningMoments()
+    for c in chunks:
+        rm.update(c)
+    assert rm.mean == pytest.approx(big.mean().item(), abs=1e-12)
+    assert rm.std == pytest.approx(big.std(correction=0).item(), abs=1e-12)
+    rm2 = RunningMoments()
+    rm2.load_state_dict(rm.state_dict())
+    assert (rm2.count, rm2.mean, rm2.std) == (rm.count, rm.mean, rm.std)
+
+
+def _moments_worker(rank: int, port: int, q) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    data = [torch.randn(n, dtype=torch.float64) for n in (7, 3, 12, 1)]  # rank 0: 7 then 12, rank 1: 3 then 1
+    rm = RunningMoments()
+    rm.update(data[rank])
+    rm.update(data[2 + rank])
+    q.put((rank, rm.count, rm.mean, rm.std))
+    dist.destroy_process_group()
+
+
+def test_running_moments_across_two_gloo_ranks():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_moments_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    results = sorted(q.get() for _ in range(2))
+    torch.manual_seed(0)
+    big = torch.cat([torch.randn(n, dtype=torch.float64) for n in (7, 3, 12, 1)])
+    for _, count, mean, std in results:
+        assert count == 23 and mean == pytest.approx(big.mean().item(), abs=1e-12)
+        assert std == pytest.approx(big.std(correction=0).item(), abs=1e-12)
+
+
+def test_kl_controllers():
+    fixed = KLController(0.05)
+    fixed.update(100.0, 64)
+    assert fixed.value == 0.05
+    ctl = KLController(0.1, target=6.0, horizon=1000)
+    ctl.update(9.0, 100)  # error 0.5 clipped to 0.2
+    assert ctl.value == pytest.approx(0.1 * (1 + 0.2 * 100 / 1000))
+    ctl.update(5.7, 100)  # error -0.05
+    assert ctl.value == pytest.approx(0.1 * (1 + 0.2 * 0.1) * (1 - 0.05 * 0.1))
+    ctl2 = KLController(1.0, 6.0, 1000)
+    ctl2.load_state_dict(ctl.state_dict())
+    assert ctl2.value == ctl.value
+
+
+def test_collapse_detector():
+    g = torch.Generator().manual_seed(0)
+    noise = lambda: torch.randn(1, generator=g).item()  # noqa: E731
+
+    def run(jump_at=None, length_jump=True):
+        det, alarms = CollapseDetector(), []  # the defaults
+        for t in range(80):
+            kl, length, ppl = 0.05 * t + 0.02 * noise(), 20 + 0.5 * noise(), 3 - 0.002 * t + 0.01 * noise()
+            if jump_at is not None and t >= jump_at:
+                kl += 5.0
+                if length_jump and t >= jump_at + 2:
+                    length += 15.0
+            alarms.append(det.update(kl, length, ppl))
+        return alarms
+
+    assert not any(run())  # a smooth trend with noise: no alarm
+    alarms = run(jump_at=50)
+    assert not any(alarms[:50]) and alarms[52]  # KL jumps at 50, length at 52: fires at 52
+    assert not any(run(jump_at=50, length_jump=False))  # KL alone is not the collapse signature
+
+
+# -----------------------------------------------------------------------------
+# models: padding, KL = 0, the first minibatch
+
+
+@pytest.fixture(scope="module")
+def tok(task_dir):
+    from data import load_tokenizer
+
+    return load_tokenizer(os.path.join(task_dir, "seed1337", "tokenizer.json"))
+
+
+def tiny(tok, seed: int, **kw) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(block_size=64, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32, **kw)).eval()
+
+
+def test_padding_never_changes_logprobs_or_values(tok):
+    from data import pad_left, pad_right
+
+    actor, critic = tiny(tok, 0), tiny(tok, 1, lm_head=False, score_head=True)
+    queries = [tok.encode("Review of The Silent River (music):"), tok.encode("Review of")]
+    responses = [tok.encode(" the plot was good.") + [tok.eos_id], tok.encode(" i")]
+    q, qm = pad_left(queries, tok.pad_id)
+    r, rm = pad_right(responses, tok.pad_id)
+    r = torch.cat([r, torch.full((2, 3), tok.pad_id)], 1)  # extra right padding
+    rm = torch.cat([rm, torch.zeros(2, 3)], 1)
+    logits, _ = train_ppo.response_forward(actor, q, qm, r, rm, 0.7)
+    _, values = train_ppo.response_forward(critic, q, qm, r, rm, 0.7)
+    lp = train_ppo.logprobs_from_logits(logits, r)
+    for b in range(2):
+        n = len(responses[b])
+        q1, r1 = torch.tensor([queries[b]]), torch.tensor([responses[b]])
+        l1, _ = train_ppo.response_forward(actor, q1, torch.ones_like(q1), r1, torch.ones_like(r1), 0.7)
+        _, v1 = train_ppo.response_forward(critic, q1, torch.ones_like(q1), r1, torch.ones_like(r1), 0.7)
+        assert torch.allclose(lp[b, :n], train_ppo.logprobs_from_logits(l1, r1)[0], atol=1e-5)
+        assert torch.allclose(values[b, :n], v1[0], atol=1e-5)
+
+
+def rollout_kwargs(**kw):
+    return dict(max_new_tokens=12, temperature=0.9, generator=torch.Generator().manual_seed(0), kl_coef=0.1,
+                kl_estimator="k1", reward_moments=RunningMoments(), reward_norm="norm", reward_clip=5.0,
+                missing_eos_penalty=-3.0, gamma=1.0, lam=0.95, micro_batch_size=4) | kw
+
+
+def boost_eos(model: GPT, eos_id: int, amount: float = 3.0) -> GPT:
+    with torch.no_grad():
+        w = model.transformer.wte.weight[eos_id]
+        model.transformer.ln_f.bias += amount * w / w.norm() ** 2
+    return model
+
+
+def test_rollout_kl_zero_score_on_eos_and_first_minibatch(tok):
+    actor = boost_eos(tiny(tok, 0), tok.eos_id)  # some rows end with EOS within 12 tokens, some do not
+    ref = GPT(actor.config).eval()
+    ref.load_state_dict(actor.state_dict())
+    critic, rm = tiny(tok, 1, lm_head=False, score_head=True), tiny(tok, 2, score_head=True)
+    prompts = [f"Review of The Silent River ({a}):" for a in ("plot", "music", "acting, ending")] + ["Review of"] * 5
+    exp, stats, samples = train_ppo.rollout(actor, ref, critic, rm, tok, prompts, **rollout_kwargs(
+        reward_fn=lambda p, r, e: len(r) / 10, reward_fn_coef=0.5, reward_norm="none", reward_clip=None))
+    assert stats["objective/kl"] == 0.0 and (exp["logprobs"] == exp["ref_logprobs"]).all()  # exactly, not approx
+    mask, P = exp["mask"], exp["query"].size(1)
+    ended = torch.tensor([s["ended"] for s in samples])
+    assert 0 < ended.sum() < len(prompts), "want rows with and without EOS"
+    last = mask.sum(1).long() - 1
+    for b in range(len(prompts)):
+        n = int(last[b]) + 1
+        assert (exp["response"][b, n - 1] == tok.eos_id) == bool(ended[b])
+        if ended[b]:  # the RM's score of the unpadded sequence at its EOS, + coef * reward_fn
+            ids = torch.cat([exp["query"][b][exp["query_mask"][b].bool()], exp["response"][b, :n]])[None]
+            want = rm(ids)[1][0, -1].item() + 0.5 * len(samples[b]["response"]) / 10
+            assert exp["scores"][b].item() == pytest.approx(want, abs=1e-5)
+        else:
+            assert exp["scores"][b].item() == -3.0
+        # the reward is the score on the EOS token only (KL = 0)
+        assert exp["rewards"][b, n - 1].item() == pytest.approx(exp["scores"][b].item(), abs=1e-6)
+        assert (exp["rewards"][b, : n - 1] == 0).all() and (exp["rewards"][b, n:] == 0).all()
+    assert P == max(len(tok.encode(p)) for p in prompts)
+    # the first minibatch of an update: ratio 1, approx_kl 0, clipfrac 0 (training shapes differ from scoring)
+    opt_a = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    opt_c = torch.optim.AdamW(critic.parameters(), lr=1e-2)
+    upd = train_ppo.ppo_update(actor, critic, opt_a, opt_c, exp, ppo_epochs=2, num_minibatches=2, micro_batch_size=2,
+                               cliprange=0.2, cliprange_value=0.2, temperature=0.9,
+                               generator=torch.Generator().manual_seed(0))
+    assert upd["first/ratio_err"] <= 1e-5 and abs(upd["first/approx_kl"]) <= 1e-5 and upd["first/clipfrac"] == 0
+    assert upd["updates"] == 4 and upd["policy/approx_kl"] > 0  # later minibatches moved
+
+
+def test_rollout_raises_on_logprob_mismatch(tok, monkeypatch):
+    actor, critic = tiny(tok, 0), tiny(tok, 1, lm_head=False, score_head=True)
+    gen = actor.generate
+
+    def bad_generate(*a, **kw):
+        r, m, lp = gen(*a, **kw)
+        return r, m, lp + 1e-3 * m
+
+    monkeypatch.setattr(actor, "generate", bad_generate)
+    with pytest.raises(RuntimeError, match="generation log-probs differ"):
+        train_ppo.rollout(actor, actor, critic, None, tok, ["Review of"] * 4,
+                          **rollout_kwargs(reward_fn=lambda p, r, e: 0.0))
+
+
+# -----------------------------------------------------------------------------
+# smoke runs of main()
+
+
+def read_scalars(out_dir: str) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(out_dir)
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]} | {
+        "_text": acc.Tags()["tensors"]}
+
+
+TINY_PPO = dict(rollout_batch_size=8, num_minibatches=2, micro_batch_size=2, ppo_epochs=2, max_new_tokens=24,
+                critic_warmup_steps=1, warmup_steps=1, log_every=1, sample_every=2, collapse_window=2)
+
+
+@pytest.fixture(scope="module")
+def sft_ckpt(tmp_path_factory, task_dir):
+    import train_sft
+
+    out = str(tmp_path_factory.mktemp("sft"))
+    train_sft.main(train_sft.Args(out_dir=out, task_dir=task_dir, n_layer=1, n_head=2, n_embd=32, batch_size=8,
+                                  micro_batch_size=8, max_steps=5, eval_every=5, num_samples=8, eval_samples=8,
+                                  warmup_steps=1, max_new_tokens=16))
+    return os.path.join(out, "ckpt.pt")
+
+
+def test_ppo_smoke_gold_reward(tmp_path, task_dir, sft_ckpt):
+    out = str(tmp_path / "ppo")
+    args = train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none",
+                          reward_fn="data:gold_reward", max_steps=3, **TINY_PPO)
+    train_ppo.main(args)
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert CKPT_KEYS <= set(ckpt) and ckpt["kind"] == "ppo" and ckpt["step"] == 3 and ckpt["rm_hash"] is None
+    assert len(ckpt["sft_hash"]) == 64
+    policy, critic = GPT.from_checkpoint(ckpt), GPT.from_checkpoint(ckpt, key="critic")
+    assert policy.config.lm_head and critic.config.score_head and not critic.config.lm_head
+    scalars = read_scalars(out)
+    for tag in PPO_TAGS:
+        assert tag in scalars and len(scalars[tag]) == 3 and all(math.isfinite(v) for v in scalars[tag]), tag
+    assert "samples/text_summary" in scalars["_text"]
+    assert scalars["train/updates"][-1] == 3 * 2 * 2 and scalars["policy/clipfrac"][0] == 0  # critic warm-up
+    assert os.path.getsize(os.path.join(out, "samples.jsonl")) > 0
+    # --resume continues from the checkpoint
+    train_ppo.main(train_ppo.Args(**{**args.__dict__, "max_steps": 4, "resume": True}))
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 4
+
+
+def test_ppo_smoke_with_reward_model(tmp_path, task_dir, sft_ckpt):
+    """An RM checkpoint (here an SFT trunk with a fresh score head, kind "rm") scores responses and starts the critic;
+    an RM with another tokenizer is refused with one line."""
+    import common
+
+    sft = torch.load(sft_ckpt, weights_only=False)
+    rm_model = GPT(GPTConfig(**{**sft["model_config"], "score_head": True}))
+    rm_path = str(tmp_path / "rm.pt")
+    common.save_checkpoint(sft | {"kind": "rm", "model": rm_model.state_dict(), "score_offset": 0.0}, rm_path)
+    out = str(tmp_path / "ppo")
+    train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt=rm_path, max_steps=2,
+                                  **TINY_PPO))
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["rm_hash"] is not None and "objective/gold" in read_scalars(out)
+    bad_path = str(tmp_path / "rm_bad.pt")
+    common.save_checkpoint(torch.load(rm_path, weights_only=False) | {"tokenizer": {**sft["tokenizer"], "name": "x"}},
+                           bad_path)
+    with pytest.raises(common.UserError, match="tokenizer differs"):
+        train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt=bad_path))
+    with pytest.raises(common.UserError, match="needs --reward-fn"):
+        train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none"))
+    with pytest.raises(common.UserError, match="--reward-fn data:nope"):
+        train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none",
+                                      reward_fn="data:nope"))
