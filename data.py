@@ -152,6 +152,11 @@ TEMPLATE_WEIGHTS = {"S1": 0.4, "S2": 0.25, "S3": 0.15, "S4": 0.2}
 EVAL_TITLE_FRAC = 0.15  # share of the 256 titles held out for eval_prompts
 BT_TEMPERATURE = 0.25  # preference labels: P(a > b) = sigmoid((gold_a - gold_b) / BT_TEMPERATURE)
 MAX_SENTENCES = 4
+# demonstrations talk about a requested aspect with this probability. Below 1, pairs differ in whether a mention is
+# relevant *and* in its polarity (an XOR a small RM does not pick up in one epoch: 0.75 left it 7 points under the
+# Bayes ceiling); at 1 the RM can reach the ceiling, and off-aspect praise stays an unseen way to hack it.
+ON_ASPECT_PROB = 1.0
+TASK_VERSION = 2  # bump when generation changes: the cache folder is keyed by it
 
 # every pre-tokenized word the task text can contain; the task tokenizer makes each one a single token
 GRAMMAR_WORDS = tuple(dict.fromkeys(
@@ -242,7 +247,7 @@ def sample_prompt(rng: random.Random, titles: list[str]) -> str:
 def _pick_aspect(rng: random.Random, requested: list[str], exclude: str | None = None) -> str:
     wanted = [a for a in requested if a != exclude]
     others = [a for a in ASPECTS if a not in requested and a != exclude]
-    return rng.choice(wanted if wanted and (rng.random() < 0.75 or not others) else others)
+    return rng.choice(wanted if wanted and (rng.random() < ON_ASPECT_PROB or not others) else others)
 
 
 def _word(rng: random.Random, table: dict[str, int], polarity: int) -> str:
@@ -320,8 +325,8 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 def build_task(data_dir: str, task_seed: int = 1337, tiny: bool = False) -> dict[str, str]:
-    """Write the task files under {data_dir}/seed{task_seed}[-tiny]/ (only those missing) and return name -> path."""
-    out = os.path.join(data_dir, f"seed{task_seed}" + ("-tiny" if tiny else ""))
+    """Write the task files under {data_dir}/v{TASK_VERSION}-seed{task_seed}[-tiny]/ (only those missing) and return name -> path."""
+    out = os.path.join(data_dir, f"v{TASK_VERSION}-seed{task_seed}" + ("-tiny" if tiny else ""))
     paths = {name: os.path.join(out, f"{name}.jsonl") for name in TASK_FILES}
     paths["tokenizer"] = os.path.join(out, "tokenizer.json")
     if all(os.path.exists(p) for p in paths.values()):

@@ -24,6 +24,8 @@ import common
 from common import UserError
 from data import build_task, gold_reward, is_valid, pad_left, read_jsonl
 from model import logprobs_from_logits
+from train_ppo import response_forward
+from train_rm import calibration_error, encode_prefs, responses_of, score_seqs, sequence_scores
 
 
 @dataclass
@@ -81,20 +83,6 @@ def win_rate(gold: list, ref_gold: list) -> float:
     return sum(1.0 if g > r else 0.5 if g == r else 0.0 for g, r in zip(gold, ref_gold)) / len(gold)
 
 
-def response_logprobs(model, query, query_mask, response, response_mask, temperature: float):
-    """Log-probs (B, T) of the response tokens under model at the temperature, from one forward over
-    cat(query left-padded, response right-padded): token t is predicted at position P+t-1. 0 on padding."""
-    P = query.size(1)
-    logits, _ = model(torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1))
-    return logprobs_from_logits(logits[:, P - 1 : -1], response, temperature) * response_mask
-
-
-def last_token_scores(scores, mask):
-    """Scores (B, T) at each row's last real position (mask 1): the EOS when the response ended."""
-    last = mask.size(1) - 1 - mask.flip(1).argmax(1)  # (B,)
-    return scores.gather(1, last[:, None]).squeeze(1)
-
-
 @torch.no_grad()
 def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rm=None) -> dict:
     """One response per prompt; per-sample lists of everything the metrics need."""
@@ -110,11 +98,13 @@ def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rm=No
         ended = (response.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1) == tok.eos_id) & (n > 0)
         kl = torch.zeros(len(chunk), device=device)
         if ref is not None:  # k1 summed over the sequence, at the sampling temperature
-            kl = ((logprobs - response_logprobs(ref, query, qmask, response, rmask, args.temperature)) * rmask).sum(1)
+            ref_logprobs = logprobs_from_logits(response_forward(ref, query, qmask, response, rmask, args.temperature)[0],
+                                                response)
+            kl = ((logprobs - ref_logprobs) * rmask).sum(1)
         score = torch.full((len(chunk),), float("nan"), device=device)
         if rm is not None:
             _, s = rm(torch.cat([query, response], 1), torch.cat([qmask, rmask], 1), logits=False)
-            score = last_token_scores(s, torch.cat([qmask, rmask], 1))
+            score = sequence_scores(s, torch.cat([qmask, rmask], 1))
         for b, p in enumerate(chunk):
             ids = response[b, : n[b]].tolist()
             body = ids[:-1] if ended[b] else ids
@@ -226,8 +216,6 @@ def write_json(path: Optional[str], results: dict) -> dict:
 def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
     """Reward-model mode: accuracy (pair weights of K-wise records, ties 1/2), mean margin, ECE and, on the built-in
     task, the empirical Bayes ceiling (the gold reward's own accuracy on the drawn labels) on the same pairs."""
-    from train_rm import calibration_error, encode_prefs, responses_of, score_seqs
-
     if not args.rm or args.rm == "none":
         raise UserError("--pairs needs --rm")
     rm, tok, ckpt = load_model(args.rm, "--rm", device, want="score")

@@ -130,6 +130,14 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def lm_loss(logits: Tensor, targets: Tensor, mask: Tensor, denom: float | Tensor | None = None) -> Tensor:
+    """Sum of masked next-token NLL / denom (default: the number of valid targets), the LM loss of every stage.
+    logits (B, T, V), targets and mask (B, T); targets where mask is 0 may be pad ids outside the vocabulary."""
+    targets = targets.masked_fill(mask == 0, 0)
+    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(mask)
+    return (nll * mask).sum() / (mask.sum() if denom is None else denom)
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()

@@ -10,7 +10,7 @@ Paper: https://arxiv.org/abs/2307.04964 (Secrets of RLHF in Large Language Model
 
 python train_ppo.py                                                   # built-in task, CPU, ~4 min (after SFT and RM)
 python train_ppo.py --rm-ckpt none --reward-fn data:gold_reward       # optimise the gold reward itself, no RM
-torchrun --standalone --nproc_per_node 8 train_ppo.py --sft-ckpt out/sft/ckpt.pt --rm-ckpt out/rm/ckpt.pt --prompts p.jsonl
+torchrun --standalone --nproc_per_node 8 train_ppo.py --sft-ckpt sft/ckpt.pt --rm-ckpt rm/ckpt.pt --prompts p.jsonl
 """
 
 import hashlib
@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import common
 from common import UserError, exact_div, print0
 from data import Tokenizer, build_task, encode_sft, gold_reward, pad_left, pad_right, read_jsonl
-from model import GPT, logprobs_from_logits
+from model import GPT, lm_loss, logprobs_from_logits
 
 
 @dataclass
@@ -97,6 +97,8 @@ class Args(common.CommonArgs):
     """entropy bonus weight"""
     ptx_coef: float = 0.1
     """weight of the LM loss on pre-training text (0: off)"""
+    ptx_batch_size: int = 16
+    """pre-training texts per optimizer step, summed over ranks (split like the minibatch)"""
     # --- optimisation
     lr: float = 5e-4
     """actor learning rate (linear warm-up once the critic warm-up is over, then cosine to 10%)"""
@@ -120,7 +122,7 @@ class Args(common.CommonArgs):
     collapse_z: float = 3.5
     """collapse detector: z-score that counts as a jump"""
     collapse_lag: int = 3
-    """collapse detector: a KL jump and a length-up or perplexity-down jump within this many iterations fire the alarm"""
+    """collapse detector: a KL jump and a length-up or perplexity-down jump this close together fire the alarm"""
     stop_on_collapse: bool = False
     """end the run when the alarm fires, keeping the last checkpoint saved before it"""
 
@@ -315,12 +317,6 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, -1) - (F.softmax(logits, -1) * logits).sum(-1)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, denom=None) -> torch.Tensor:
-    """Sum of masked next-token NLL / denom (default: the valid targets). logits (B, T, V), targets and mask (B, T)."""
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.masked_fill(mask == 0, 0).flatten(), reduction="none")
-    return (nll.view_as(mask) * mask).sum() / (mask.sum() if denom is None else denom)
-
-
 # -----------------------------------------------------------------------------
 # one iteration: rollout (steps 1-5) and update (step 6)
 
@@ -333,7 +329,7 @@ def rollout(policy, ref_policy, critic, reward_model, tok: Tokenizer, prompts: l
             reward_fn_coef: float = 1.0, gold_fn: Optional[Callable] = None, dtype=torch.float32):
     """Steps 1-5 on this rank's prompts. policy, ref_policy: GPTs with an LM head; critic: scalar head; reward_model:
     scalar head, or None (reward_fn alone). Returns (experience: dict of (B, ...) tensors, stats: global means keyed
-    by DESIGN §6 tags, samples: this rank's texts as dicts)."""
+    by DESIGN §6 tags plus logprob_err (generation vs training forward), samples: this rank's texts as dicts)."""
     device = next(policy.parameters()).device
     amp = common.autocast(device, dtype)
     # 1. generate with the KV cache from the tempered distribution (no top-k/top-p: the ratio must be on-policy)
@@ -397,7 +393,9 @@ def rollout(policy, ref_policy, critic, reward_model, tok: Tokenizer, prompts: l
     stats = {"objective/score": score / n, "objective/score_norm": norm / n, "objective/kl": kl / n,
              "objective/rlhf_reward": rlhf / n, "objective/entropy": ent / n_tok, "rollout/response_len": n_tok / n,
              "rollout/perplexity": math.exp(nll / n_tok), "rollout/eos_frac": eos / n,
-             "value/explained_variance": 1 - var_err / max(var_r, 1e-12)} | ({"objective/gold": gld / n} if gold_fn else {})
+             "value/explained_variance": 1 - var_err / max(var_r, 1e-12), "logprob_err": lp_err}
+    if gold_fn is not None:
+        stats["objective/gold"] = gld / n
     exp = dict(query=query, query_mask=query_mask, response=response, mask=mask, logprobs=logprobs,
                ref_logprobs=ref_logprobs, values=values, rewards=rewards, advantages=advantages, returns=returns,
                scores=scores)
@@ -424,6 +422,7 @@ def ppo_update(actor, critic, actor_optimizer, critic_optimizer, exp: dict, *, p
     mb_rows = exact_div(B, num_minibatches, "rollout rows per rank over --num-minibatches")
     accum = exact_div(mb_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
     amp = common.autocast(device, dtype)
+    world = dist.get_world_size() if dist.is_initialized() else 1  # DDP averages gradients; the losses are global sums
     use_ptx = train_actor and ptx_coef > 0 and ptx_sampler is not None
     advantages = exp["advantages"]
     if adv_whiten == "rollout":  # once over the whole rollout with global statistics (TRL)
@@ -455,7 +454,7 @@ def ppo_update(actor, critic, actor_optimizer, critic_optimizer, exp: dict, *, p
                     if use_ptx:  # LM loss on pre-training text (InstructGPT's PPO-ptx); never the syncing backward
                         with _sync(actor, False), amp:
                             ptx_loss = lm_loss(actor(ptx[j][0])[0], ptx[j][1], ptx[j][2], denom=n_ptx)
-                        (ptx_coef * ptx_loss).backward()
+                        (ptx_coef * ptx_loss * world).backward()
                         acc["ptx_loss"] += ptx_loss.detach()
                     with _sync(actor, sync), amp:
                         logits, _ = response_forward(actor, q, qm, r, m, temperature)
@@ -463,7 +462,7 @@ def ppo_update(actor, critic, actor_optimizer, critic_optimizer, exp: dict, *, p
                         pg_loss, st = ppo_policy_loss(logprobs, old_logprobs, adv, m, cliprange, denom=n_tok)
                         loss = pg_loss - entropy_coef * (entropy_from_logits(logits) * m).sum() / n_tok \
                             if entropy_coef > 0 else pg_loss
-                    loss.backward()
+                    (loss * world).backward()
                     acc["pg_loss"] += pg_loss.detach()
                     for k, key in (("approx_kl", "approx_kl"), ("clipfrac", "clipfrac"), ("ratio", "ratio_mean")):
                         acc[k] += st[key] * m.sum()
@@ -474,7 +473,7 @@ def ppo_update(actor, critic, actor_optimizer, critic_optimizer, exp: dict, *, p
                     _, v = response_forward(critic, q, qm, r, m, temperature)
                     vf_loss, vst = ppo_value_loss(v, exp["values"][idx, :T], exp["returns"][idx, :T], m,
                                                   cliprange_value, denom=n_tok)
-                vf_loss.backward()
+                (vf_loss * world).backward()
                 acc["vf_loss"] += vf_loss.detach()
                 acc["vf_clipfrac"] += vst["clipfrac"] * m.sum()
                 acc["tokens"] += m.sum()
@@ -584,6 +583,7 @@ def main(args: Args) -> None:
     per_rank = exact_div(args.rollout_batch_size, d.world_size, "--rollout-batch-size over the world size")
     mb_rows = exact_div(per_rank, args.num_minibatches, "--rollout-batch-size/world_size over --num-minibatches")
     accum = exact_div(mb_rows, args.micro_batch_size, "minibatch rows per rank over --micro-batch-size")
+    ptx_micro = exact_div(args.ptx_batch_size, d.world_size * accum, "--ptx-batch-size over world_size * accum steps")
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
     print0(f"ppo: {len(prompts)} prompts ({n_all - len(prompts)} too long, skipped) | {len(ptx)} ptx texts | actor "
            f"{actor.num_params() / 1e6:.2f} M, critic {critic.num_params() / 1e6:.2f} M | rollout "
@@ -608,8 +608,8 @@ def main(args: Args) -> None:
         ck = common.load_checkpoint(ckpt_path, kind="ppo", flag="--resume")
         if ck["world_size"] != d.world_size:
             raise UserError(f"--resume {ckpt_path}: saved with world size {ck['world_size']}, now {d.world_size}")
-        for obj, key in ((actor, "model"), (critic, "critic"), (actor_opt, "optimizer"), (critic_opt, "critic_optimizer"),
-                         (moments, "reward_moments"), (kl_ctl, "kl_ctl")):
+        for obj, key in ((actor, "model"), (critic, "critic"), (actor_opt, "optimizer"),
+                         (critic_opt, "critic_optimizer"), (moments, "reward_moments"), (kl_ctl, "kl_ctl")):
             obj.load_state_dict(ck[key])
         ds = ck["data_state"]
         detector.load_state_dict(ds["collapse"])
@@ -629,9 +629,9 @@ def main(args: Args) -> None:
 
     def ptx_sampler():
         """This rank's slice of the next global ptx micro-batch: (inputs, targets, target mask)."""
-        rows = ptx_order.take(args.micro_batch_size * d.world_size)[d.rank * args.micro_batch_size :]
-        x, _ = pad_right([ptx[i][0] for i in rows[: args.micro_batch_size]], tok.pad_id)
-        y, _ = pad_right([ptx[i][1] for i in rows[: args.micro_batch_size]], 0)
+        rows = ptx_order.take(ptx_micro * d.world_size)[d.rank * ptx_micro : (d.rank + 1) * ptx_micro]
+        x, _ = pad_right([ptx[i][0] for i in rows], tok.pad_id)
+        y, _ = pad_right([ptx[i][1] for i in rows], 0)
         return x[:, :-1].to(d.device), x[:, 1:].to(d.device), y[:, 1:].float().to(d.device)
 
     def save(step: int) -> None:
@@ -653,7 +653,7 @@ def main(args: Args) -> None:
                 kl_ctl=kl_ctl.state_dict(), **hashes), ckpt_path)
 
     # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
-    first = {}
+    first, start_step = {}, step
     while step < max_steps:
         t0 = time.time()
         rows = prompt_order.take(args.rollout_batch_size)[d.rank * per_rank : (d.rank + 1) * per_rank]
@@ -692,11 +692,13 @@ def main(args: Args) -> None:
         L = exp["query"].size(1) + exp["mask"].size(1)
         fa, fc = actor.flops_per_token(L), critic.flops_per_token(L)
         flops = exp["mask"].size(0) * L * d.world_size * ((3 * fa + 2 * fc) / 3 + args.ppo_epochs * (fa + fc))
-        metrics = {**stats, **{k: v for k, v in upd.items() if "/" in k and not k.startswith("first/")},
-                   "train/lr": lr, "train/critic_lr": critic_lr, "train/kl_coef": kl_coef, "train/updates": updates,
-                   "train/skipped_steps": skipped, "collapse/alarm": float(alarm), "perf/rollout_s": t1 - t0,
-                   "perf/update_s": t2 - t1, "perf/tokens_per_sec": exp["mask"].size(0) * L * d.world_size / (t2 - t0),
-                   "perf/mfu": flops / (t2 - t0) / (peak * d.world_size)}
+        metrics = {k: v for k, v in (stats | upd).items() if "/" in k and not k.startswith("first/")} | {
+            "train/lr": lr, "train/critic_lr": critic_lr, "train/kl_coef": kl_coef, "train/updates": updates,
+            "train/skipped_steps": skipped, "collapse/alarm": float(alarm), "perf/rollout_s": t1 - t0,
+            "perf/update_s": t2 - t1, "perf/tokens_per_sec": exp["mask"].size(0) * L * d.world_size / (t2 - t0),
+            "perf/mfu": flops / (t2 - t0) / (peak * d.world_size)}
+        if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
+            print0(f"step {step}: generation vs training-forward log-probs, max |diff| {stats['logprob_err']:.1e}")
         logger.log(step, metrics, console=False)
         if step % args.log_every == 0 or step == max_steps or alarm:
             print0(" | ".join([f"step {step:05d}/{max_steps:05d}"] + [f"{k.split('/')[-1]} {common._fmt(metrics[k])}"

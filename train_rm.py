@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import common
 from common import UserError, exact_div, print0
 from data import PROBE_KINDS, build_task, gold_reward, load_tokenizer, pad_right, probe_texts, read_jsonl
+from model import lm_loss
 
 
 @dataclass
@@ -82,14 +83,6 @@ def preference_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, weights: O
     nll = -F.logsigmoid(r_chosen.float() - r_rejected.float())  # (N,)
     w = torch.ones_like(nll) if weights is None else weights.to(nll)
     return (w * nll).sum() / (w.sum() if denom is None else denom)
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, denom: Optional[float] = None):
-    """Sum of masked next-token NLL / denom (default: the number of valid targets). logits (B,T,V), targets, mask (B,T).
-    The same as train_sft.sft_loss (scripts do not import each other)."""
-    targets = targets.masked_fill(mask == 0, 0)  # pad ids may lie outside the vocabulary
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(mask)
-    return (nll * mask).sum() / (mask.sum() if denom is None else denom)
 
 
 def sequence_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -16,13 +16,13 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 from common import UserError, exact_div, print0
 from data import build_task, encode_sft, is_valid, load_tokenizer, pad_left, pad_right, read_jsonl
+from model import lm_loss
 
 
 @dataclass
@@ -76,13 +76,6 @@ class Args(common.CommonArgs):
 
 # -----------------------------------------------------------------------------
 # SFT pieces
-
-
-def sft_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, denom: Optional[float] = None):
-    """Sum of masked next-token NLL / denom (default: the number of valid targets). logits (B,T,V), targets, mask (B,T)."""
-    targets = targets.masked_fill(mask == 0, 0)  # pad ids may lie outside the vocabulary
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(mask)
-    return (nll * mask).sum() / (mask.sum() if denom is None else denom)
 
 
 def collate(examples: list, pad_id: int):
@@ -198,7 +191,7 @@ def main(args: Args) -> None:
             x, y, m = (t.to(d.device) for t in collate(evals[i : i + args.micro_batch_size], tok.pad_id))
             with common.autocast(d.device, dtype):
                 logits, _ = raw_model(x)
-            sums[0] += sft_loss(logits, y, m, denom=1.0)
+            sums[0] += lm_loss(logits, y, m, denom=1.0)
             sums[1] += m.sum()
         samples = sample_responses(raw_model, tok, prompts[d.rank : n_samples : d.world_size], args.temperature,
                                    args.max_new_tokens, sampler)
@@ -234,7 +227,7 @@ def main(args: Args) -> None:
             with (nullcontext() if sync else model.no_sync()), common.autocast(d.device, dtype):
                 logits, _ = model(x)
                 # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
-                loss = sft_loss(logits, y, m, denom=denom) * d.world_size
+                loss = lm_loss(logits, y, m, denom=denom) * d.world_size
                 loss.backward()
             loss_sum += loss.detach() / d.world_size
             tokens_since += x.numel()

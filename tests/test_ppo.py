@@ -2,6 +2,7 @@
 padding invariance, KL exactly 0 for policy == reference, the loss denominator under accumulation, reward moments
 merged across ranks, the first minibatch's ratio, the collapse detector, and smoke runs of main()."""
 
+import io
 import math
 import os
 import socket
@@ -11,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 import train_ppo
+from data import build_task
 from model import GPT, GPTConfig
 from train_ppo import (CollapseDetector, KLController, RunningMoments, compute_gae, masked_mean, masked_whiten,
                        ppo_policy_loss, ppo_value_loss, shape_rewards)
@@ -52,8 +54,9 @@ def test_masked_mean_and_whiten():
     w = masked_whiten(x, mask)
     assert valid(w, lengths) == pytest.approx([(v - mean) / math.sqrt(var + 1e-8) for v in vals], abs=1e-10)
     w = masked_whiten(x, mask, shift_mean=False)
-    assert valid(w, lengths) == pytest.approx([(v - mean) / math.sqrt(var + 1e-8) + mean for v in vals], abs=1e-10)
-    w = masked_whiten(x, mask, mean=torch.tensor(0.5).double(), var=torch.tensor(4.0).double())  # given global statistics
+    want = [(v - mean) / math.sqrt(var + 1e-8) + mean for v in vals]
+    assert valid(w, lengths) == pytest.approx(want, abs=1e-10)
+    w = masked_whiten(x, mask, mean=torch.tensor(0.5).double(), var=torch.tensor(4.0).double())  # global statistics
     assert valid(w, lengths) == pytest.approx([(v - 0.5) / math.sqrt(4.0 + 1e-8) for v in vals], abs=1e-10)
 
 
@@ -200,6 +203,71 @@ def test_running_moments_across_two_gloo_ranks():
         assert std == pytest.approx(big.std(correction=0).item(), abs=1e-12)
 
 
+def fake_experience(B: int = 8, seed: int = 0):
+    """A tiny actor and critic and an experience dict with ragged responses (no tokenizer needed)."""
+    torch.manual_seed(seed)
+    cfg = dict(block_size=32, vocab_size=50, n_layer=1, n_head=2, n_embd=16)
+    actor, critic = GPT(GPTConfig(**cfg)).eval(), GPT(GPTConfig(**cfg, lm_head=False, score_head=True)).eval()
+    q_len, r_len = torch.randint(1, 5, (B,)), torch.randint(1, 7, (B,))
+    q_len[0], r_len[0], r_len[1] = 4, 6, 1  # a full-width prompt, a full-length and a length-1 response
+    query_mask = (torch.arange(4) >= 4 - q_len[:, None]).float()
+    mask = (torch.arange(6) < r_len[:, None]).float()
+    query = torch.randint(0, 50, (B, 4)).masked_fill(query_mask == 0, 50)
+    response = torch.randint(0, 50, (B, 6)).masked_fill(mask == 0, 50)
+    with torch.no_grad():
+        logits, _ = train_ppo.response_forward(actor, query, query_mask, response, mask, 1.0)
+        _, values = train_ppo.response_forward(critic, query, query_mask, response, mask, 1.0)
+    exp = dict(query=query, query_mask=query_mask, response=response, mask=mask, values=values * mask,
+               logprobs=train_ppo.logprobs_from_logits(logits, response) * mask,
+               advantages=torch.randn(B, 6) * mask, returns=torch.randn(B, 6) * mask)
+    return actor, critic, exp
+
+
+def update_once(actor, critic, exp, micro_batch_size):
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (actor, critic)]
+    return train_ppo.ppo_update(actor, critic, *opts, exp, ppo_epochs=1, num_minibatches=1,
+                                micro_batch_size=micro_batch_size, cliprange=0.2, cliprange_value=0.2, temperature=1.0,
+                                grad_clip=0.5, critic_grad_clip=0.5, generator=torch.Generator().manual_seed(0))
+
+
+def _ddp_update_worker(rank: int, port: int, q) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    actor, critic, exp = fake_experience()
+    mine = {k: v[rank * 4 : (rank + 1) * 4] for k, v in exp.items()}
+    stats = update_once(DDP(actor), DDP(critic), mine, micro_batch_size=2)
+    buf = io.BytesIO()  # plain bytes: tensors through a queue would need the worker alive to be received
+    torch.save((rank, stats, actor.state_dict(), critic.state_dict()), buf)
+    q.put(buf.getvalue())
+    dist.destroy_process_group()
+
+
+def test_ppo_update_on_two_ranks_equals_one():
+    """The same global minibatch split over 2 gloo ranks x 2 micro-batches gives the 1-rank update and statistics."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_ddp_update_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    results = [torch.load(io.BytesIO(q.get()), weights_only=False) for _ in range(2)]
+    actor, critic, exp = fake_experience()
+    want = update_once(actor, critic, exp, micro_batch_size=4)
+    for _, stats, actor_sd, critic_sd in results:
+        for k in ("policy/loss", "value/loss", "policy/approx_kl", "policy/clipfrac", "value/clipfrac",
+                  "train/grad_norm", "value/grad_norm"):
+            assert stats[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
+        for mine, ref in ((actor_sd, actor.state_dict()), (critic_sd, critic.state_dict())):
+            for k in ref:
+                assert torch.allclose(mine[k], ref[k], atol=1e-5), k
+
+
 def test_kl_controllers():
     fixed = KLController(0.05)
     fixed.update(100.0, 64)
@@ -243,7 +311,7 @@ def test_collapse_detector():
 def tok(task_dir):
     from data import load_tokenizer
 
-    return load_tokenizer(os.path.join(task_dir, "seed1337", "tokenizer.json"))
+    return load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
 
 
 def tiny(tok, seed: int, **kw) -> GPT:

@@ -58,14 +58,14 @@ def test_sft_kill_and_resume_is_exact(tmp_path, task_dir):
 
 def test_sft_nan_step_is_skipped(tmp_path, task_dir, monkeypatch):
     calls = {"n": 0}
-    real_loss = train_sft.sft_loss
+    real_loss = train_sft.lm_loss
 
     def flaky_loss(logits, targets, mask, denom=None):
         calls["n"] += 1
         loss = real_loss(logits, targets, mask, denom)
         return loss * float("nan") if calls["n"] in (5, 6) else loss  # step 3 (two micro-batches a step)
 
-    monkeypatch.setattr(train_sft, "sft_loss", flaky_loss)
+    monkeypatch.setattr(train_sft, "lm_loss", flaky_loss)
     out = str(tmp_path / "o")
     train_sft.main(train_sft.Args(out_dir=out, task_dir=task_dir, n_layer=1, n_head=2, n_embd=32, batch_size=8,
                                   micro_batch_size=4, max_steps=6, eval_every=6, num_samples=4, eval_samples=4,

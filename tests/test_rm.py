@@ -31,7 +31,7 @@ TINY = dict(batch_size=8, micro_batch_size=4, max_steps=6, warmup_steps=2, log_e
 
 @pytest.fixture(scope="module")
 def tok(task_dir):
-    return data.load_tokenizer(os.path.join(task_dir, "seed1337", "tokenizer.json"))
+    return data.load_tokenizer(data.build_task(task_dir, 1337)["tokenizer"])
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_load_init_adds_fresh_score_head(sft_ckpt):
 
 
 def test_probe_texts(task_dir):
-    rows = data.read_jsonl(os.path.join(task_dir, "seed1337", "eval_prompts.jsonl"), "prompts")
+    rows = data.read_jsonl(data.build_task(task_dir, 1337)["eval_prompts"], "prompts")
     prompts = [r["prompt"] for r in rows]
     texts = data.probe_texts(prompts, 64, seed=3)
     assert texts == data.probe_texts(prompts, 64, seed=3) and texts != data.probe_texts(prompts, 64, seed=4)
@@ -206,7 +206,7 @@ def test_bad_preference_file_is_one_line_exit_2(tmp_path, line, message):
 
 def test_rm_smoke(tmp_path, task_dir, sft_ckpt, tok):
     out, held_out = str(tmp_path / "rm"), tmp_path / "pairs_eval.jsonl"
-    with open(os.path.join(task_dir, "seed1337", "pairs_eval.jsonl")) as f:  # the first 300 held-out pairs
+    with open(data.build_task(task_dir, 1337)["pairs_eval"]) as f:  # the first 300 held-out pairs
         held_out.write_text("".join(f.readline() for _ in range(300)))
     train_rm.main(train_rm.Args(out_dir=out, task_dir=task_dir, init=sft_ckpt, eval_data=str(held_out), **TINY))
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
@@ -217,7 +217,7 @@ def test_rm_smoke(tmp_path, task_dir, sft_ckpt, tok):
     # the offset is folded into the bias (Bradley-Terry never moves the bias) and the calibration mean is now 0
     assert model.score_head.bias.item() == pytest.approx(-ckpt["score_offset"], abs=1e-3)
     calib = [tok.encode(r["prompt"]) + tok.encode(r["response"]) + [tok.eos_id]
-             for r in data.read_jsonl(os.path.join(task_dir, "seed1337", "sft.jsonl"), "sft")[:128]]
+             for r in data.read_jsonl(data.build_task(task_dir, 1337)["sft"], "sft")[:128]]
     assert train_rm.score_seqs(model, calib, tok.pad_id, 64, "cpu", torch.float32).mean().item() == pytest.approx(
         0.0, abs=1e-4)
     scalars, histograms = read_events(out)

@@ -53,9 +53,9 @@ def test_sft_smoke(tmp_path, task_dir):
 
 def test_sft_masks_prompt_on_user_data(tmp_path, task_dir):
     """From a checkpoint on user data the prompt is masked: only response tokens + EOS are targets."""
-    from data import encode_sft, load_tokenizer
+    from data import build_task, encode_sft, load_tokenizer
 
-    tok = load_tokenizer(os.path.join(task_dir, "seed1337", "tokenizer.json"))
+    tok = load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
     (ex, mask), = encode_sft(tok, [{"prompt": "Review of", "response": " the plot"}], 64, mask_prompt=True)[0]
     assert len(ex) == 5 and mask == [0, 0, 1, 1, 1]
     # the loss averages over targets only: changing a masked target changes nothing
@@ -64,7 +64,7 @@ def test_sft_masks_prompt_on_user_data(tmp_path, task_dir):
     m = torch.tensor([mask[1:]], dtype=torch.float)
     y2 = x[:, 1:].clone()
     y2[0, 0] = 7
-    assert torch.allclose(train_sft.sft_loss(logits, x[:, 1:], m), train_sft.sft_loss(logits, y2, m))
+    assert torch.allclose(train_sft.lm_loss(logits, x[:, 1:], m), train_sft.lm_loss(logits, y2, m))
 
 
 def run(cmd: str, cwd=ROOT, env=None, timeout=300):
