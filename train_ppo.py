@@ -567,7 +567,7 @@ def main(args: Args) -> None:
     # PPO-max: the critic starts from the RM (or, with no RM, from the SFT trunk with a fresh head)
     critic, _, _ = common.load_init(args.rm_ckpt if rm else args.sft_ckpt, score_head=True, lm_head=False)
     builtin, block = args.prompts is None, actor.config.block_size
-    task = build_task(args.task_dir, args.task_seed) if builtin or args.ptx_data is None else None
+    task = build_task(args.task_dir, args.task_seed) if builtin else None
     prompts = [r["prompt"] for r in read_jsonl(task["prompts"] if builtin else args.prompts, "prompts")]
     n_all, prompts = len(prompts), [p for p in prompts if len(tok.encode(p)) + args.max_new_tokens <= block]
     if not prompts:
@@ -653,7 +653,10 @@ def main(args: Args) -> None:
                 kl_ctl=kl_ctl.state_dict(), **hashes), ckpt_path)
 
     # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
-    first, start_step = {}, step
+    first, start_step, samples = {}, step, []
+    if d.master and not args.resume:  # a fresh run starts a fresh sample file
+        os.makedirs(args.out_dir, exist_ok=True)
+        open(os.path.join(args.out_dir, "samples.jsonl"), "w").close()
     while step < max_steps:
         t0 = time.time()
         rows = prompt_order.take(args.rollout_batch_size)[d.rank * per_rank : (d.rank + 1) * per_rank]

@@ -171,38 +171,6 @@ def test_running_moments_merge_equals_big_batch():
     assert (rm2.count, rm2.mean, rm2.std) == (rm.count, rm.mean, rm.std)
 
 
-def _moments_worker(rank: int, port: int, q) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    torch.manual_seed(0)
-    data = [torch.randn(n, dtype=torch.float64) for n in (7, 3, 12, 1)]  # rank 0: 7 then 12, rank 1: 3 then 1
-    rm = RunningMoments()
-    rm.update(data[rank])
-    rm.update(data[2 + rank])
-    q.put((rank, rm.count, rm.mean, rm.std))
-    dist.destroy_process_group()
-
-
-def test_running_moments_across_two_gloo_ranks():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_moments_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    results = sorted(q.get() for _ in range(2))
-    torch.manual_seed(0)
-    big = torch.cat([torch.randn(n, dtype=torch.float64) for n in (7, 3, 12, 1)])
-    for _, count, mean, std in results:
-        assert count == 23 and mean == pytest.approx(big.mean().item(), abs=1e-12)
-        assert std == pytest.approx(big.std(correction=0).item(), abs=1e-12)
-
-
 def fake_experience(B: int = 8, seed: int = 0):
     """A tiny actor and critic and an experience dict with ragged responses (no tokenizer needed)."""
     torch.manual_seed(seed)
@@ -230,36 +198,49 @@ def update_once(actor, critic, exp, micro_batch_size):
                                 grad_clip=0.5, critic_grad_clip=0.5, generator=torch.Generator().manual_seed(0))
 
 
-def _ddp_update_worker(rank: int, port: int, q) -> None:
+def _two_rank_worker(rank: int, port: int, q) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # reward moments: rank 0 sees 7 then 12 scores, rank 1 sees 3 then 1
+    torch.manual_seed(0)
+    data = [torch.randn(n, dtype=torch.float64) for n in (7, 3, 12, 1)]
+    moments = RunningMoments()
+    moments.update(data[rank])
+    moments.update(data[2 + rank])
+    # one PPO update on this rank's half of the experience
     actor, critic, exp = fake_experience()
-    mine = {k: v[rank * 4 : (rank + 1) * 4] for k, v in exp.items()}
-    stats = update_once(DDP(actor), DDP(critic), mine, micro_batch_size=2)
+    stats = update_once(DDP(actor), DDP(critic), {k: v[rank * 4 : (rank + 1) * 4] for k, v in exp.items()}, 2)
     buf = io.BytesIO()  # plain bytes: tensors through a queue would need the worker alive to be received
-    torch.save((rank, stats, actor.state_dict(), critic.state_dict()), buf)
+    torch.save((moments.state_dict(), stats, actor.state_dict(), critic.state_dict()), buf)
     q.put(buf.getvalue())
     dist.destroy_process_group()
 
 
-def test_ppo_update_on_two_ranks_equals_one():
-    """The same global minibatch split over 2 gloo ranks x 2 micro-batches gives the 1-rank update and statistics."""
+def test_two_gloo_ranks_equal_one_big_batch():
+    """Reward moments merged across 2 ranks equal one big batch; the same global minibatch split over 2 ranks x 2
+    micro-batches gives the 1-rank update (weights, losses, clip fractions, grad norms)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_ddp_update_worker, args=(r, port, q)) for r in range(2)]
+    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()
+    results = [torch.load(io.BytesIO(q.get()), weights_only=False) for _ in range(2)]  # read before join: big pickles
     for p in procs:
         p.join(60)
-    results = [torch.load(io.BytesIO(q.get()), weights_only=False) for _ in range(2)]
+    torch.manual_seed(0)
+    big = torch.cat([torch.randn(n, dtype=torch.float64) for n in (7, 3, 12, 1)])
     actor, critic, exp = fake_experience()
     want = update_once(actor, critic, exp, micro_batch_size=4)
-    for _, stats, actor_sd, critic_sd in results:
+    for moments, stats, actor_sd, critic_sd in results:
+        rm = RunningMoments()
+        rm.load_state_dict(moments)
+        assert rm.count == 23 and rm.mean == pytest.approx(big.mean().item(), abs=1e-12)
+        assert rm.std == pytest.approx(big.std(correction=0).item(), abs=1e-12)
         for k in ("policy/loss", "value/loss", "policy/approx_kl", "policy/clipfrac", "value/clipfrac",
                   "train/grad_norm", "value/grad_norm"):
             assert stats[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
@@ -477,3 +458,35 @@ def test_ppo_smoke_with_reward_model(tmp_path, task_dir, sft_ckpt):
     with pytest.raises(common.UserError, match="--reward-fn data:nope"):
         train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none",
                                       reward_fn="data:nope"))
+
+
+def test_non_finite_loss_skips_the_step(monkeypatch):
+    """A NaN policy loss (monkeypatched) skips the actor's step and counts it; the critic still steps."""
+    actor, critic, exp = fake_experience()
+    before = {k: v.clone() for k, v in actor.state_dict().items()}
+    critic_before = critic.score_head.weight.clone()
+    real = train_ppo.ppo_policy_loss
+
+    def nan_policy_loss(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(train_ppo, "ppo_policy_loss", nan_policy_loss)
+    stats = update_once(actor, critic, exp, micro_batch_size=4)
+    assert stats["skipped"] == 1 and all(torch.equal(v, before[k]) for k, v in actor.state_dict().items())
+    assert not torch.equal(critic.score_head.weight, critic_before)
+
+
+def test_stop_on_collapse_keeps_the_checkpoint_before_the_alarm(tmp_path, task_dir, sft_ckpt, monkeypatch):
+    class AlarmOnSecond(train_ppo.CollapseDetector):
+        def update(self, *values) -> bool:
+            super().update(*values)
+            return len(self.history["kl"]) == 2
+
+    monkeypatch.setattr(train_ppo, "CollapseDetector", AlarmOnSecond)
+    out = str(tmp_path / "ppo")
+    train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none",
+                                  reward_fn="data:gold_reward", max_steps=4, save_every=1, stop_on_collapse=True,
+                                  **{**TINY_PPO, "critic_warmup_steps": 0}))
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 1
+    assert read_scalars(out)["collapse/alarm"] == [0.0, 1.0]

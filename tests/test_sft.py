@@ -118,22 +118,34 @@ def readme_commands() -> list:
     return [line.split("#")[0].strip() for line in block.strip().splitlines() if line.strip()]
 
 
+README_TINY = {
+    "train_sft.py": TINY_FLAGS,
+    "train_rm.py": "--max-steps 4 --eval-every 4 --eval-pairs 32 --probe-size 8 --calib-size 32 --batch-size 8 "
+                   "--micro-batch-size 4 --warmup-steps 1 --log-every 2",
+    "train_ppo.py": "--max-steps 3 --rollout-batch-size 8 --micro-batch-size 4 --critic-warmup-steps 1 "
+                    "--sample-every 2 --max-new-tokens 24 --warmup-steps 1 --log-every 1",
+    "eval.py": "--num-samples 16 --max-new-tokens 24",
+}
+
+
 def test_readme_commands(tmp_path, task_dir, offline_gpt2):
-    """Every per-stage README command runs with tiny flags (gpt2 → a tiny local GPT-2, my_*.jsonl → generated)."""
+    """Every per-stage README command runs, in order, with tiny flags, from a scratch working directory (so the
+    default out/ paths chain the stages); gpt2 -> a tiny local GPT-2, my_*.jsonl -> generated files."""
     my_sft = tmp_path / "my_sft.jsonl"
     my_sft.write_text("".join(json.dumps({"prompt": f"Q{i}: 2+{i}=", "response": f" {2 + i}"}) + "\n"
                               for i in range(40)))
     cmds = readme_commands()
     assert any(c.startswith("torchrun") for c in cmds) and any("--init gpt2" in c for c in cmds)
-    for i, cmd in enumerate(cmds):
-        if "train_sft.py" not in cmd:
-            continue
+    for cmd in cmds:
+        script = next(s for s in README_TINY if s in cmd)
         cmd = cmd.replace("--init gpt2", f"--init {offline_gpt2}").replace("my_sft.jsonl", str(my_sft))
-        cmd = re.sub(r"--out-dir \S+", "", cmd).replace("python ", f"{sys.executable} ", 1)
+        cmd = cmd.replace(script, os.path.join(ROOT, script)).replace("python ", f"{sys.executable} ", 1)
         cmd = cmd.replace("torchrun ", f"{sys.executable} -m torch.distributed.run ", 1)
-        r = run(f"{cmd} {TINY_FLAGS} --task-dir {task_dir} --out-dir {tmp_path}/o{i}")
+        r = run(f"{cmd} {README_TINY[script]} --task-dir {task_dir}", cwd=tmp_path)
         assert r.returncode == 0, f"{cmd}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-        assert os.path.exists(tmp_path / f"o{i}" / "ckpt.pt")
+    for stage in ("sft", "sft_gpt2", "rm", "ppo"):
+        assert os.path.exists(tmp_path / "out" / stage / "ckpt.pt"), stage
+    assert set(json.load(open(tmp_path / "out" / "results.json"))) >= {"sft", "ppo"}
 
 
 def test_ddp_matches_single_process(tmp_path, task_dir):
