@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
-from model import GPT, logprobs_from_logits
+from model import GPT, logprobs_from_logits, sample_tokens
 
 
 @dataclass
@@ -121,9 +120,37 @@ class HFCausalLM(nn.Module):
         model.load_state_dict({k: v for k, v in sd.items() if k in own} | fresh)
         return model.to(map_location)
 
-    def export_hf(self, out_dir: str) -> None:
-        """save_pretrained of the wrapped causal LM (config + safetensors). The scalar head is not part of it."""
-        self.hf.save_pretrained(out_dir)
+    def export_hf(self, out_dir: str, eos_id: int | None = None, pad_id: int | None = None) -> None:
+        """A policy: save_pretrained of the wrapped causal LM (config + safetensors). A reward model (lm and score
+        heads): an AutoModelForSequenceClassification (num_labels=1) with the same trunk and the score head as its
+        `score` layer; transformers reads the score at the last token that is not pad_id, so right-pad with it (a
+        vocab id other than EOS). Llama/Qwen-style `score` layers have no bias and their final RMSNorm none to fold it
+        into, so transformers' scores are ours minus the bias (the calibration offset; rankings are unchanged): it is
+        saved as `score_bias` in config.json and printed. A critic (score head only) is not exported."""
+        from transformers import AutoModelForSequenceClassification
+
+        assert self.config.lm_head, "export_hf needs an lm head (a policy or a reward model, not a critic)"
+        if self.score_head is None:
+            self.hf.save_pretrained(out_dir)
+            return
+        cfg = self.hf.config.__class__.from_dict(self.hf.config.to_dict())
+        cfg.num_labels, cfg.pad_token_id = 1, (0 if eos_id != 0 else 1) if pad_id is None else pad_id
+        cfg.eos_token_id = cfg.eos_token_id if eos_id is None else eos_id
+        assert cfg.pad_token_id != cfg.eos_token_id, f"pad_id {cfg.pad_token_id} must differ from EOS"
+        seq = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32)
+        trunk = lambda m: getattr(m, m.base_model_prefix)  # noqa: E731  (the body: model.model, model.transformer)
+        trunk(seq).load_state_dict(trunk(self.hf).state_dict())
+        with torch.no_grad():
+            seq.score.weight.copy_(self.score_head.weight.float())
+            bias = float(self.score_head.bias)
+            if seq.score.bias is not None:
+                seq.score.bias.fill_(bias)
+                bias = 0.0
+        seq.config.score_bias = bias
+        seq.save_pretrained(out_dir)
+        if bias:
+            print(f"export_hf: {type(seq).__name__}'s score layer has no bias: add score_bias {bias:+.4f} "
+                  f"(config.json) to its scores to get ours")
 
     # --- what the stages call
 
@@ -224,8 +251,7 @@ class HFCausalLM(nn.Module):
             if step < min_new_tokens:
                 logits[:, eos_id] = -float("inf")
             if temperature > 0:
-                probs = F.softmax(GPT._filter(logits, top_k, top_p), dim=-1)
-                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+                tok = sample_tokens(GPT._filter(logits, top_k, top_p), generator)  # (B,)
             else:
                 tok = logits.argmax(dim=-1)  # (B,)
             lp = logprobs_from_logits(logits[:, None], tok[:, None]).squeeze(1)  # (B,) already tempered

@@ -76,14 +76,18 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, nh, Tk, hs)
         assert attn_mask is not None or k.size(2) == T, "a query over cached keys needs an explicit attn_mask"
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=attn_mask is None,
-        )
+        if T == 1 and kv_cache is not None and x.device.type == "cpu":  # CPU decode: plain math beats the fused kernel
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, 1, Tk)
+            y = att.masked_fill(~attn_mask, float("-inf")).softmax(-1) @ v  # (B, nh, 1, hs)
+        else:
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=attn_mask is None,
+            )
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -128,6 +132,16 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     tokens = tokens.masked_fill((tokens < 0) | (tokens >= logits.size(-1)), 0)
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def sample_tokens(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row from softmax(logits) (B, V) -> (B,), by inverse CDF with one uniform per row (torch.multinomial
+    draws B x V exponentials: 15x slower at V = 512). The CDF is fp64 and u stays strictly below its total, so the
+    first index with cdf > u never has probability 0 (a -inf logit is never sampled)."""
+    cdf = F.softmax(logits, dim=-1, dtype=torch.float64).cumsum(-1)  # (B, V)
+    u = torch.rand(logits.size(0), 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    u = torch.minimum(u * cdf[:, -1:], cdf[:, -1:] * (1 - 1e-12))  # (B, 1)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
 def lm_loss(logits: Tensor, targets: Tensor, mask: Tensor, denom: float | Tensor | None = None) -> Tensor:
@@ -263,8 +277,7 @@ class GPT(nn.Module):
             if step < min_new_tokens:
                 logits[:, eos_id] = -float("inf")
             if temperature > 0:
-                probs = F.softmax(self._filter(logits, top_k, top_p), dim=-1)
-                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+                tok = sample_tokens(self._filter(logits, top_k, top_p), generator)  # (B,)
             else:
                 tok = logits.argmax(dim=-1)  # (B,)
             lp = logits.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (B,)
@@ -389,9 +402,15 @@ class GPT(nn.Module):
     ) -> "GPT":
         """A GPT from one of our checkpoints (a path or the loaded dict): config from ckpt["model_config"], weights
         from ckpt[key], loaded strictly. Which heads exist is read from the state dict, so key="critic" works too.
-        A leading "_orig_mod." (torch.compile) or "module." (DDP) on the keys is stripped."""
+        A leading "_orig_mod." (torch.compile) or "module." (DDP) on the keys is stripped. A checkpoint of a model
+        built with `--init hf:...` (its model_config holds hf_config) comes back as an hf.HFCausalLM."""
         if not isinstance(ckpt, dict):
             ckpt = torch.load(ckpt, map_location=map_location, weights_only=False)  # our own files hold RNG states
+        if "hf_config" in ckpt["model_config"]:
+            from hf import HFCausalLM  # lazy: hf.py imports this module
+
+            lm_head = ckpt.get(f"{key}_config", ckpt["model_config"])["lm_head"]  # PPO saves critic_config
+            return HFCausalLM.from_checkpoint(ckpt, key=key, lm_head=lm_head, map_location=map_location)
         sd = {}
         for k, v in ckpt[key].items():
             for prefix in ("_orig_mod.", "module.", "_orig_mod."):  # either wrapping order

@@ -242,6 +242,27 @@ def test_hf_export_round_trip(llama_dir, tmp_path):
         assert (model(idx)[0] - hf(idx).logits).abs().max() <= 1e-5
 
 
+def test_adapter_reward_model_export(llama_dir, tmp_path):
+    """An adapter RM exports as LlamaForSequenceClassification: same scores at the last real token, up to the
+    calibration bias that its bias-free `score` layer cannot hold (saved as config.score_bias)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = common.load_init(f"hf:{llama_dir}", score_head=True)[0].eval()
+    with torch.no_grad():
+        model.score_head.bias.fill_(0.3)
+    model.export_hf(str(tmp_path), eos_id=EOS, pad_id=PAD)
+    hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path)).eval()
+    assert hf.config.num_labels == 1 and hf.config.pad_token_id == PAD and hf.config.score_bias == pytest.approx(0.3)
+    seqs = [p + [EOS] for p in prompts([3, 7, 5])]
+    T = max(len(s) for s in seqs)
+    idx = torch.tensor([s + [PAD] * (T - len(s)) for s in seqs])  # right-padded, as transformers reads it
+    mask = (idx != PAD).long()
+    with torch.no_grad():
+        ours = model(idx, mask)[1].gather(1, (mask.sum(1) - 1)[:, None]).squeeze(1)
+        theirs = hf(idx, attention_mask=mask).logits.squeeze(-1) + hf.config.score_bias
+    assert (ours - theirs).abs().max() <= 1e-4
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_reward_model_export(tmp_path, bias):
     from transformers import AutoModelForSequenceClassification

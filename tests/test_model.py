@@ -7,7 +7,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from model import GPT, GPTConfig, logprobs_from_logits, padded_causal_mask
+from model import GPT, GPTConfig, logprobs_from_logits, padded_causal_mask, sample_tokens
 
 V = 97  # vocab size of every tiny model
 PAD = V  # pad id outside the embedding, like GPT-2's tiktoken tokenizer
@@ -325,3 +325,19 @@ def test_configure_optimizers_and_flops():
     assert critic.num_params() == model.num_params() - V * cfg.n_embd
     head_dim = cfg.n_embd // cfg.n_head
     assert model.flops_per_token(64) == 6 * model.num_params() + 12 * cfg.n_layer * cfg.n_head * head_dim * 64
+
+
+def test_sample_tokens_distribution_and_masked_logits():
+    """Inverse-CDF sampling: empirical frequencies match softmax (chi-square-sized tolerance), -inf never sampled."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[0.0, 1.0, -float("inf"), 2.0, -1.0], [-float("inf"), -float("inf"), 5.0, -float("inf"),
+                                                                   -float("inf")]])
+    n = 20000
+    toks = torch.stack([sample_tokens(logits, g) for _ in range(n)])  # (n, 2)
+    assert (toks[:, 1] == 2).all() and (toks[:, 0] != 2).all()
+    freq = torch.bincount(toks[:, 0], minlength=5).double() / n
+    p = torch.softmax(logits[0].double(), -1)
+    assert (freq - p).abs().max() <= 4 * (p * (1 - p) / n).sqrt().max()
+    # a leading zero-probability token is never chosen, even for u = 0
+    g0 = torch.Generator().manual_seed(1)
+    assert (torch.stack([sample_tokens(torch.tensor([[-float("inf"), 0.0]]), g0) for _ in range(200)]) == 1).all()
