@@ -51,6 +51,17 @@ class CommonArgs:
     """print and log training metrics every N steps"""
     peak_flops: Optional[float] = None
     """peak FLOP/s for perf/mfu (None: a table for known GPUs, a short matmul measurement on CPU)"""
+    export_hf: Optional[str] = None
+    """at the end, also write the model as a Hugging Face folder here (policy: causal LM; RM: sequence classifier)"""
+
+
+def export_hf(model, tok, out_dir: str) -> None:
+    """--export-hf: model.export_hf with the tokenizer's EOS; transformers reads an RM's score at the last token that
+    is not its pad id: the tokenizer's pad when that is a vocab id other than EOS, else 0 (right-pad with it)."""
+    vocab = model.config.vocab_size
+    pad = tok.pad_id if 0 <= tok.pad_id < vocab and tok.pad_id != tok.eos_id else None
+    model.export_hf(out_dir, eos_id=tok.eos_id, pad_id=pad)
+    print0(f"exported a Hugging Face model to {out_dir} (transformers' from_pretrained loads it)")
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -97,6 +108,12 @@ class Dist:
     @property
     def master(self) -> bool:
         return self.rank == 0
+
+
+def launched_world_size() -> int:
+    """The world size torchrun announces (1 for a plain process), known before any process group: batch sizes are
+    checked against it first, so a mistake ends with one line before init_process_group."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def setup_dist(device: str = "auto") -> Dist:
@@ -336,7 +353,8 @@ def load_init(spec: str, tokenizer=None, scratch: Optional[dict] = None, score_h
         tokenizer = Tokenizer.from_state(ckpt["tokenizer"])
     elif spec in GPT2_NAMES or _model_type(spec) == "gpt2":
         model = GPT.from_pretrained(spec, score_head=score_head)
-        has_tok = os.path.isdir(spec) and any(os.path.exists(os.path.join(spec, f)) for f in ("tokenizer.json", "vocab.json"))
+        has_tok = os.path.isdir(spec) and any(os.path.exists(os.path.join(spec, f))
+                                               for f in ("tokenizer.json", "vocab.json"))
         tokenizer = load_tokenizer(f"hf:{spec}" if has_tok else "gpt2")
     elif spec.startswith("hf:") or _model_type(spec):  # any other causal LM, through the adapter
         from hf import HFCausalLM

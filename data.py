@@ -376,11 +376,12 @@ def _check_fields(obj: dict, kind: str) -> str | None:
     return None
 
 
-def read_jsonl(path: str, kind: str) -> list[dict]:
-    """Read and validate a JSONL file of kind "sft", "text", "prompts" or "pairs"; any problem is one-line UserError."""
+def _jsonl_objects(path: str):
+    """Yield (line number, object) for every non-blank line of a UTF-8 JSONL file; a missing or empty file, bad UTF-8,
+    bad JSON or a line that is not an object is a one-line UserError `path:line: what is wrong`."""
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file")
-    records = []
+    n = 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -395,13 +396,64 @@ def read_jsonl(path: str, kind: str) -> list[dict]:
                 raise UserError(f"{path}:{lineno}: bad JSON: {e.msg} (column {e.colno})")
             if not isinstance(obj, dict):
                 raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            problem = _check_fields(obj, kind)
-            if problem:
-                raise UserError(f"{path}:{lineno}: {problem}")
-            records.append(obj)
-    if not records:
+            n += 1
+            yield lineno, obj
+    if not n:
         raise UserError(f"{path}: no records")
+
+
+def read_jsonl(path: str, kind: str) -> list[dict]:
+    """Read and validate a JSONL file of kind "sft", "text", "prompts" or "pairs"; any problem is one-line UserError."""
+    records = []
+    for lineno, obj in _jsonl_objects(path):
+        problem = _check_fields(obj, kind)
+        if problem:
+            raise UserError(f"{path}:{lineno}: {problem}")
+        records.append(obj)
     return records
+
+
+# -----------------------------------------------------------------------------
+# converters from public preference formats
+
+HH_ASSISTANT = "\n\nAssistant:"
+
+
+def hh_to_pair(chosen: str, rejected: str) -> dict | None:
+    """One Anthropic-HH record (two whole dialogues "\\n\\nHuman: ...\\n\\nAssistant: ...") -> {"prompt", "chosen",
+    "rejected"}: the prompt is the dialogue up to and including the last "\\n\\nAssistant:" (earlier turns included),
+    the answers are what follows it. None when the two dialogues differ before that point, or an answer is empty,
+    or both answers are the same."""
+    cut_c, cut_r = chosen.rfind(HH_ASSISTANT), rejected.rfind(HH_ASSISTANT)
+    if cut_c < 0 or cut_r < 0 or chosen[:cut_c] != rejected[:cut_r]:
+        return None
+    n = cut_c + len(HH_ASSISTANT)
+    prompt, c, r = chosen[:n], chosen[n:], rejected[n:]
+    if not c.strip() or not r.strip() or c == r:
+        return None
+    return {"prompt": prompt, "chosen": c, "rejected": r}
+
+
+def convert_hh(src: str, dst: str) -> tuple[int, int]:
+    """Anthropic-HH JSONL ({"chosen": str, "rejected": str} a line) -> our preference JSONL at dst, written atomically;
+    returns (written, skipped). A bad line stops before anything is written, with `path:line: what is wrong`."""
+    rows, skipped = [], 0
+    for lineno, obj in _jsonl_objects(src):
+        for key in ("chosen", "rejected"):
+            if key not in obj:
+                raise UserError(f"{src}:{lineno}: missing field {key!r} (an HH record needs chosen, rejected)")
+            if not isinstance(obj[key], str):
+                raise UserError(f"{src}:{lineno}: field {key!r} must be a string, got {type(obj[key]).__name__}")
+        pair = hh_to_pair(obj["chosen"], obj["rejected"])
+        skipped += pair is None
+        rows += [pair] if pair else []
+    if not rows:
+        raise UserError(f"{src}: no usable record (every one lacks a shared prompt or has an empty or tied answer)")
+    try:
+        _write_atomic(dst, "".join(json.dumps(r) + "\n" for r in rows))
+    except OSError as e:
+        raise UserError(f"{dst}: cannot write ({e.strerror or type(e).__name__})") from None
+    return len(rows), skipped
 
 
 # -----------------------------------------------------------------------------
@@ -483,3 +535,19 @@ def probe_texts(prompts: list[str], n: int, seed: int = 0) -> list[dict]:
                 response = " " + " ".join(words)
             out.append({"prompt": prompt, "response": response, "ended": kind != "no_eos", "kind": kind})
     return out
+
+
+def _cli(argv: list[str]) -> None:
+    """python data.py hh anthropic_hh.jsonl pairs.jsonl"""
+    if len(argv) != 3 or argv[0] != "hh":
+        raise UserError("usage: python data.py hh anthropic_hh.jsonl pairs.jsonl (gunzip the HH files first)")
+    written, skipped = convert_hh(argv[1], argv[2])
+    print(f"wrote {written} pairs to {argv[2]} ({skipped} skipped: no shared prompt, an empty or a tied answer)")
+
+
+if __name__ == "__main__":
+    import sys
+
+    from common import run_main
+
+    run_main(_cli, sys.argv[1:])

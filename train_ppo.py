@@ -60,7 +60,7 @@ class Args(common.CommonArgs):
     num_minibatches: int = 2
     """optimizer steps per PPO epoch (a minibatch is rollout_batch_size / num_minibatches)"""
     micro_batch_size: int = 32
-    """rows per rank per forward (gradient accumulation makes up the minibatch)"""
+    """rows per rank per forward, at most a rank's share of a minibatch (gradient accumulation makes up the rest)"""
     ppo_epochs: int = 1
     """passes over each rollout"""
     max_new_tokens: int = 64
@@ -268,10 +268,12 @@ class CollapseDetector:
     """The PPO-max paper's collapse signature (§5.2) is sudden: each iteration's KL, response length and perplexity are
     z-scored against the trailing window of the last `window` iterations (at least 3); the alarm is 1 while a KL jump
     up (z > z_threshold) and a length jump up or perplexity jump down (|z| > z_threshold) both lie within the last
-    `lag` iterations. The std has a floor of 5% of the window's mean level, so a flat series does not alarm on noise.
-    Defaults calibrated on the built-in task: 6/6 vanilla runs alarmed at iteration 5-13, 0/13 PPO-max runs ever."""
+    `lag` iterations. The std has a floor of 5% of the window's mean level, so a flat series does not alarm on noise,
+    and of 1 nat for KL, so the first rise from KL = 0 when the actor starts moving is not a jump.
+    Calibration on the built-in task: bench/ablation.py replays it on every run (README, "Ablation")."""
 
     KEYS = ("kl", "response_len", "perplexity")
+    FLOOR = {"kl": 1.0, "response_len": 0.0, "perplexity": 0.0}  # absolute std floors, in each series' units
 
     def __init__(self, window: int = 15, z_threshold: float = 3.5, lag: int = 3):
         self.window, self.z_threshold, self.lag = window, z_threshold, lag
@@ -283,7 +285,7 @@ class CollapseDetector:
         if len(trailing) < 3:
             return 0.0  # not enough history yet
         trailing = torch.tensor(trailing, dtype=torch.float64)
-        std = torch.maximum(trailing.std(correction=0), 0.05 * trailing.mean().abs() + 1e-8)
+        std = torch.maximum(trailing.std(correction=0), 0.05 * trailing.mean().abs() + self.FLOOR[key] + 1e-8)
         return ((current - trailing.mean()) / std).item()
 
     def update(self, kl: float, response_len: float, perplexity: float) -> bool:
@@ -431,9 +433,12 @@ def ppo_update(actor, critic, actor_optimizer, critic_optimizer, exp: dict, *, p
         advantages = masked_whiten(advantages, mask, mean=(s1 / n).float(), var=(s2 / n - (s1 / n) ** 2).float())
     keys = ("pg_loss", "vf_loss", "ptx_loss", "approx_kl", "clipfrac", "ratio", "vf_clipfrac", "tokens")
     acc = {k: torch.zeros((), dtype=torch.float64, device=device) for k in keys}  # this rank's sums
-    norms, first, n_steps, skipped = {"actor": 0.0, "critic": 0.0}, {}, 0, 0
+    norms = {k: torch.zeros((), dtype=torch.float64, device=device) for k in ("actor", "critic")}
+    first, n_steps, skipped = {}, 0, 0
+    lengths = mask.sum(1).long().tolist()  # one host sync: each micro-batch trims its right padding to its longest row
     for epoch in range(ppo_epochs):
-        perm = torch.randperm(B, generator=generator, device=generator.device if generator else "cpu").to(device)
+        perm = torch.randperm(B, generator=generator, device=generator.device if generator else "cpu")
+        perm_list, perm = perm.tolist(), perm.to(device)
         for mb in range(num_minibatches):
             rows = perm[mb * mb_rows : (mb + 1) * mb_rows]
             ptx = [ptx_sampler() for _ in range(accum)] if use_ptx else []
@@ -446,7 +451,8 @@ def ppo_update(actor, critic, actor_optimizer, critic_optimizer, exp: dict, *, p
             n_tok, n_ptx = n_tok.float(), n_ptx.float()
             for j in range(accum):
                 idx, sync = rows[j * micro_batch_size : (j + 1) * micro_batch_size], j == accum - 1
-                T = int(mask[idx].sum(1).max())  # trim the right padding this micro-batch does not need
+                at = mb * mb_rows + j * micro_batch_size
+                T = max(lengths[i] for i in perm_list[at : at + micro_batch_size])  # no host sync
                 q, qm, r, m = exp["query"][idx], exp["query_mask"][idx], exp["response"][idx, :T], mask[idx, :T]
                 old_logprobs, adv = exp["logprobs"][idx, :T], advantages[idx, :T]
                 if adv_whiten == "minibatch":  # PPO-max: global statistics over the whole minibatch
@@ -483,9 +489,9 @@ def ppo_update(actor, critic, actor_optimizer, critic_optimizer, exp: dict, *, p
                                            ("critic", critic, critic_optimizer, critic_grad_clip)):
                 if name == "critic" or train_actor:
                     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
-                    if torch.isfinite(norm):
+                    if torch.isfinite(norm):  # the step's one host sync
                         opt.step()
-                        norms[name] += norm.item()
+                        norms[name] += norm
                     else:
                         skipped += 1
                 opt.zero_grad(set_to_none=True)
@@ -495,8 +501,8 @@ def ppo_update(actor, critic, actor_optimizer, critic_optimizer, exp: dict, *, p
     return {"policy/loss": g["pg_loss"] / n_steps, "value/loss": g["vf_loss"] / n_steps,
             "ptx/loss": g["ptx_loss"] / n_steps, "policy/approx_kl": g["approx_kl"] / tokens,
             "policy/clipfrac": g["clipfrac"] / tokens, "policy/ratio_mean": g["ratio"] / tokens if train_actor else 1.0,
-            "value/clipfrac": g["vf_clipfrac"] / tokens, "train/grad_norm": norms["actor"] / n_steps,
-            "value/grad_norm": norms["critic"] / n_steps, "updates": n_steps, "skipped": skipped, **first}
+            "value/clipfrac": g["vf_clipfrac"] / tokens, "train/grad_norm": norms["actor"].item() / n_steps,
+            "value/grad_norm": norms["critic"].item() / n_steps, "updates": n_steps, "skipped": skipped, **first}
 
 
 # -----------------------------------------------------------------------------
@@ -579,17 +585,21 @@ def main(args: Args) -> None:
     gold_fn = gold_reward if builtin else None
 
     # 2. distributed set-up, sizes, optimizers, state
+    # sizes first, against the launched world size: a mistake ends here, before any process group
+    world = common.launched_world_size()
+    per_rank = exact_div(args.rollout_batch_size, world, "--rollout-batch-size over the world size")
+    mb_rows = exact_div(per_rank, args.num_minibatches, "--rollout-batch-size/world_size over --num-minibatches")
+    mbs = min(args.micro_batch_size, mb_rows)  # a micro-batch never exceeds a rank's share of the minibatch
+    accum = exact_div(mb_rows, mbs, "minibatch rows per rank over --micro-batch-size")
+    ptx_micro = exact_div(args.ptx_batch_size, world * accum, "--ptx-batch-size over world_size * accum steps") \
+        if ptx and args.ptx_coef > 0 else 0  # checked only when there is a ptx loss to compute
     d = common.setup_dist(args.device)
     dtype = common.resolve_dtype(args.dtype, d.device)
-    per_rank = exact_div(args.rollout_batch_size, d.world_size, "--rollout-batch-size over the world size")
-    mb_rows = exact_div(per_rank, args.num_minibatches, "--rollout-batch-size/world_size over --num-minibatches")
-    accum = exact_div(mb_rows, args.micro_batch_size, "minibatch rows per rank over --micro-batch-size")
-    ptx_micro = exact_div(args.ptx_batch_size, d.world_size * accum, "--ptx-batch-size over world_size * accum steps")
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
     print0(f"ppo: {len(prompts)} prompts ({n_all - len(prompts)} too long, skipped) | {len(ptx)} ptx texts | actor "
            f"{actor.num_params() / 1e6:.2f} M, critic {critic.num_params() / 1e6:.2f} M | rollout "
            f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x {accum} accum x "
-           f"{args.micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}")
+           f"{mbs} | {max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}")
     common.seed_everything(args.seed)
     for m in (actor, ref_policy, critic, reward_model):
         if m is not None:
@@ -605,10 +615,14 @@ def main(args: Args) -> None:
     prompt_order, ptx_order = Order(len(prompts), args.seed), Order(max(1, len(ptx)), args.seed + 1)
     step, seconds, updates, skipped = 0, 0.0, 0, 0
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
+    hashes = {"sft_hash": file_sha256(args.sft_ckpt), "rm_hash": file_sha256(args.rm_ckpt) if rm else None}
     if args.resume:
         ck = common.load_checkpoint(ckpt_path, kind="ppo", flag="--resume")
         if ck["world_size"] != d.world_size:
             raise UserError(f"--resume {ckpt_path}: saved with world size {ck['world_size']}, now {d.world_size}")
+        for flag, key in (("--sft-ckpt", "sft_hash"), ("--rm-ckpt", "rm_hash")):
+            if ck[key] != hashes[key]:
+                raise UserError(f"--resume {ckpt_path}: {flag} changed since the run started (sha256 differs)")
         for obj, key in ((actor, "model"), (critic, "critic"), (actor_opt, "optimizer"),
                          (critic_opt, "critic_optimizer"), (moments, "reward_moments"), (kl_ctl, "kl_ctl")):
             obj.load_state_dict(ck[key])
@@ -618,7 +632,8 @@ def main(args: Args) -> None:
         step, seconds, updates, skipped = ck["step"], ck["seconds"], ds["updates"], ds["skipped"]
         common.set_rng_state(ck["rng"][d.rank], sampler)
         print0(f"resumed from {ckpt_path} at step {step}")
-    hashes = {"sft_hash": file_sha256(args.sft_ckpt), "rm_hash": file_sha256(args.rm_ckpt) if rm else None}
+        if step >= max_steps:
+            raise UserError(f"--resume {ckpt_path}: already at step {step} of {max_steps} (raise --max-steps)")
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     compiled = d.device.type == "cuda" and args.compile
     actor_fwd, critic_fwd, ref_fwd, rm_fwd = (torch.compile(m) if compiled and m is not None else m
@@ -655,9 +670,14 @@ def main(args: Args) -> None:
 
     # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
     first, start_step, samples = {}, step, []
-    if d.master and not args.resume:  # a fresh run starts a fresh sample file
+    samples_path = os.path.join(args.out_dir, "samples.jsonl")
+    if d.master:  # a fresh run starts a fresh sample file; a resumed one drops what came after its checkpoint
         os.makedirs(args.out_dir, exist_ok=True)
-        open(os.path.join(args.out_dir, "samples.jsonl"), "w").close()
+        kept = [x for x in open(samples_path) if x.endswith("\n") and json.loads(x)["step"] <= step] \
+            if args.resume and os.path.exists(samples_path) else []
+        with open(samples_path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(samples_path + ".tmp", samples_path)
     while step < max_steps:
         t0 = time.time()
         rows = prompt_order.take(args.rollout_batch_size)[d.rank * per_rank : (d.rank + 1) * per_rank]
@@ -666,7 +686,7 @@ def main(args: Args) -> None:
             temperature=args.temperature, generator=sampler, kl_coef=kl_ctl.value, kl_estimator=args.kl_estimator,
             reward_moments=moments, reward_norm=args.reward_norm, reward_clip=args.reward_clip,
             missing_eos_penalty=args.missing_eos_penalty, gamma=args.gamma, lam=args.lam,
-            micro_batch_size=args.micro_batch_size, reward_fn=reward_fn, reward_fn_coef=args.reward_fn_coef,
+            micro_batch_size=mbs, reward_fn=reward_fn, reward_fn_coef=args.reward_fn_coef,
             gold_fn=gold_fn, dtype=dtype)
         kl_coef = kl_ctl.value
         kl_ctl.update(stats["objective/kl"], args.rollout_batch_size)
@@ -680,7 +700,7 @@ def main(args: Args) -> None:
                 group["lr"] = value
         upd = ppo_update(
             actor_ddp, critic_ddp, actor_opt, critic_opt, exp, ppo_epochs=args.ppo_epochs,
-            num_minibatches=args.num_minibatches, micro_batch_size=args.micro_batch_size, cliprange=args.cliprange,
+            num_minibatches=args.num_minibatches, micro_batch_size=mbs, cliprange=args.cliprange,
             cliprange_value=args.cliprange_value, temperature=args.temperature, adv_whiten=args.adv_whiten,
             entropy_coef=args.entropy_coef, ptx_coef=args.ptx_coef if ptx else 0.0, ptx_sampler=ptx_sampler,
             grad_clip=args.grad_clip, critic_grad_clip=args.critic_grad_clip,
@@ -711,7 +731,7 @@ def main(args: Args) -> None:
             show = lambda s: f"{s['prompt']}{s['response']}{'' if s['ended'] else ' [no EOS]'}"  # noqa: E731
             logger.text("samples", "\n\n".join(f"{show(s)} | score {s['score']:.2f}" + (
                 f" | gold {s['gold']:.2f}" if gold_fn else "") for s in samples[:8]), step)
-            with open(os.path.join(args.out_dir, "samples.jsonl"), "a") as f:
+            with open(samples_path, "a") as f:
                 f.writelines(json.dumps({"step": step, **s}) + "\n" for s in samples[:16])
         if alarm and args.stop_on_collapse:
             print0(f"collapse alarm at step {step}: stopping (the last checkpoint saved before it is kept)")
@@ -722,6 +742,8 @@ def main(args: Args) -> None:
     # 4. a few samples to look at
     for s in samples[:5]:
         print0(f"  {s['prompt']}{s['response']}{'' if s['ended'] else ' [no EOS]'}  (score {s['score']:.2f})")
+    if args.export_hf and d.master:
+        common.export_hf(actor, tok, args.export_hf)
     print0(f"ppo done in {time.time() - t_start:.0f}s: {ckpt_path} | first minibatch of the first update: "
            + ", ".join(f"{k[6:]} {v:.1e}" for k, v in first.items()))
     logger.close()

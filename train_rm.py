@@ -49,8 +49,8 @@ class Args(common.CommonArgs):
     batch_size: int = 64
     """preference records (prompts) per optimizer step, summed over ranks"""
     micro_batch_size: int = 16
-    """records per rank per forward (gradient accumulation makes up the rest; a rank's records are sorted by length
-    first, so small micro-batches waste little on padding)"""
+    """records per rank per forward, at most a rank's share of the batch (gradient accumulation makes up the rest; a
+    rank's records are sorted by length first, so small micro-batches waste little on padding)"""
     epochs: int = 1
     """passes over the training data (when --max-steps is not given); the LR anneals to 0 at the end"""
     lr: float = 1e-3
@@ -221,14 +221,16 @@ def main(args: Args) -> None:
     per_kind = {}  # probe score by kind, filled by evaluate()
 
     # 2. distributed set-up, sizes, optimizer
+    # sizes first, against the launched world size: a mistake ends here, before any process group
+    per_rank = exact_div(args.batch_size, common.launched_world_size(), "--batch-size over the world size")
+    mbs = min(args.micro_batch_size, per_rank)  # a micro-batch never exceeds a rank's share of the batch
+    grad_accum_steps = exact_div(per_rank, mbs, "--batch-size/world_size over --micro-batch-size")
     d = common.setup_dist(args.device)
     dtype = common.resolve_dtype(args.dtype, d.device)
-    per_rank = exact_div(args.batch_size, d.world_size, "--batch-size over the world size")
-    grad_accum_steps = exact_div(per_rank, args.micro_batch_size, "--batch-size/world_size over --micro-batch-size")
     max_steps = args.max_steps or max(1, args.epochs * len(train) // args.batch_size)
     print0(f"rm: {len(train)} train / {len(evals)} eval records ({n_skip} too long, skipped) | {len(calib)} calibration"
            f" | {model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
-           f"{grad_accum_steps} accum x {args.micro_batch_size} | {max_steps} steps | lm_coef {args.lm_coef} | "
+           f"{grad_accum_steps} accum x {mbs} | {max_steps} steps | lm_coef {args.lm_coef} | "
            f"device {d.device} {dtype}")
     model.to(d.device)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
@@ -343,7 +345,7 @@ def main(args: Args) -> None:
         mine = sorted(batch[d.rank * per_rank : (d.rank + 1) * per_rank], key=lambda ex: max(map(len, ex[0])))
         for micro in range(grad_accum_steps):
             ids, mask, ci, ri, w, lm_mask = (t.to(d.device) for t in collate(
-                mine[micro * args.micro_batch_size :][: args.micro_batch_size], tok.pad_id))
+                mine[micro * mbs :][: mbs], tok.pad_id))
             sync = micro == grad_accum_steps - 1 or not d.ddp
             with (nullcontext() if sync else model.no_sync()), common.autocast(d.device, dtype):
                 logits, scores = model(ids, logits=args.lm_coef > 0)  # right padding: no attention mask needed
@@ -401,6 +403,8 @@ def main(args: Args) -> None:
            f"folded into score_head.bias")
     if builtin:
         print0("probe (mean score by kind): " + " | ".join(f"{k} {v:+.3f}" for k, v in per_kind.items()))
+    if args.export_hf and d.master:
+        common.export_hf(raw_model, tok, args.export_hf)
     print0(f"rm done in {time.time() - t_start:.0f}s: {ckpt_path} | val/accuracy {metrics['val/accuracy']:.4f}" +
            (f" | val/bayes_ceiling {metrics['val/bayes_ceiling']:.4f} | probe/degenerate_score "
             f"{metrics['probe/degenerate_score']:+.3f} | probe/fluent_score {metrics['probe/fluent_score']:+.3f}"

@@ -50,7 +50,7 @@ class Args(common.CommonArgs):
     batch_size: int = 64
     """sequences per optimizer step, summed over ranks"""
     micro_batch_size: int = 64
-    """sequences per rank per forward (gradient accumulation makes up the rest)"""
+    """sequences per rank per forward, at most a rank's share of the batch (gradient accumulation makes up the rest)"""
     epochs: int = 3
     """passes over the training data (when --max-steps is not given)"""
     lr: float = 2e-3
@@ -136,14 +136,16 @@ def main(args: Args) -> None:
         raise UserError(f"{args.data}: every example is longer than the context ({model.config.block_size} tokens)")
 
     # 2. distributed set-up, sizes, optimizer
+    # sizes first, against the launched world size: a mistake ends here, before any process group
+    per_rank = exact_div(args.batch_size, common.launched_world_size(), "--batch-size over the world size")
+    mbs = min(args.micro_batch_size, per_rank)  # a micro-batch never exceeds a rank's share of the batch
+    grad_accum_steps = exact_div(per_rank, mbs, "--batch-size/world_size over --micro-batch-size")
     d = common.setup_dist(args.device)
     dtype = common.resolve_dtype(args.dtype, d.device)
-    per_rank = exact_div(args.batch_size, d.world_size, "--batch-size over the world size")
-    grad_accum_steps = exact_div(per_rank, args.micro_batch_size, "--batch-size/world_size over --micro-batch-size")
     max_steps = args.max_steps or max(1, args.epochs * len(train) // args.batch_size)
     print0(f"sft: {len(train)} train / {len(evals)} eval examples ({n_skip} too long, skipped) | "
            f"{model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
-           f"{grad_accum_steps} accum x {args.micro_batch_size} | {max_steps} steps | device {d.device} {dtype}")
+           f"{grad_accum_steps} accum x {mbs} | {max_steps} steps | device {d.device} {dtype}")
     model.to(d.device)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
@@ -160,6 +162,8 @@ def main(args: Args) -> None:
         epoch, pos, perm, skipped = (ck["data_state"][k] for k in ("epoch", "pos", "perm", "skipped"))
         common.set_rng_state(ck["rng"][d.rank], sampler)
         print0(f"resumed from {ckpt_path} at step {step}")
+        if step >= max_steps:
+            raise UserError(f"--resume {ckpt_path}: already at step {step} of {max_steps} (raise --max-steps)")
     raw_model = model
     if d.device.type == "cuda" and args.compile:
         model = torch.compile(model)
@@ -187,8 +191,8 @@ def main(args: Args) -> None:
     def evaluate(n_samples: int) -> dict:
         raw_model.eval()
         sums = torch.zeros(3, device=d.device)  # nll sum, token count, valid samples
-        for i in range(d.rank * args.micro_batch_size, len(evals), d.world_size * args.micro_batch_size):
-            x, y, m = (t.to(d.device) for t in collate(evals[i : i + args.micro_batch_size], tok.pad_id))
+        for i in range(d.rank * mbs, len(evals), d.world_size * mbs):
+            x, y, m = (t.to(d.device) for t in collate(evals[i : i + mbs], tok.pad_id))
             with common.autocast(d.device, dtype):
                 logits, _ = raw_model(x)
             sums[0] += lm_loss(logits, y, m, denom=1.0)
@@ -221,7 +225,7 @@ def main(args: Args) -> None:
         mine = batch[d.rank * per_rank : (d.rank + 1) * per_rank]
         loss_sum = torch.zeros((), device=d.device)
         for micro in range(grad_accum_steps):
-            x, y, m = (t.to(d.device) for t in collate(mine[micro * args.micro_batch_size :][: args.micro_batch_size],
+            x, y, m = (t.to(d.device) for t in collate(mine[micro * mbs :][: mbs],
                                                        tok.pad_id))
             sync = micro == grad_accum_steps - 1 or not d.ddp
             with (nullcontext() if sync else model.no_sync()), common.autocast(d.device, dtype):
@@ -268,6 +272,8 @@ def main(args: Args) -> None:
     # 4. a few samples to look at
     for p, r, e in samples[:5]:
         print0(f"  {p}{r}{'' if e else ' [no EOS]'}")
+    if args.export_hf and d.master:
+        common.export_hf(raw_model, tok, args.export_hf)
     print0(f"sft done in {time.time() - t_start:.0f}s: {ckpt_path}" +
            (f" | val/valid_frac {metrics['val/valid_frac']:.3f}" if builtin else ""))
     logger.close()

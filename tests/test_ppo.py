@@ -282,6 +282,12 @@ def test_collapse_detector():
     alarms = run(jump_at=50)
     assert not any(alarms[:50]) and alarms[52]  # KL jumps at 50, length at 52: fires at 52
     assert not any(run(jump_at=50, length_jump=False))  # KL alone is not the collapse signature
+    # the first rise from KL = 0 once the actor moves (iterations 6-16 of a PPO-max run, seed 1) is not a collapse
+    kl = [0.0, 0.029, 0.046, 0.030, 0.249, 0.428, 0.833, 3.215, 3.390, 4.154, 2.876]
+    length = [14.3, 15.4, 14.9, 14.5, 14.7, 18.7, 18.3, 21.3, 21.8, 22.2, 21.1]
+    ppl = [2.533, 2.508, 2.587, 2.571, 2.452, 2.490, 2.417, 2.362, 2.395, 2.286, 2.179]
+    det = CollapseDetector()
+    assert not any(det.update(*x) for x in zip(kl, length, ppl))
 
 
 # -----------------------------------------------------------------------------

@@ -1,19 +1,35 @@
 """Reliability: a run killed at a random moment resumes exactly; a non-finite step is skipped and counted."""
 
+import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
+import common
+import data
+import train_ppo
 import train_sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT_FLAGS = ("--n-layer 1 --n-head 2 --n-embd 32 --batch-size 8 --micro-batch-size 4 --max-steps 120 --eval-every 40 "
              "--num-samples 8 --eval-samples 8 --warmup-steps 5 --log-every 10 --max-new-tokens 24 --save-every 1")
+RM_FLAGS = ("--batch-size 8 --micro-batch-size 4 --max-steps 40 --warmup-steps 2 --eval-every 15 --eval-pairs 8 "
+            "--probe-size 4 --calib-size 32 --log-every 10 --save-every 1")
+PPO_FLAGS = ("--max-steps 12 --rollout-batch-size 8 --num-minibatches 2 --micro-batch-size 4 --ptx-batch-size 4 "
+             "--max-new-tokens 16 --critic-warmup-steps 2 --warmup-steps 2 --sample-every 1 --log-every 4 "
+             "--kl-target 1.0 --kl-horizon 100 --collapse-window 3 --save-every 1")
+
+
+def run(cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(shlex.split(cmd), cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def kill_and_resume(cmd: str, out_dir: str, min_step: int) -> None:
@@ -73,3 +89,92 @@ def test_sft_nan_step_is_skipped(tmp_path, task_dir, monkeypatch):
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
     assert ckpt["step"] == 6 and ckpt["data_state"]["skipped"] == 1
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+
+
+def test_rm_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts):
+    held_out = tmp_path / "pairs_eval.jsonl"
+    with open(data.build_task(task_dir, 1337)["pairs_eval"]) as f:  # a small held-out set keeps the final eval short
+        held_out.write_text("".join(f.readline() for _ in range(32)))
+    base = (f"{sys.executable} train_rm.py --task-dir {task_dir} --init {tiny_ckpts[0]} --eval-data {held_out} "
+            f"{RM_FLAGS}")
+    r = run(f"{base} --out-dir {tmp_path}/full")
+    assert r.returncode == 0, r.stderr[-3000:]
+    kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=12)
+    assert_same_weights(tmp_path / "full" / "ckpt.pt", tmp_path / "killed" / "ckpt.pt")
+    full, killed = (torch.load(tmp_path / p / "ckpt.pt", weights_only=False) for p in ("full", "killed"))
+    assert abs(full["score_offset"] - killed["score_offset"]) < 1e-5
+    for k, v in full["data_state"].items():
+        assert torch.equal(v, killed["data_state"][k]) if k == "perm" else v == killed["data_state"][k], k
+    lines = open(tmp_path / "killed" / "samples.jsonl").read().splitlines()
+    assert lines == open(tmp_path / "full" / "samples.jsonl").read().splitlines()
+
+
+def test_ppo_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts):
+    sft, rm = tiny_ckpts
+    base = f"{sys.executable} train_ppo.py --task-dir {task_dir} --sft-ckpt {sft} --rm-ckpt {rm} {PPO_FLAGS}"
+    r = run(f"{base} --out-dir {tmp_path}/full")
+    assert r.returncode == 0, r.stderr[-3000:]
+    kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=5)
+    for key in ("model", "critic"):
+        assert_same_weights(tmp_path / "full" / "ckpt.pt", tmp_path / "killed" / "ckpt.pt", key)
+    full, killed = (torch.load(tmp_path / p / "ckpt.pt", weights_only=False) for p in ("full", "killed"))
+    for key in ("reward_moments", "kl_ctl"):
+        for k, v in full[key].items():
+            assert abs(v - killed[key][k]) <= 1e-5 * max(1.0, abs(v)), (key, k)
+    assert full["data_state"]["updates"] == killed["data_state"]["updates"] == 12 * 2
+    assert full["data_state"]["prompts"] == killed["data_state"]["prompts"]
+    assert full["data_state"]["ptx"] == killed["data_state"]["ptx"]
+    # samples.jsonl: no duplicate lines, 8 per iteration, the very lines of the uninterrupted run
+    lines = open(tmp_path / "killed" / "samples.jsonl").read().splitlines()
+    assert len(lines) == len(set(lines)) == 12 * 8
+    assert lines == open(tmp_path / "full" / "samples.jsonl").read().splitlines()
+
+
+def test_ppo_kill_between_samples_and_save_leaves_no_duplicates(tmp_path, task_dir, tiny_ckpts, monkeypatch):
+    """A kill after an iteration's samples are appended but before its checkpoint: the resume drops them, redoes it."""
+    class Killed(BaseException):
+        pass
+
+    real_save, calls = common.save_checkpoint, {"n": 0}
+
+    def dying_save(obj, path):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise Killed
+        real_save(obj, path)
+
+    monkeypatch.setattr(common, "save_checkpoint", dying_save)
+    args = train_ppo.Args(out_dir=str(tmp_path), task_dir=task_dir, sft_ckpt=tiny_ckpts[0], rm_ckpt=tiny_ckpts[1],
+                          max_steps=4, rollout_batch_size=8, num_minibatches=2, micro_batch_size=4, ptx_batch_size=4,
+                          max_new_tokens=8, critic_warmup_steps=1, warmup_steps=1, sample_every=1, save_every=1)
+    with pytest.raises(Killed):
+        train_ppo.main(args)
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
+    train_ppo.main(train_ppo.Args(**{**args.__dict__, "resume": True}))
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "samples.jsonl")]
+    assert steps == sorted(steps) and [steps.count(s) for s in (1, 2, 3, 4)] == [8, 8, 8, 8]
+
+
+def test_ppo_resume_refuses_other_world_size_changed_inputs_and_a_finished_run(tmp_path, task_dir, tiny_ckpts):
+    sft, rm = str(tmp_path / "sft.pt"), str(tmp_path / "rm.pt")
+    shutil.copy(tiny_ckpts[0], sft), shutil.copy(tiny_ckpts[1], rm)
+    args = train_ppo.Args(out_dir=str(tmp_path / "ppo"), task_dir=task_dir, sft_ckpt=sft, rm_ckpt=rm, max_steps=1,
+                          rollout_batch_size=8, num_minibatches=2, micro_batch_size=4, ptx_batch_size=4,
+                          max_new_tokens=8, critic_warmup_steps=1, warmup_steps=1)
+    train_ppo.main(args)
+    resume, path = train_ppo.Args(**{**args.__dict__, "resume": True, "max_steps": 2}), tmp_path / "ppo" / "ckpt.pt"
+    ckpt = torch.load(path, weights_only=False)
+    common.save_checkpoint(ckpt | {"world_size": 2}, str(path))
+    with pytest.raises(common.UserError, match="saved with world size 2, now 1"):
+        train_ppo.main(resume)
+    common.save_checkpoint(ckpt, str(path))
+    for flag, p in (("--sft-ckpt", sft), ("--rm-ckpt", rm)):  # the same weights re-saved: another file all the same
+        original = open(p, "rb").read()
+        common.save_checkpoint(torch.load(p, weights_only=False) | {"seconds": 1.0}, p)
+        with pytest.raises(common.UserError, match=f"--resume {path}: {flag} changed since the run started"):
+            train_ppo.main(resume)
+        open(p, "wb").write(original)
+    train_ppo.main(resume)  # unchanged inputs: resumes
+    assert torch.load(path, weights_only=False)["step"] == 2
+    with pytest.raises(common.UserError, match="already at step 2 of 2"):  # a finished run
+        train_ppo.main(resume)

@@ -149,11 +149,12 @@ def test_readme_commands(tmp_path, task_dir, offline_gpt2):
 
 
 def test_ddp_matches_single_process(tmp_path, task_dir):
-    """2 ranks (gloo) with the same global batch end with the same weights as 1 process."""
-    flags = f"--task-dir {task_dir} {TINY_FLAGS} --max-steps 3 --batch-size 8 --micro-batch-size 2"
-    r1 = run(f"{sys.executable} train_sft.py {flags} --out-dir {tmp_path}/one")
+    """2 ranks (gloo) with the same global batch end with the same weights as 1 process; the micro-batch only splits
+    the work (1 process: 4 accumulation steps of 2; 2 ranks: --micro-batch-size 8 is capped at a rank's share, 4)."""
+    flags = f"--task-dir {task_dir} {TINY_FLAGS} --max-steps 3 --batch-size 8"
+    r1 = run(f"{sys.executable} train_sft.py {flags} --micro-batch-size 2 --out-dir {tmp_path}/one")
     r2 = run(f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_sft.py {flags} "
-             f"--out-dir {tmp_path}/two", env={"OMP_NUM_THREADS": "1"})
+             f"--micro-batch-size 8 --out-dir {tmp_path}/two", env={"OMP_NUM_THREADS": "1"})
     assert r1.returncode == 0 and r2.returncode == 0, r1.stderr[-2000:] + r2.stderr[-2000:]
     a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
     b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
