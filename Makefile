@@ -2,6 +2,8 @@
 #   make demo            the whole pipeline on the built-in task, default sizes (outputs under out/)
 #   make demo TINY=1     the same chain with tiny sizes in about a minute (outputs under out/tiny/)
 #   make test            the test suite
+#   make ablation        PPO-max vs vanilla vs minus-one-trick, 2 seeds, and a --kl-coef sweep (about 1.5 h;
+#                        needs out/sft and out/rm from `make demo`; resumes; table in out/ablation/ablation.md)
 PYTHON ?= python3
 VENV   := .venv
 PY     ?= $(VENV)/bin/python
@@ -22,7 +24,7 @@ EVAL_FLAGS :=
 endif
 COMMON := --task-dir $(DATA)
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv clean ablation wheels
 
 venv: $(VENV)/.installed
 
@@ -42,8 +44,17 @@ demo: venv
 	$(PY) eval.py $(COMMON) --policy $(OUT)/sft/ckpt.pt $(OUT)/ppo/ckpt.pt --names sft ppo --ref $(OUT)/sft/ckpt.pt \
 		--rm $(OUT)/rm/ckpt.pt --json $(OUT)/results.json $(EVAL_FLAGS)
 
+ablation: venv
+	$(PY) bench/ablation.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \
+		--out-dir $(OUT)/ablation
+
 test: venv
 	$(PY) -m pytest -q --durations=15 tests
+
+# tyro and its pure-Python dependencies as wheels, for bench/gpu_check.sh on a CUDA box without network
+wheels: venv
+	$(PY) -m pip download -q --no-deps -d .whl "tyro==$$($(PY) -c 'import tyro; print(tyro.__version__)')" \
+		docstring-parser typeguard typing-extensions
 
 clean:
 	rm -rf out

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# GPU check (issue #6/#8): the pipeline on CUDA with bf16 autocast and torch.compile, then the PPO iteration
+# benchmark at GPT-2-small shape. Prints tokens/s and MFU per stage (from each stage's TensorBoard perf/* tags) and
+# the benchmark's phase breakdown. About 4 minutes on one H200 for the pipeline, about 3 more for the benchmark.
+#
+# Constraints (DESIGN §7): the system python3 (torch >= 2.11, transformers, tiktoken, tensorboard, numpy present),
+# no network, no venv. tyro and its pure-Python dependencies travel as wheels in .whl/ beside the repo: run
+# `make wheels` on a machine with network first (wheels are zip files; they go on PYTHONPATH as they are).
+#
+#   bash bench/gpu_check.sh              # pipeline + benchmark
+#   bash bench/gpu_check.sh pipeline     # pipeline only
+#   bash bench/gpu_check.sh bench        # benchmark only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-${TMPDIR:-/tmp}/gpu_check}
+WHAT=${1:-all}
+export PYTHONPATH="$(ls "$PWD"/.whl/*.whl 2>/dev/null | tr '\n' ':')${PYTHONPATH:-}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+$PY -c "import tyro" 2>/dev/null || { echo "gpu_check: tyro is missing: run 'make wheels' where there is network and carry .whl/"; exit 2; }
+$PY - <<'PY'
+import torch
+assert torch.cuda.is_available(), "gpu_check: no CUDA device"
+p = torch.cuda.get_device_properties(0)
+print(f"gpu_check: torch {torch.__version__}, {p.name}, {p.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} device(s)")
+PY
+COMMON="--device cuda --dtype bfloat16 --task-dir $OUT/data"
+
+if [ "$WHAT" = all ] || [ "$WHAT" = pipeline ]; then
+  rm -rf "$OUT/sft" "$OUT/rm" "$OUT/ppo"
+  t0=$(date +%s)
+  # a GPT-2-small-width model on the built-in task: big enough for the GPU to matter, small enough for minutes
+  $PY train_sft.py $COMMON --out-dir $OUT/sft --n-layer 12 --n-head 12 --n-embd 768 --batch-size 64 \
+      --micro-batch-size 64 --max-steps 300 --eval-every 300 --num-samples 64 --log-every 50
+  $PY train_rm.py $COMMON --out-dir $OUT/rm --init $OUT/sft/ckpt.pt --max-steps 100 --eval-every 100 \
+      --eval-pairs 512 --log-every 25
+  $PY train_ppo.py $COMMON --out-dir $OUT/ppo --sft-ckpt $OUT/sft/ckpt.pt --rm-ckpt $OUT/rm/ckpt.pt \
+      --max-steps 30 --rollout-batch-size 256 --micro-batch-size 64 --log-every 5 --sample-every 10
+  $PY eval.py $COMMON --policy $OUT/sft/ckpt.pt $OUT/ppo/ckpt.pt --names sft ppo --ref $OUT/sft/ckpt.pt \
+      --rm $OUT/rm/ckpt.pt --num-samples 256
+  echo "gpu_check: pipeline wall $(( $(date +%s) - t0 )) s"
+  $PY - "$OUT" <<'PY'
+import statistics, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+for stage in ("sft", "rm", "ppo"):
+    acc = EventAccumulator(f"{sys.argv[1]}/{stage}", size_guidance={"scalars": 0}); acc.Reload()
+    get = lambda tag: [e.value for e in acc.Scalars(tag)][1:] or [e.value for e in acc.Scalars(tag)]  # skip compile
+    print(f"gpu_check: {stage:3s} tokens/s {statistics.median(get('perf/tokens_per_sec')):,.0f}  "
+          f"mfu {100 * statistics.median(get('perf/mfu')):.1f}% (median over logged steps, first dropped)")
+PY
+fi
+
+if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
+  # issue #8: GPT-2-small shape, batch 64, response 128, bf16 autocast, compiled training forward
+  $PY bench/ppo_throughput.py --device cuda --dtype bfloat16 --compile --layers 12 --heads 12 --dim 768 \
+      --vocab 50257 --prompt-len 64 --resp-len 128 --batch 64 --iters 6 --threads 8
+fi

@@ -1,0 +1,220 @@
+"""PPO iteration throughput: train_ppo.py's own `rollout(...)` and `ppo_update(...)` on randomly initialised models.
+
+The flags and the work are those of ../shared/bench/trl_ppo_bench.py (TRL's PPOTrainer on a random GPT-2): policy,
+frozen reference, reward model and critic (initialised from the RM) of one shape, random prompts of --prompt-len
+tokens, fp32, responses of exactly --resp-len tokens (the EOS id lies outside the vocabulary, so no row stops early,
+as in the TRL benchmark), --ppo-epochs x --mini-batches optimizer steps per iteration. Prints the median phase
+breakdown (generate, scoring forwards, update) with each phase's FLOPs (PaLM convention, as perf/mfu) and achieved
+FLOP/s against this machine's measured fp32 matmul peak, then one line:
+`ppo_throughput: sec_per_iter=<median of iterations 2..K> gen_tok_per_s=<batch*resp_len/sec_per_iter> peak_rss_mb=<y>`
+
+python bench/ppo_throughput.py --iters 10                                  # shape S on 2 CPU threads
+python bench/ppo_throughput.py --iters 10 --dim 512 --layers 8 --vocab 8192  # shape L
+python bench/ppo_throughput.py --device cuda --dtype bfloat16 --compile --layers 12 --heads 12 --dim 768 \
+    --vocab 50257 --resp-len 128 --iters 6                                # GPT-2 small on a GPU
+"""
+
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from train_ppo import RunningMoments, ppo_update, rollout  # noqa: E402
+
+
+@dataclass
+class Shape:
+    """The model and batch shape, as ../shared/bench/trl_ppo_bench.py names it (bench/generate.py shares it)."""
+
+    layers: int = 4
+    """transformer blocks"""
+    heads: int = 4
+    """attention heads"""
+    dim: int = 256
+    """embedding width"""
+    vocab: int = 512
+    """vocabulary size"""
+    n_positions: int = 256
+    """context length (block_size)"""
+    prompt_len: int = 16
+    """prompt tokens (random ids)"""
+    resp_len: int = 48
+    """response tokens, every row (no early stop)"""
+    batch: int = 64
+    """prompts per PPO iteration (--rollout-batch-size)"""
+    threads: int = 2
+    """torch.set_num_threads"""
+    seed: int = 1234
+    """seed of models, prompts and sampling"""
+
+
+@dataclass
+class Args(Shape):
+    iters: int = 6
+    """PPO iterations; the first is warm-up"""
+    ppo_epochs: int = 4
+    """passes over each rollout (--ppo-epochs)"""
+    mini_batches: int = 4
+    """optimizer steps per epoch (--num-minibatches)"""
+    micro_batch: int = 0
+    """rows per forward in the update (--micro-batch-size; 0 = a whole minibatch, as the TRL benchmark)"""
+    temperature: float = 1.0
+    """sampling temperature"""
+    device: str = "cpu"
+    """cpu | cuda"""
+    dtype: str = "float32"
+    """float32 | bfloat16 (autocast)"""
+    compile: bool = False
+    """torch.compile the training forward (GPU)"""
+
+
+class IdTokenizer:
+    """Prompts are strings of token ids ("5 17 3"); EOS and pad lie outside the model's vocabulary."""
+
+    def __init__(self, vocab: int):
+        self.eos_id, self.pad_id = vocab, vocab + 1
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids) -> str:
+        return " ".join(str(i) for i in ids.tolist())
+
+
+def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """Best achieved matmul FLOP/s over square sizes 512..2048 (a few short trials each): the machine's peak."""
+    best = 0.0
+    for n in (512, 1024, 2048):
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        a @ b
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            iters, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < 0.1:
+                a @ b
+                iters += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = max(best, 2 * n**3 * iters / (time.perf_counter() - t0))
+    return best
+
+
+def main(args: Args) -> None:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    B, P, R = args.batch, args.prompt_len, args.resp_len
+    mb = B // args.mini_batches
+    micro = args.micro_batch or mb
+    cfg = GPTConfig(block_size=args.n_positions, vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads,
+                    n_embd=args.dim, dropout=0.0, bias=True)
+    policy = GPT(cfg).to(device)
+    ref = GPT(cfg).to(device).requires_grad_(False)
+    ref.load_state_dict(policy.state_dict())
+    rm_cfg = GPTConfig(**{**cfg.__dict__, "lm_head": False, "score_head": True})
+    reward_model = GPT(rm_cfg).to(device).requires_grad_(False)
+    critic = GPT(rm_cfg).to(device)
+    critic.load_state_dict(reward_model.state_dict())  # the critic starts from the RM (as TRL's examples)
+    for m in (policy, ref, reward_model, critic):
+        m.eval()
+    actor_opt = policy.configure_optimizers(0.0, 3e-6, (0.9, 0.95), device.type)
+    critic_opt = critic.configure_optimizers(0.0, 3e-6, (0.9, 0.95), device.type)
+    fwd = {m: torch.compile(m) if args.compile else m for m in (policy, ref, reward_model, critic)}
+    tok = IdTokenizer(args.vocab)
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, args.vocab, (B * args.iters, P), generator=g).tolist()
+    prompts = [" ".join(map(str, row)) for row in ids]
+    sampler = torch.Generator(device=device).manual_seed(args.seed)
+    moments = RunningMoments()
+
+    # time generation from outside: wrap the policy's generate (the rollout calls it once)
+    gen_time = [0.0]
+    raw_generate = policy.generate
+
+    def timed_generate(*a, **kw):
+        sync()
+        t = time.perf_counter()
+        out = raw_generate(*a, **kw)
+        sync()
+        gen_time[0] += time.perf_counter() - t
+        return out
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    policy.generate = timed_generate
+    n_params = policy.num_params()
+    print(f"[setup] torch={torch.__version__} threads={torch.get_num_threads()} device={device} dtype={args.dtype} "
+          f"compile={args.compile} | policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f} M params (x4 "
+          f"models) layers={args.layers} heads={args.heads} dim={args.dim} vocab={args.vocab} | B={B} P={P} R={R} "
+          f"ppo_epochs={args.ppo_epochs} mini_batches={args.mini_batches} (minibatch {mb}, micro-batch {micro})",
+          flush=True)
+    rows = []
+    for it in range(args.iters):
+        gen_time[0] = 0.0
+        sync()
+        t0 = time.perf_counter()
+        exp, stats, _ = rollout(
+            policy if not args.compile else fwd[policy], fwd[ref], fwd[critic], fwd[reward_model], tok,
+            prompts[it * B : (it + 1) * B], max_new_tokens=R, temperature=args.temperature, generator=sampler,
+            kl_coef=0.1, kl_estimator="k1", reward_moments=moments, reward_norm="norm", reward_clip=5.0,
+            missing_eos_penalty=-1.0, gamma=1.0, lam=0.95, micro_batch_size=B, dtype=dtype)
+        sync()
+        t1 = time.perf_counter()
+        assert exp["mask"].shape == (B, R) and bool(exp["mask"].all()), "every response must be exactly R tokens"
+        ppo_update(fwd[policy], fwd[critic], actor_opt, critic_opt, exp, ppo_epochs=args.ppo_epochs,
+                   num_minibatches=args.mini_batches, micro_batch_size=micro, cliprange=0.2, cliprange_value=0.2,
+                   temperature=args.temperature, adv_whiten="minibatch", grad_clip=1.0, critic_grad_clip=1.0,
+                   generator=sampler, dtype=dtype)
+        sync()
+        t2 = time.perf_counter()
+        rows.append({"total": t2 - t0, "generate": gen_time[0], "scoring": t1 - t0 - gen_time[0], "update": t2 - t1})
+        print(f"[iter {it}] {t2 - t0:.3f}s: generate {gen_time[0]:.3f} scoring {t1 - t0 - gen_time[0]:.3f} "
+              f"update {t2 - t1:.3f}", flush=True)
+
+    steady = rows[1:] if len(rows) > 1 else rows
+    med = {k: statistics.median(r[k] for r in steady) for k in rows[0]}
+    # FLOPs, PaLM convention (forward = 1/3 of flops_per_token at the full context L = P + R)
+    L = P + R
+    fa, fc = policy.flops_per_token(L), critic.flops_per_token(L)
+    flops = {"generate": B * L * fa / 3, "scoring": B * L * (2 * fa + 2 * fc) / 3,
+             "update": args.ppo_epochs * B * L * (fa + fc)}
+    # the peak: measured fp32 matmuls on CPU; the vendor's dense bf16 figure on a known GPU (common.GPU_PEAK_FLOPS)
+    peak = measured_peak(device, torch.float32) if device.type == "cpu" else common.peak_flops(device)
+    # TRL takes the old log-probs from its generation's scores: its scoring phase skips the policy forward
+    print(f"[flops] generate={flops['generate'] / 1e9:.2f} scoring={flops['scoring'] / 1e9:.2f} "
+          f"scoring_without_policy={B * L * (fa + 2 * fc) / 3 / 1e9:.2f} update={flops['update'] / 1e9:.2f} GFLOP "
+          f"peak={peak / 1e9:.1f} GFLOP/s")
+    its = " ".join(f"{r['total']:.3f}" for r in rows)
+    print(f"[result] iteration seconds: {its} (first = warm-up)")
+    print(f"[result] matmul peak (measured, {'fp32' if device.type == 'cpu' else args.dtype}): {peak / 1e9:.1f} GFLOP/s"
+          f" | non-embedding params {n_params / 1e6:.2f} M")
+    for k in ("generate", "scoring", "update"):
+        print(f"[result] {k:9s} {med[k]:7.3f}s ({100 * med[k] / med['total']:4.1f}%)  {flops[k] / 1e9:9.1f} GFLOP  "
+              f"{flops[k] / med[k] / 1e9:8.1f} GFLOP/s  {100 * flops[k] / med[k] / peak:5.1f}% of peak")
+    print(f"[result] generation-only tok/s = {B * R / med['generate']:.0f}")
+    # decode is bandwidth-bound on a GPU: each step reads the policy's weights and the KV cache so far
+    weight_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
+    kv_elem = 2 if dtype != torch.float32 else 4
+    kv_bytes = sum(2 * args.layers * B * (P + t) * args.dim * kv_elem for t in range(R))
+    print(f"[result] decode traffic {(R * weight_bytes + kv_bytes) / 1e9:.2f} GB (weights {weight_bytes / 1e6:.0f} MB "
+          f"x {R} steps + KV cache) -> {(R * weight_bytes + kv_bytes) / med['generate'] / 1e9:.0f} GB/s achieved")
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    print(f"ppo_throughput: sec_per_iter={med['total']:.3f} gen_tok_per_s={B * R / med['total']:.1f} "
+          f"peak_rss_mb={peak_rss_mb:.0f}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
