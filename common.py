@@ -360,7 +360,10 @@ def load_init(spec: str, tokenizer=None, scratch: Optional[dict] = None, score_h
         from hf import HFCausalLM
 
         path = spec.removeprefix("hf:")
-        tokenizer = load_tokenizer(f"hf:{path}")
+        try:
+            tokenizer = load_tokenizer(f"hf:{path}")
+        except UserError as e:
+            raise UserError(f"{flag} {spec}: {e}") from None
         try:
             model = HFCausalLM.from_pretrained(path, lm_head=lm_head, score_head=score_head)
         except (OSError, ValueError, KeyError) as e:  # not found, offline, not a causal LM

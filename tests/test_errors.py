@@ -55,6 +55,7 @@ def files(tmp_path_factory, task_dir, tiny_ckpts):
     (SFT + " --data {w}/empty.jsonl --tokenizer {tok}", r"empty\.jsonl: no records"),
     (SFT + " --init {w}/truncated.pt", r"--init .*truncated\.pt: not a readable checkpoint"),
     (SFT + " --resume", r"--resume .*ckpt\.pt: no such checkpoint"),
+    (SFT + " --init hf:{w}/no_such_model", r"--init hf:.*no_such_model: could not load tokenizer"),
     (SFT + " --resume --out-dir {w}/ws_sft", r"--resume .*ckpt\.pt: saved with world size 2, now 1"),
     (RM + " --data {w}/pairs_range.jsonl", r"pairs_range\.jsonl:2: field 'ranking' must be a permutation of 0\.\.1"),
     (RM + " --init {w}/sft_othertok.pt", r"--init .*sft_othertok\.pt: its tokenizer is not the built-in task's"),
