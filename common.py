@@ -3,6 +3,7 @@
 Nothing algorithmic lives here; each stage's algorithm is inline in its own train_*.py.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -62,6 +63,15 @@ def export_hf(model, tok, out_dir: str) -> None:
     pad = tok.pad_id if 0 <= tok.pad_id < vocab and tok.pad_id != tok.eos_id else None
     model.export_hf(out_dir, eos_id=tok.eos_id, pad_id=pad)
     print0(f"exported a Hugging Face model to {out_dir} (transformers' from_pretrained loads it)")
+
+
+def file_sha256(path: str) -> str:
+    """The sha256 of a file: checkpoints record the hashes of the checkpoints they started from (--resume checks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def exact_div(a: int, b: int, what: str) -> int:

@@ -13,7 +13,6 @@ python train_ppo.py --rm-ckpt none --reward-fn data:gold_reward       # optimise
 torchrun --standalone --nproc_per_node 8 train_ppo.py --sft-ckpt sft/ckpt.pt --rm-ckpt rm/ckpt.pt --prompts p.jsonl
 """
 
-import hashlib
 import importlib
 import json
 import math
@@ -530,14 +529,6 @@ class Order:
         return {"n": self.n, "seed": self.seed, "epoch": self.epoch, "pos": self.pos}
 
 
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def load_reward_fn(spec: str) -> Callable:
     """--reward-fn module:function -> the function."""
     module, _, name = spec.partition(":")
@@ -615,7 +606,8 @@ def main(args: Args) -> None:
     prompt_order, ptx_order = Order(len(prompts), args.seed), Order(max(1, len(ptx)), args.seed + 1)
     step, seconds, updates, skipped = 0, 0.0, 0, 0
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
-    hashes = {"sft_hash": file_sha256(args.sft_ckpt), "rm_hash": file_sha256(args.rm_ckpt) if rm else None}
+    hashes = {"sft_hash": common.file_sha256(args.sft_ckpt),
+              "rm_hash": common.file_sha256(args.rm_ckpt) if rm else None}
     if args.resume:
         ck = common.load_checkpoint(ckpt_path, kind="ppo", flag="--resume")
         if ck["world_size"] != d.world_size:

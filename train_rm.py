@@ -237,10 +237,13 @@ def main(args: Args) -> None:
     step, seconds, epoch, pos, skipped, score_offset = 0, 0.0, 0, 0, 0, 0.0
     perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
+    init_hash = common.file_sha256(args.init) if args.init.endswith(".pt") else None  # what this run started from
     if args.resume:
         ck = common.load_checkpoint(ckpt_path, kind="rm", flag="--resume")
         if ck["world_size"] != d.world_size:
             raise UserError(f"--resume {ckpt_path}: saved with world size {ck['world_size']}, now {d.world_size}")
+        if ck.get("init_hash", init_hash) != init_hash:
+            raise UserError(f"--resume {ckpt_path}: --init {args.init} changed since the run started (sha256 differs)")
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         step, seconds, score_offset = ck["step"], ck["seconds"], ck["score_offset"]
@@ -284,7 +287,7 @@ def main(args: Args) -> None:
             rngs = [common.rng_state()]
         if d.master:
             common.save_checkpoint(dict(
-                kind="rm", model=raw_model.state_dict(), model_config=asdict(raw_model.config),
+                kind="rm", model=raw_model.state_dict(), model_config=asdict(raw_model.config), init_hash=init_hash,
                 tokenizer=tok.state(), args=asdict(args), step=step, optimizer=optimizer.state_dict(),
                 scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps, min_lr_ratio=0.0),
                 rng=rngs, data_state=dict(epoch=epoch, pos=pos, perm=perm, skipped=skipped), world_size=d.world_size,

@@ -178,3 +178,18 @@ def test_ppo_resume_refuses_other_world_size_changed_inputs_and_a_finished_run(t
     assert torch.load(path, weights_only=False)["step"] == 2
     with pytest.raises(common.UserError, match="already at step 2 of 2"):  # a finished run
         train_ppo.main(resume)
+
+
+def test_rm_resume_refuses_a_changed_init(tmp_path, task_dir, tiny_ckpts):
+    """The RM records the sha256 of its --init checkpoint; --resume after that file changed is a one-line error."""
+    import train_rm
+
+    sft = str(tmp_path / "sft.pt")
+    shutil.copy(tiny_ckpts[0], sft)
+    args = train_rm.Args(out_dir=str(tmp_path / "rm"), task_dir=task_dir, init=sft, max_steps=1, batch_size=8,
+                         micro_batch_size=4, eval_every=1, eval_pairs=8, probe_size=4, calib_size=16)
+    train_rm.main(args)
+    assert torch.load(tmp_path / "rm" / "ckpt.pt", weights_only=False)["init_hash"] == common.file_sha256(sft)
+    common.save_checkpoint(torch.load(sft, weights_only=False) | {"seconds": 1.0}, sft)
+    with pytest.raises(common.UserError, match=r"--init .*sft\.pt changed since the run started"):
+        train_rm.main(train_rm.Args(**{**args.__dict__, "resume": True, "max_steps": 2}))
