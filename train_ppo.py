@@ -491,8 +491,10 @@ def ppo_update(actor, critic, actor_optimizer, critic_optimizer, exp: dict, *, p
                     if torch.isfinite(norm):  # the step's one host sync
                         opt.step()
                         norms[name] += norm
-                    else:
+                    else:  # name the bad quantity (the loss sums are this rank's)
                         skipped += 1
+                        losses = ", ".join(f"{k} {acc[k].item():.3g}" for k in ("pg_loss", "vf_loss", "ptx_loss"))
+                        common.print0(f"non-finite {name} grad norm ({norm.item()}; {losses}): step skipped")
                 opt.zero_grad(set_to_none=True)
             n_steps += 1
     g = dict(zip(keys, common.all_reduce_sum(torch.stack([acc[k] for k in keys])).tolist()))
@@ -661,7 +663,7 @@ def main(args: Args) -> None:
                 kl_ctl=kl_ctl.state_dict(), **hashes), ckpt_path)
 
     # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
-    first, start_step, samples = {}, step, []
+    first, start_step, samples, bad_in_row = {}, step, [], 0
     samples_path = os.path.join(args.out_dir, "samples.jsonl")
     if d.master:  # a fresh run starts a fresh sample file; a resumed one drops what came after its checkpoint
         os.makedirs(args.out_dir, exist_ok=True)
@@ -699,6 +701,10 @@ def main(args: Args) -> None:
             train_actor=step >= args.critic_warmup_steps, generator=sampler, dtype=dtype)
         first = first or {k: v for k, v in upd.items() if k.startswith("first/")}
         step, updates, skipped = step + 1, updates + upd["updates"], skipped + upd["skipped"]
+        bad_in_row = bad_in_row + 1 if upd["skipped"] else 0
+        if bad_in_row >= 10:  # the checkpoint saved before these stays the last good one
+            raise RuntimeError(f"non-finite gradients in {bad_in_row} iterations in a row: lower --lr/--critic-lr or "
+                               "check the reward")
         t2 = time.time()
 
         # 7. monitoring; the collapse detector watches the actor's moves only (after the critic warm-up)

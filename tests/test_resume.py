@@ -193,3 +193,27 @@ def test_rm_resume_refuses_a_changed_init(tmp_path, task_dir, tiny_ckpts):
     common.save_checkpoint(torch.load(sft, weights_only=False) | {"seconds": 1.0}, sft)
     with pytest.raises(common.UserError, match=r"--init .*sft\.pt changed since the run started"):
         train_rm.main(train_rm.Args(**{**args.__dict__, "resume": True, "max_steps": 2}))
+
+
+def test_ppo_nan_step_is_skipped_and_the_run_finishes(tmp_path, task_dir, tiny_ckpts, monkeypatch):
+    """One NaN policy loss (monkeypatched) in a whole PPO run: that actor step is skipped and counted, the run ends
+    normally; a NaN every time stops the run after 10 iterations in a row."""
+    real, calls = train_ppo.ppo_policy_loss, {"n": 0}
+
+    def one_nan(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] == 3 else loss), stats
+
+    monkeypatch.setattr(train_ppo, "ppo_policy_loss", one_nan)
+    args = train_ppo.Args(out_dir=str(tmp_path / "one"), task_dir=task_dir, sft_ckpt=tiny_ckpts[0],
+                          rm_ckpt=tiny_ckpts[1], max_steps=3, rollout_batch_size=8, num_minibatches=2,
+                          micro_batch_size=4, ptx_batch_size=4, max_new_tokens=8, critic_warmup_steps=1, warmup_steps=1)
+    train_ppo.main(args)
+    ckpt = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
+    assert ckpt["step"] == 3 and ckpt["data_state"]["skipped"] == 1
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    calls["n"], always = -(10**9), lambda *a, **k: (lambda loss, st: (loss * float("nan"), st))(*real(*a, **k))
+    monkeypatch.setattr(train_ppo, "ppo_policy_loss", always)
+    with pytest.raises(RuntimeError, match="non-finite gradients in 10 iterations in a row"):
+        train_ppo.main(train_ppo.Args(**{**args.__dict__, "out_dir": str(tmp_path / "all"), "max_steps": 20}))
