@@ -325,7 +325,8 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 def build_task(data_dir: str, task_seed: int = 1337, tiny: bool = False) -> dict[str, str]:
-    """Write the task files under {data_dir}/v{TASK_VERSION}-seed{task_seed}[-tiny]/ (only those missing) and return name -> path."""
+    """Write the task files under {data_dir}/v{TASK_VERSION}-seed{task_seed}[-tiny]/ (only those missing) and
+    return name -> path."""
     out = os.path.join(data_dir, f"v{TASK_VERSION}-seed{task_seed}" + ("-tiny" if tiny else ""))
     paths = {name: os.path.join(out, f"{name}.jsonl") for name in TASK_FILES}
     paths["tokenizer"] = os.path.join(out, "tokenizer.json")

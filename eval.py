@@ -98,8 +98,8 @@ def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rm=No
         ended = (response.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1) == tok.eos_id) & (n > 0)
         kl = torch.zeros(len(chunk), device=device)
         if ref is not None:  # k1 summed over the sequence, at the sampling temperature
-            ref_logprobs = logprobs_from_logits(response_forward(ref, query, qmask, response, rmask, args.temperature)[0],
-                                                response)
+            ref_logits = response_forward(ref, query, qmask, response, rmask, args.temperature)[0]
+            ref_logprobs = logprobs_from_logits(ref_logits, response)
             kl = ((logprobs - ref_logprobs) * rmask).sum(1)
         score = torch.full((len(chunk),), float("nan"), device=device)
         if rm is not None:
