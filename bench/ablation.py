@@ -38,6 +38,7 @@ VARIANTS = {
 }
 # the sweep's other points; kl 0 and 0.1 are the no_kl and ppo_max runs above
 SWEEP = [0.01, 0.03, 0.3, 1.0]
+KL_COEF = 0.1  # every run's beta unless the variant sets it (the ablation was measured at 0.1; the default is now 0.2)
 
 
 @dataclass
@@ -117,7 +118,7 @@ def run_one(args: Args, name: str, seed: int, flags: list[str], threads: int) ->
         return None
     cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--out-dir", run_dir, "--seed", str(seed),
            "--sft-ckpt", args.sft_ckpt, "--rm-ckpt", args.rm_ckpt, "--task-dir", args.task_dir, "--log-every", "50",
-           *flags, *shlex.split(args.extra)]
+           "--kl-coef", str(KL_COEF), *flags, *shlex.split(args.extra)]
     os.makedirs(run_dir, exist_ok=True)
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
     log = open(os.path.join(run_dir, "stdout.txt"), "w")
