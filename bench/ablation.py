@@ -38,7 +38,7 @@ VARIANTS = {
 }
 # the sweep's other points; kl 0 and 0.1 are the no_kl and ppo_max runs above
 SWEEP = [0.01, 0.03, 0.3, 1.0]
-KL_COEF = 0.1  # every run's beta unless the variant sets it (the ablation was measured at 0.1; the default is now 0.2)
+KL_COEF = 0.1  # every run's beta unless the variant sets it (the ablation was measured at 0.1; the default is now 0.3)
 
 
 @dataclass
