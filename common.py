@@ -126,6 +126,27 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def batch_split(batch_size: int, micro_batch_size: int) -> tuple[int, int, int]:
+    """--batch-size over the launched world size, then over the micro-batch (capped at a rank's share: it never
+    exceeds it) -> (rows per rank, micro-batch rows, accumulation steps); a mistake is one line, before any process
+    group."""
+    per_rank = exact_div(batch_size, launched_world_size(), "--batch-size over the world size")
+    mbs = min(micro_batch_size, per_rank)
+    return per_rank, mbs, exact_div(per_rank, mbs, "--batch-size/world_size over --micro-batch-size")
+
+
+def load_resume(path: str, kind: str, world_size: int, inputs: dict) -> dict:
+    """--resume: the checkpoint at path, refused if saved with another world size, or if an input checkpoint it
+    started from changed. inputs: {ckpt key of a sha256: (the flag to name, the sha256 now)}."""
+    ck = load_checkpoint(path, kind=kind, flag="--resume")
+    if ck["world_size"] != world_size:
+        raise UserError(f"--resume {path}: saved with world size {ck['world_size']}, now {world_size}")
+    for key, (flag, digest) in inputs.items():
+        if ck.get(key, digest) != digest:  # a checkpoint from before hashes were recorded has none to compare
+            raise UserError(f"--resume {path}: {flag} changed since the run started (sha256 differs)")
+    return ck
+
+
 def setup_dist(device: str = "auto") -> Dist:
     """Initialise DDP when launched by torchrun (nccl on GPU, gloo on CPU); a plain process otherwise."""
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ

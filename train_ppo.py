@@ -75,7 +75,7 @@ class Args(common.CommonArgs):
     """clip normalised scores to +-this (None: off)"""
     kl_coef: float = 0.3
     """beta of the per-token KL penalty (the initial value when --kl-target is set); 0.3 keeps the built-in task's
-    valid fraction above 0.9 across retrained RMs (README, "Ablation": gold peaks at beta 0.03-0.3 depending on the RM)"""
+    valid fraction above 0.9 across retrained RMs (README, "Ablation": gold peaks at beta 0.03-0.3, by the RM)"""
     kl_estimator: Literal["k1", "k3"] = "k1"
     """per-token KL estimate in the penalty: k1 = logp - ref_logp, k3 = (r - 1) - log r with r = ref_p / p"""
     kl_target: Optional[float] = None
@@ -612,12 +612,8 @@ def main(args: Args) -> None:
     hashes = {"sft_hash": common.file_sha256(args.sft_ckpt),
               "rm_hash": common.file_sha256(args.rm_ckpt) if rm else None}
     if args.resume:
-        ck = common.load_checkpoint(ckpt_path, kind="ppo", flag="--resume")
-        if ck["world_size"] != d.world_size:
-            raise UserError(f"--resume {ckpt_path}: saved with world size {ck['world_size']}, now {d.world_size}")
-        for flag, key in (("--sft-ckpt", "sft_hash"), ("--rm-ckpt", "rm_hash")):
-            if ck[key] != hashes[key]:
-                raise UserError(f"--resume {ckpt_path}: {flag} changed since the run started (sha256 differs)")
+        ck = common.load_resume(ckpt_path, "ppo", d.world_size, {"sft_hash": ("--sft-ckpt", hashes["sft_hash"]),
+                                                                 "rm_hash": ("--rm-ckpt", hashes["rm_hash"])})
         for obj, key in ((actor, "model"), (critic, "critic"), (actor_opt, "optimizer"),
                          (critic_opt, "critic_optimizer"), (moments, "reward_moments"), (kl_ctl, "kl_ctl")):
             obj.load_state_dict(ck[key])

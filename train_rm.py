@@ -25,7 +25,7 @@ import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
-from common import UserError, exact_div, print0
+from common import UserError, print0
 from data import PROBE_KINDS, build_task, gold_reward, load_tokenizer, pad_right, probe_texts, read_jsonl
 from model import lm_loss
 
@@ -222,9 +222,7 @@ def main(args: Args) -> None:
 
     # 2. distributed set-up, sizes, optimizer
     # sizes first, against the launched world size: a mistake ends here, before any process group
-    per_rank = exact_div(args.batch_size, common.launched_world_size(), "--batch-size over the world size")
-    mbs = min(args.micro_batch_size, per_rank)  # a micro-batch never exceeds a rank's share of the batch
-    grad_accum_steps = exact_div(per_rank, mbs, "--batch-size/world_size over --micro-batch-size")
+    per_rank, mbs, grad_accum_steps = common.batch_split(args.batch_size, args.micro_batch_size)
     d = common.setup_dist(args.device)
     dtype = common.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.epochs * len(train) // args.batch_size)
@@ -239,11 +237,7 @@ def main(args: Args) -> None:
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     init_hash = common.file_sha256(args.init) if args.init.endswith(".pt") else None  # what this run started from
     if args.resume:
-        ck = common.load_checkpoint(ckpt_path, kind="rm", flag="--resume")
-        if ck["world_size"] != d.world_size:
-            raise UserError(f"--resume {ckpt_path}: saved with world size {ck['world_size']}, now {d.world_size}")
-        if ck.get("init_hash", init_hash) != init_hash:
-            raise UserError(f"--resume {ckpt_path}: --init {args.init} changed since the run started (sha256 differs)")
+        ck = common.load_resume(ckpt_path, "rm", d.world_size, {"init_hash": (f"--init {args.init}", init_hash)})
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         step, seconds, score_offset = ck["step"], ck["seconds"], ck["score_offset"]

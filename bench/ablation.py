@@ -82,8 +82,6 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
 def first_alarm(s: dict, run_args: dict) -> Optional[int]:
     """Replay train_ppo's CollapseDetector (as it is now) over a run's logged KL, length and perplexity, from the end
     of its critic warm-up, as main() feeds it: every run is judged by the same detector, whenever it ran."""
-    import torch  # noqa: F401  (train_ppo imports it anyway)
-
     sys.path.insert(0, ROOT)
     from train_ppo import CollapseDetector
 

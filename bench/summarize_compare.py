@@ -36,6 +36,12 @@ def parse(path: str) -> dict:
     return out
 
 
+def last_line(path: str, prefix: str) -> dict:
+    """The key=value pairs of a log's line that starts with prefix ({} if the log or the line is missing)."""
+    lines = [x for x in open(path).read().splitlines() if x.startswith(prefix)] if os.path.exists(path) else []
+    return kv(lines[-1].split(":", 1)[1]) if lines else {}
+
+
 def main(log_dir: str) -> None:
     for shape in ("S", "L"):
         trl = [parse(p) for p in sorted(glob.glob(os.path.join(log_dir, f"trl_{shape}_*.txt")))]
@@ -63,20 +69,14 @@ def main(log_dir: str) -> None:
         runs_t = ", ".join(f"{r['sec_per_iter']:.2f}" for r in trl)
         print(f"\nsec_per_iter by run: ours {runs_o}; TRL {runs_t}. Peak RSS: ours {med(ours, 'peak_rss_mb'):.0f} MB, "
               f"TRL {med(trl, 'peak_rss_mb'):.0f} MB.")
-        g, h = (os.path.join(log_dir, f) for f in (f"generate_{shape}.txt", f"hf_generate_{shape}.txt"))
-        if os.path.exists(g):
-            line = [x for x in open(g).read().splitlines() if x.startswith("generate:")]
-            if line:
-                r = kv(line[0].split(":", 1)[1])
-                print(f"Generation alone (bench/generate.py, same weights): ours {r['ours_tok_per_s']:.0f} tok/s, "
-                      f"transformers generate {r['hf_tok_per_s']:.0f} tok/s: {r['ratio']:.2f}x.")
-        if os.path.exists(h):
-            line = [x for x in open(h).read().splitlines() if x.startswith("hf_generate_bench:")]
-            if line:
-                r = kv(line[0].split(":", 1)[1])
-                print(f"Peer hf_generate_bench.py (TRL venv): plain {r['plain_tok_per_s']:.0f} tok/s, TRL-like "
-                      f"{r['trl_like_tok_per_s']:.0f} tok/s.")
-
+        g = last_line(os.path.join(log_dir, f"generate_{shape}.txt"), "generate:")
+        if g:
+            print(f"Generation alone (bench/generate.py, same weights): ours {g['ours_tok_per_s']:.0f} tok/s, "
+                  f"transformers generate {g['hf_tok_per_s']:.0f} tok/s: {g['ratio']:.2f}x.")
+        h = last_line(os.path.join(log_dir, f"hf_generate_{shape}.txt"), "hf_generate_bench:")
+        if h:
+            print(f"Peer hf_generate_bench.py (TRL venv): plain {h['plain_tok_per_s']:.0f} tok/s, TRL-like "
+                  f"{h['trl_like_tok_per_s']:.0f} tok/s.")
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "out/bench")
