@@ -314,7 +314,8 @@ class GPT(nn.Module):
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+        # fused: one kernel for all parameters (2.8x faster than the per-tensor loop on CPU, bench/README.md)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cuda", "cpu"))
 
     @classmethod
     def from_pretrained(cls, name_or_dir: str, score_head: bool = False) -> "GPT":

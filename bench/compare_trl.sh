@@ -6,13 +6,13 @@
 # Logs go to out/bench/; the summary (medians and ratios per shape and phase) is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUNS=${1:-3}; ITERS_S=${2:-10}; ITERS_L=${3:-10}
+RUNS=${1:-3}; ITERS_S=${2:-10}; ITERS_L=${3:-10}; SHAPES=${SHAPES:-S L}   # SHAPES=S: shape S only
 PY=${PY:-.venv/bin/python}; TRL_PY=${TRL_PY:-.venv-trl/bin/python}
 PEER=${PEER:-../shared/bench}
 LOG=out/bench; mkdir -p $LOG
 S="--layers 4 --heads 4 --dim 256 --vocab 512 --prompt-len 16 --resp-len 48 --batch 64 --ppo-epochs 4 --mini-batches 4 --threads 2"
 L="--layers 8 --heads 4 --dim 512 --vocab 8192 --prompt-len 16 --resp-len 48 --batch 64 --ppo-epochs 4 --mini-batches 4 --threads 2"
-for shape in S L; do
+for shape in $SHAPES; do
   flags=${!shape}; iters=ITERS_$shape; iters=${!iters}
   for run in $(seq 1 "$RUNS"); do
     TRL_EXPERIMENTAL_SILENCE=1 $TRL_PY $PEER/trl_ppo_bench.py $flags --iters "$iters" --quiet > $LOG/trl_${shape}_$run.txt 2>&1

@@ -5,7 +5,8 @@ frozen reference, reward model and critic (initialised from the RM) of one shape
 tokens, fp32, responses of exactly --resp-len tokens (the EOS id lies outside the vocabulary, so no row stops early,
 as in the TRL benchmark), --ppo-epochs x --mini-batches optimizer steps per iteration. Prints the median phase
 breakdown (generate, scoring forwards, update) with each phase's FLOPs (PaLM convention, as perf/mfu) and achieved
-FLOP/s against this machine's measured fp32 matmul peak, then one line:
+FLOP/s against this machine's measured fp32 matmul peak, the GEMM floor (`[floor]`: the iteration's linear layers
+timed alone, see GemmRecorder), then one line:
 `ppo_throughput: sec_per_iter=<median of iterations 2..K> gen_tok_per_s=<batch*resp_len/sec_per_iter> peak_rss_mb=<y>`
 
 python bench/ppo_throughput.py --iters 10                                  # shape S on 2 CPU threads
@@ -74,6 +75,9 @@ class Args(Shape):
     """float32 | bfloat16 (autocast)"""
     compile: bool = False
     """torch.compile the training forward (GPU)"""
+    floor: bool = True
+    """record the linear layers' GEMM shapes in the warm-up iteration and time them alone: the `[floor]` line (CPU,
+    fp32)"""
 
 
 class IdTokenizer:
@@ -106,6 +110,57 @@ def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
                 torch.cuda.synchronize()
             best = max(best, 2 * n**3 * iters / (time.perf_counter() - t0))
     return best
+
+
+class GemmRecorder:
+    """Counts every nn.Linear call of the given models by phase and shape (M rows, in, out, bias, with grad), then
+    times each shape alone (forward, plus backward where it trained) with warm caches: the linear layers' GEMMs of an
+    iteration with nothing around them, a floor no implementation of the same work gets under on this machine
+    (attention's own small GEMMs, a few % of the FLOPs here, are left out, so the true floor is a little higher)."""
+
+    def __init__(self, models):
+        self.phase, self.counts = "generate", {}
+        linears = {id(m): m for model in models for m in model.modules() if isinstance(m, torch.nn.Linear)}
+        self.hooks = [m.register_forward_hook(self._record) for m in linears.values()]
+
+    def _record(self, mod, inp, out):
+        x = inp[0]
+        key = (self.phase, x.numel() // x.size(-1), mod.in_features, mod.out_features, mod.bias is not None,
+               torch.is_grad_enabled() and mod.weight.requires_grad, x.device.type)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def floor(self, reps: int = 10) -> dict:
+        for h in self.hooks:
+            h.remove()
+        out = {"generate": 0.0, "scoring": 0.0, "update": 0.0}
+        for (phase, M, k, n, bias, grad, dev), count in self.counts.items():
+            x = torch.randn(M, k, device=dev).requires_grad_(grad)
+            w = (torch.randn(n, k, device=dev) * 0.02).requires_grad_(grad)
+            b = torch.zeros(n, device=dev).requires_grad_(grad) if bias else None
+            gy = torch.randn(M, n, device=dev)
+
+            def once():
+                for t in (x, w, b):  # a fresh step: no gradient accumulation
+                    if t is not None:
+                        t.grad = None
+                with torch.set_grad_enabled(grad):
+                    y = torch.nn.functional.linear(x, w, b)
+                    if grad:
+                        y.backward(gy)
+
+            for _ in range(2):
+                once()
+            ts = []
+            for _ in range(reps):
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                once()
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t)
+            out[phase] += count * statistics.median(ts)
+        return out
 
 
 def main(args: Args) -> None:
@@ -145,7 +200,11 @@ def main(args: Args) -> None:
     def timed_generate(*a, **kw):
         sync()
         t = time.perf_counter()
+        if recorder:
+            recorder.phase = "generate"
         out = raw_generate(*a, **kw)
+        if recorder:
+            recorder.phase = "scoring"
         sync()
         gen_time[0] += time.perf_counter() - t
         return out
@@ -162,6 +221,9 @@ def main(args: Args) -> None:
           f"ppo_epochs={args.ppo_epochs} mini_batches={args.mini_batches} (minibatch {mb}, micro-batch {micro})",
           flush=True)
     rows = []
+    # the warm-up iteration also records every linear layer's GEMM shape (the hooks cost a little Python time there)
+    recorder = GemmRecorder([policy, ref, reward_model, critic]) if args.floor and device.type == "cpu" else None
+    floor = None
     for it in range(args.iters):
         gen_time[0] = 0.0
         sync()
@@ -174,6 +236,8 @@ def main(args: Args) -> None:
         sync()
         t1 = time.perf_counter()
         assert exp["mask"].shape == (B, R) and bool(exp["mask"].all()), "every response must be exactly R tokens"
+        if recorder:
+            recorder.phase = "update"
         ppo_update(fwd[policy], fwd[critic], actor_opt, critic_opt, exp, ppo_epochs=args.ppo_epochs,
                    num_minibatches=args.mini_batches, micro_batch_size=micro, cliprange=0.2, cliprange_value=0.2,
                    temperature=args.temperature, adv_whiten="minibatch", grad_clip=1.0, critic_grad_clip=1.0,
@@ -183,6 +247,8 @@ def main(args: Args) -> None:
         rows.append({"total": t2 - t0, "generate": gen_time[0], "scoring": t1 - t0 - gen_time[0], "update": t2 - t1})
         print(f"[iter {it}] {t2 - t0:.3f}s: generate {gen_time[0]:.3f} scoring {t1 - t0 - gen_time[0]:.3f} "
               f"update {t2 - t1:.3f}", flush=True)
+        if recorder and it == 0:
+            floor, recorder = recorder.floor(), None
 
     steady = rows[1:] if len(rows) > 1 else rows
     med = {k: statistics.median(r[k] for r in steady) for k in rows[0]}
@@ -205,6 +271,10 @@ def main(args: Args) -> None:
         print(f"[result] {k:9s} {med[k]:7.3f}s ({100 * med[k] / med['total']:4.1f}%)  {flops[k] / 1e9:9.1f} GFLOP  "
               f"{flops[k] / med[k] / 1e9:8.1f} GFLOP/s  {100 * flops[k] / med[k] / peak:5.1f}% of peak")
     print(f"[result] generation-only tok/s = {B * R / med['generate']:.0f}")
+    if floor:
+        print(f"[floor] linear GEMMs alone: generate={floor['generate']:.3f} scoring={floor['scoring']:.3f} "
+              f"update={floor['update']:.3f} iteration={sum(floor.values()):.3f} s (measured: "
+              f"{100 * sum(floor.values()) / med['total']:.0f}% of our iteration is in them)")
     # decode is bandwidth-bound on a GPU: each step reads the policy's weights and the KV cache so far
     weight_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
     kv_elem = 2 if dtype != torch.float32 else 4
