@@ -186,11 +186,12 @@ class HFCausalLM(nn.Module):
         return dict(input_ids=idx, attention_mask=real.long(), position_ids=pos)
 
     def forward(
-        self, idx: Tensor, attention_mask: Tensor | None = None, logits: bool = True
+        self, idx: Tensor, attention_mask: Tensor | None = None, logits: bool = True, logits_to_keep: int = 0
     ) -> tuple[Tensor | None, Tensor | None]:
         """idx (B, T) long, attention_mask (B, T) 1 = real token (any dtype) or None (no padding)
         -> (logits (B, T, V) or None, scores (B, T) or None). Padding never changes a real token's outputs:
-        pad keys are masked out of attention (transformers builds the 4D mask from the 2D one)."""
+        pad keys are masked out of attention (transformers builds the 4D mask from the 2D one).
+        logits_to_keep > 0: logits of the last logits_to_keep positions only (as model.GPT.forward)."""
         T = idx.size(1)
         assert T <= self.config.block_size, f"sequence of length {T} > block_size {self.config.block_size}"
         real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -199,8 +200,11 @@ class HFCausalLM(nn.Module):
             inputs = dict(input_ids=inputs["input_ids"])  # plain causal fast path, positions 0..T-1
         want_logits = logits and self.config.lm_head
         if want_logits:  # the full causal LM: its own lm head, logit scaling or soft-capping included
-            out = self.hf(**inputs, use_cache=False, output_hidden_states=self.score_head is not None)
+            keep = {"logits_to_keep": logits_to_keep} if self._keep_kw and logits_to_keep > 0 else {}
+            out = self.hf(**inputs, use_cache=False, output_hidden_states=self.score_head is not None, **keep)
             out_logits, h = out.logits, (out.hidden_states[-1] if self.score_head is not None else None)
+            if logits_to_keep > 0 and out_logits.size(1) > logits_to_keep:  # a model without the argument
+                out_logits = out_logits[:, -logits_to_keep:]
         else:  # the trunk alone: no (B, T, V) logits for a critic or a score-only pass
             out_logits, h = None, self.hf.base_model(**inputs, use_cache=False).last_hidden_state  # (B, T, C)
         scores = self.score_head(h).squeeze(-1) if self.score_head is not None else None

@@ -129,7 +129,8 @@ def padded_causal_mask(real: Tensor) -> Tensor:
 def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """logits (B, T, V), tokens (B, T) -> (B, T) log_softmax(logits / temperature) gathered at tokens, in fp32 or wider.
     Ids outside [0, V) (padding) give the log-prob of id 0: mask them."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = logits / temperature if temperature != 1.0 else logits  # no (B, T, V) copy at temperature 1
     tokens = tokens.masked_fill((tokens < 0) | (tokens >= logits.size(-1)), 0)
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
@@ -212,10 +213,12 @@ class GPT(nn.Module):
         return self.transformer.ln_f(x)
 
     def forward(
-        self, idx: Tensor, attention_mask: Tensor | None = None, logits: bool = True
+        self, idx: Tensor, attention_mask: Tensor | None = None, logits: bool = True, logits_to_keep: int = 0
     ) -> tuple[Tensor | None, Tensor | None]:
         """idx (B, T) long, attention_mask (B, T) 1 = real token (any dtype) or None (no padding)
-        -> (logits (B, T, V) or None, scores (B, T) or None). Padding never changes a real token's outputs."""
+        -> (logits (B, T, V) or None, scores (B, T) or None). Padding never changes a real token's outputs.
+        logits_to_keep > 0: logits of the last logits_to_keep positions only, (B, logits_to_keep, V) (transformers'
+        name): PPO needs them on the response alone; over long prompts the lm head is a large part of the work."""
         T = idx.size(1)
         assert T <= self.config.block_size, f"sequence of length {T} > block_size {self.config.block_size}"
         if attention_mask is None:
@@ -226,7 +229,8 @@ class GPT(nn.Module):
             idx = idx.masked_fill(~real, 0)
             pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, T) position ids from the mask
             h = self._trunk(idx, pos, padded_causal_mask(real))
-        out_logits = self.lm_head(h) if logits and self.lm_head is not None else None
+        keep = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
+        out_logits = self.lm_head(keep) if logits and self.lm_head is not None else None
         scores = self.score_head(h).squeeze(-1) if self.score_head is not None else None
         return out_logits, scores
 

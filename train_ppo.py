@@ -308,10 +308,14 @@ class CollapseDetector:
 
 def response_forward(model, query, query_mask, response, response_mask, temperature: float):
     """One training-style forward over cat(query left-padded, response right-padded). Response token t is predicted
-    at position P+t-1 (DESIGN §2). Returns (logits / temperature (B, T, V) fp32 or None, scores (B, T) or None)."""
-    P = query.size(1)
-    logits, scores = model(torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1))
-    logits = None if logits is None else logits[:, P - 1 : -1].float() / temperature
+    at position P+t-1 (DESIGN §2), so the lm head runs on the last T+1 positions only (never on the prompt).
+    Returns (logits / temperature (B, T, V) fp32 or None, scores (B, T) or None)."""
+    P, T = query.size(1), response.size(1)
+    logits, scores = model(torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1),
+                           logits_to_keep=T + 1)
+    if logits is not None:
+        logits = logits[:, :-1].float()
+        logits = logits / temperature if temperature != 1.0 else logits
     return logits, None if scores is None else scores[:, P - 1 : -1].float()
 
 

@@ -126,6 +126,10 @@ def test_forward_matches_transformers_and_padding_invariance(hf_dir):
                 assert (logits[i, real[i]] - alone_logits[0]).abs().max() <= 1e-5
                 assert (scores[i, real[i]] - alone_scores[0]).abs().max() <= 1e-5
                 assert (alone_logits[0] - raw(torch.tensor([s])).logits[0]).abs().max() <= 1e-4
+            # logits_to_keep: the last k positions' logits only (transformers' own argument), scores whole
+            kept, kept_scores = model(idx, mask, logits_to_keep=5)
+            assert kept.shape == (3, 5, logits.size(-1)) and (kept - logits[:, -5:]).abs().max() <= 1e-5
+            assert (kept_scores - scores).abs().max() <= 1e-5
             # the score-only pass (the trunk alone) reads the same hidden state
             none, scores_only = model(idx, mask, logits=False)
             assert none is None and (scores_only[real] - scores[real]).abs().max() <= 1e-5

@@ -154,6 +154,10 @@ def test_forward_heads_and_padding_invariance():
             lp, sp = model(ids, m)
             assert (lp[0, -9:] - logits[0]).abs().max() <= 1e-5
             assert (sp[0, -9:] - scores[0]).abs().max() <= 1e-5
+        # logits_to_keep: the last k positions' logits only, the same numbers; scores stay whole
+        for k in (1, 4, 14):
+            lk, sk = model(padded, pmask, logits_to_keep=k)
+            assert lk.shape == (2, k, V) and torch.allclose(lk, lp[:, -k:], atol=1e-6) and torch.equal(sk, sp)
         # logits=False skips the lm head; a critic has no lm head
         none_logits, s2 = model(padded, pmask, logits=False)
         assert none_logits is None and torch.equal(s2, model(padded, pmask)[1])

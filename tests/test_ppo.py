@@ -319,6 +319,9 @@ def test_padding_never_changes_logprobs_or_values(tok):
     logits, _ = train_ppo.response_forward(actor, q, qm, r, rm, 0.7)
     _, values = train_ppo.response_forward(critic, q, qm, r, rm, 0.7)
     lp = train_ppo.logprobs_from_logits(logits, r)
+    with torch.no_grad():  # the lm head on the response positions only: the full forward's logits there
+        full = actor(torch.cat([q, r], 1), torch.cat([qm, rm], 1))[0][:, q.size(1) - 1 : -1] / 0.7
+    assert logits.shape == full.shape and torch.allclose(logits, full, atol=1e-5)
     for b in range(2):
         n = len(responses[b])
         q1, r1 = torch.tensor([queries[b]]), torch.tensor([responses[b]])
