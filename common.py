@@ -4,7 +4,6 @@ Nothing algorithmic lives here; each stage's algorithm is inline in its own trai
 """
 
 import hashlib
-import json
 import math
 import os
 import random
@@ -135,12 +134,15 @@ def batch_split(batch_size: int, micro_batch_size: int) -> tuple[int, int, int]:
     return per_rank, mbs, exact_div(per_rank, mbs, "--batch-size/world_size over --micro-batch-size")
 
 
-def load_resume(path: str, kind: str, world_size: int, inputs: dict) -> dict:
-    """--resume: the checkpoint at path, refused if saved with another world size, or if an input checkpoint it
-    started from changed. inputs: {ckpt key of a sha256: (the flag to name, the sha256 now)}."""
+def load_resume(path: str, kind: str, world_size: int, max_steps: int, inputs: dict) -> dict:
+    """--resume: the checkpoint at path, refused if saved with another world size, if it already reached max_steps,
+    or if an input checkpoint it started from changed. inputs: {ckpt key of a sha256: (the flag to name, the sha256
+    now)}."""
     ck = load_checkpoint(path, kind=kind, flag="--resume")
     if ck["world_size"] != world_size:
         raise UserError(f"--resume {path}: saved with world size {ck['world_size']}, now {world_size}")
+    if ck["step"] >= max_steps:
+        raise UserError(f"--resume {path}: already at step {ck['step']} of {max_steps} (raise --max-steps)")
     for key, (flag, digest) in inputs.items():
         if ck.get(key, digest) != digest:  # a checkpoint from before hashes were recorded has none to compare
             raise UserError(f"--resume {path}: {flag} changed since the run started (sha256 differs)")
@@ -218,6 +220,15 @@ def rng_state(generator: Optional[torch.Generator] = None) -> dict:
     if generator is not None:
         state["generator"] = generator.get_state()
     return state
+
+
+def all_rng_states(generator: Optional[torch.Generator] = None) -> list:
+    """Every rank's rng_state, gathered for the checkpoint (a collective: every rank calls it)."""
+    if not dist.is_initialized():
+        return [rng_state(generator)]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state(generator))
+    return states
 
 
 def set_rng_state(state: dict, generator: Optional[torch.Generator] = None) -> None:
@@ -331,83 +342,20 @@ def peak_flops(device: torch.device, override: Optional[float] = None) -> float:
             if key in name:
                 return flops
         return 100e12  # unknown GPU: say so in the docs; pass --peak-flops for a true figure
-    n, best = 512, 0.0
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    for _ in range(5):  # the best of 5 short trials: a busy machine lowers some of them, rarely all
-        iters, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 0.04:
-            a @ b
-            iters += 1
-        best = max(best, 2 * n**3 * iters / (time.perf_counter() - t0))
+    return matmul_flops()
+
+
+def matmul_flops(sizes: tuple = (512,), trials: int = 5, seconds: float = 0.04) -> float:
+    """Best achieved fp32 matmul FLOP/s on CPU over square sizes, the best of a few short trials each (a busy machine
+    lowers some of them, rarely all). bench/ppo_throughput.py measures longer and larger for its peak."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up
+        for _ in range(trials):
+            iters, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                a @ b
+                iters += 1
+            best = max(best, 2 * n**3 * iters / (time.perf_counter() - t0))
     return best
-
-
-# -----------------------------------------------------------------------------
-# the --init grammar (DESIGN §2), shared by every stage that builds a model
-
-GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-
-
-def _model_type(path: str) -> Optional[str]:
-    """model_type of a local Hugging Face folder, None if it is not one."""
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return json.load(f).get("model_type", "?")
-    except (OSError, ValueError):
-        return None
-
-
-def load_init(spec: str, tokenizer=None, scratch: Optional[dict] = None, score_head: bool = False,
-              lm_head: bool = True, flag: str = "--init", kind: Optional[str | tuple] = None):
-    """Build (model, tokenizer, ckpt or None) from an --init spec:
-    `*.pt` our checkpoint (an adapter one if its model_config has hf_config) | `gpt2`... or a local GPT-2 folder (native
-    GPT) | `hf:<name-or-path>` or any other local HF folder (hf.HFCausalLM) | `scratch` (tiny config, given tokenizer).
-    Heads are set by the caller (an RM starts from an SFT checkpoint and gains a fresh scalar head)."""
-    from data import Tokenizer, load_tokenizer  # local imports: data.py imports this module
-    from model import GPT, GPTConfig
-
-    ckpt = None
-    if spec.endswith(".pt"):
-        ckpt = load_checkpoint(spec, kind=kind, flag=flag)
-        if "hf_config" in ckpt["model_config"]:  # written by the adapter: rebuild it from the config alone
-            from hf import HFCausalLM
-
-            model = HFCausalLM.from_checkpoint(ckpt, lm_head=lm_head, score_head=score_head)
-        else:
-            cfg = GPTConfig(**{**ckpt["model_config"], "lm_head": lm_head, "score_head": score_head})
-            model = GPT(cfg)
-            sd = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in ckpt["model"].items()}
-            own = model.state_dict()
-            fresh = [k for k in own if k.startswith("score_head.") and k not in sd]
-            model.load_state_dict({k: v for k, v in sd.items() if k in own} | {k: own[k] for k in fresh})
-        tokenizer = Tokenizer.from_state(ckpt["tokenizer"])
-    elif spec in GPT2_NAMES or _model_type(spec) == "gpt2":
-        model = GPT.from_pretrained(spec, score_head=score_head)
-        has_tok = os.path.isdir(spec) and any(os.path.exists(os.path.join(spec, f))
-                                               for f in ("tokenizer.json", "vocab.json"))
-        tokenizer = load_tokenizer(f"hf:{spec}" if has_tok else "gpt2")
-    elif spec.startswith("hf:") or _model_type(spec):  # any other causal LM, through the adapter
-        from hf import HFCausalLM
-
-        path = spec.removeprefix("hf:")
-        try:
-            tokenizer = load_tokenizer(f"hf:{path}")
-        except UserError as e:
-            raise UserError(f"{flag} {spec}: {e}") from None
-        try:
-            model = HFCausalLM.from_pretrained(path, lm_head=lm_head, score_head=score_head)
-        except (OSError, ValueError, KeyError) as e:  # not found, offline, not a causal LM
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UserError(f"{flag} {spec}: could not load a causal LM: {msg}") from None
-        if tokenizer.vocab_size > model.config.vocab_size:
-            raise UserError(f"{flag} {spec}: the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding "
-                            f"only {model.config.vocab_size}")
-    elif spec == "scratch":
-        assert tokenizer is not None, "scratch needs a tokenizer"
-        model = GPT(GPTConfig(**{**(scratch or {}), "vocab_size": tokenizer.vocab_size, "lm_head": lm_head,
-                                 "score_head": score_head}))
-    else:
-        raise UserError(f"{flag} {spec}: expected a .pt checkpoint, gpt2[-medium|-large|-xl], a local GPT-2 folder, "
-                        f"hf:<name-or-path> or scratch")
-    return model, tokenizer, ckpt

@@ -317,7 +317,8 @@ def _task_records(name: str, rng: random.Random, n: int, train_titles: list[str]
     return records
 
 
-def _write_atomic(path: str, text: str) -> None:
+def write_atomic(path: str, text: str) -> None:
+    """Write text to path through a temp file and os.replace: a reader never sees half of it."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
@@ -342,12 +343,12 @@ def build_task(data_dir: str, task_seed: int = 1337, tiny: bool = False) -> dict
     for name, rng in zip(TASK_FILES, streams):
         records[name] = _task_records(name, rng, sizes[name], train_titles, eval_titles)
         if not os.path.exists(paths[name]):
-            _write_atomic(paths[name], "".join(json.dumps(r) + "\n" for r in records[name]))
+            write_atomic(paths[name], "".join(json.dumps(r) + "\n" for r in records[name]))
     if not os.path.exists(paths["tokenizer"]):
         pat = regex.compile(GPT2_PAT)
         word_counts = Counter(w for r in records["pretrain"] for w in pat.findall(r["text"]))
         tok = _bpe_tokenizer("reviews", train_bpe(word_counts, list(GRAMMAR_WORDS)), GPT2_PAT)
-        _write_atomic(paths["tokenizer"], json.dumps(tok.state()))
+        write_atomic(paths["tokenizer"], json.dumps(tok.state()))
     return paths
 
 
@@ -357,7 +358,8 @@ def build_task(data_dir: str, task_seed: int = 1337, tiny: bool = False) -> dict
 
 def _check_fields(obj: dict, kind: str) -> str | None:
     """What is wrong with one record of this kind, or None."""
-    fields = {"sft": ("prompt", "response"), "text": ("text",), "prompts": ("prompt",)}.get(kind)
+    fields = {"sft": ("prompt", "response"), "text": ("text",), "prompts": ("prompt",),
+              "hh": ("chosen", "rejected")}.get(kind)
     if kind == "pairs":
         fields = ("prompt", "responses", "ranking") if "responses" in obj else ("prompt", "chosen", "rejected")
     if fields is None:
@@ -377,12 +379,13 @@ def _check_fields(obj: dict, kind: str) -> str | None:
     return None
 
 
-def _jsonl_objects(path: str):
-    """Yield (line number, object) for every non-blank line of a UTF-8 JSONL file; a missing or empty file, bad UTF-8,
-    bad JSON or a line that is not an object is a one-line UserError `path:line: what is wrong`."""
+def read_jsonl(path: str, kind: str) -> list[dict]:
+    """Read and validate a UTF-8 JSONL file of kind "sft", "text", "prompts", "pairs" or "hh" (Anthropic-HH); a missing
+    or empty file, bad UTF-8, bad JSON, a line that is not an object or a bad field is a one-line UserError
+    `path:line: what is wrong`. Blank lines are skipped."""
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file")
-    n = 0
+    records = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -397,20 +400,12 @@ def _jsonl_objects(path: str):
                 raise UserError(f"{path}:{lineno}: bad JSON: {e.msg} (column {e.colno})")
             if not isinstance(obj, dict):
                 raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            n += 1
-            yield lineno, obj
-    if not n:
+            problem = _check_fields(obj, kind)
+            if problem:
+                raise UserError(f"{path}:{lineno}: {problem}")
+            records.append(obj)
+    if not records:
         raise UserError(f"{path}: no records")
-
-
-def read_jsonl(path: str, kind: str) -> list[dict]:
-    """Read and validate a JSONL file of kind "sft", "text", "prompts" or "pairs"; any problem is one-line UserError."""
-    records = []
-    for lineno, obj in _jsonl_objects(path):
-        problem = _check_fields(obj, kind)
-        if problem:
-            raise UserError(f"{path}:{lineno}: {problem}")
-        records.append(obj)
     return records
 
 
@@ -438,20 +433,13 @@ def hh_to_pair(chosen: str, rejected: str) -> dict | None:
 def convert_hh(src: str, dst: str) -> tuple[int, int]:
     """Anthropic-HH JSONL ({"chosen": str, "rejected": str} a line) -> our preference JSONL at dst, written atomically;
     returns (written, skipped). A bad line stops before anything is written, with `path:line: what is wrong`."""
-    rows, skipped = [], 0
-    for lineno, obj in _jsonl_objects(src):
-        for key in ("chosen", "rejected"):
-            if key not in obj:
-                raise UserError(f"{src}:{lineno}: missing field {key!r} (an HH record needs chosen, rejected)")
-            if not isinstance(obj[key], str):
-                raise UserError(f"{src}:{lineno}: field {key!r} must be a string, got {type(obj[key]).__name__}")
-        pair = hh_to_pair(obj["chosen"], obj["rejected"])
-        skipped += pair is None
-        rows += [pair] if pair else []
+    pairs = [hh_to_pair(r["chosen"], r["rejected"]) for r in read_jsonl(src, "hh")]
+    rows = [p for p in pairs if p]
+    skipped = len(pairs) - len(rows)
     if not rows:
         raise UserError(f"{src}: no usable record (every one lacks a shared prompt or has an empty or tied answer)")
     try:
-        _write_atomic(dst, "".join(json.dumps(r) + "\n" for r in rows))
+        write_atomic(dst, "".join(json.dumps(r) + "\n" for r in rows))
     except OSError as e:
         raise UserError(f"{dst}: cannot write ({e.strerror or type(e).__name__})") from None
     return len(rows), skipped

@@ -21,6 +21,7 @@ import torch
 import tyro
 
 import common
+import hf
 from common import UserError
 from data import build_task, gold_reward, is_valid, pad_left, read_jsonl
 from model import logprobs_from_logits
@@ -141,7 +142,7 @@ def load_model(path: str, flag: str, device, want: str = "lm"):
     """A GPT from one of our checkpoints (its LM or its scalar head), eval mode, and the checkpoint."""
     if not path.endswith(".pt"):
         raise UserError(f"{flag} {path}: expected a .pt checkpoint of this repo")
-    model, tok, ckpt = common.load_init(path, lm_head=want == "lm", score_head=want == "score", flag=flag,
+    model, tok, ckpt = hf.load_init(path, lm_head=want == "lm", score_head=want == "score", flag=flag,
                                         kind=("sft", "ppo") if want == "lm" else "rm")
     return model.to(device).eval(), tok, ckpt
 

@@ -2,11 +2,14 @@
 unchanged: forward -> (logits, scores) with padding handled the same way, an optional scalar head, batched KV-cache
 generation, parameter and FLOP counts, optimizer groups, our checkpoints and `export_hf`.
 
-`--init hf:<name-or-path>` builds one (common.load_init); a checkpoint whose model_config holds `hf_config` rebuilds one
-from that config alone (no hub access). transformers is imported inside the functions, like in model.py.
+`--init hf:<name-or-path>` builds one; a checkpoint whose model_config holds `hf_config` rebuilds one from that config
+alone (no hub access). transformers is imported inside the functions, like in model.py. `load_init` (the end of this
+file) reads every `--init` spec: our checkpoints, GPT-2 weights as a native `model.GPT`, any other causal LM as an
+`HFCausalLM`, or a model from scratch.
 """
 
 import inspect
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -15,7 +18,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from model import GPT, logprobs_from_logits, sample_tokens
+from common import UserError, load_checkpoint
+from data import Tokenizer, load_tokenizer
+from model import GPT, GPTConfig, logprobs_from_logits, sample_tokens
 
 
 @dataclass
@@ -271,3 +276,66 @@ class HFCausalLM(nn.Module):
             out = self.hf(input_ids=tok[:, None], attention_mask=key_real[:, :Tk], position_ids=pos, **kw)
             logits = out.logits[:, -1]  # (B, V)
         return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(logprobs, 1)
+
+
+# -----------------------------------------------------------------------------
+# the --init grammar (DESIGN §2), shared by every stage that builds a model
+
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+def _model_type(path: str) -> str | None:
+    """model_type of a local Hugging Face folder, None if it is not one."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("model_type", "?")
+    except (OSError, ValueError):
+        return None
+
+
+def load_init(spec: str, tokenizer=None, scratch: dict | None = None, score_head: bool = False,
+              lm_head: bool = True, flag: str = "--init", kind: str | tuple | None = None):
+    """Build (model, tokenizer, ckpt or None) from an --init spec:
+    `*.pt` our checkpoint (an adapter one if its model_config has hf_config) | `gpt2`... or a local GPT-2 folder (native
+    GPT) | `hf:<name-or-path>` or any other local HF folder (hf.HFCausalLM) | `scratch` (tiny config, given tokenizer).
+    Heads are set by the caller (an RM starts from an SFT checkpoint and gains a fresh scalar head)."""
+    ckpt = None
+    if spec.endswith(".pt"):
+        ckpt = load_checkpoint(spec, kind=kind, flag=flag)
+        if "hf_config" in ckpt["model_config"]:  # written by the adapter: rebuild it from the config alone
+            model = HFCausalLM.from_checkpoint(ckpt, lm_head=lm_head, score_head=score_head)
+        else:
+            cfg = GPTConfig(**{**ckpt["model_config"], "lm_head": lm_head, "score_head": score_head})
+            model = GPT(cfg)
+            sd = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in ckpt["model"].items()}
+            own = model.state_dict()
+            fresh = [k for k in own if k.startswith("score_head.") and k not in sd]
+            model.load_state_dict({k: v for k, v in sd.items() if k in own} | {k: own[k] for k in fresh})
+        tokenizer = Tokenizer.from_state(ckpt["tokenizer"])
+    elif spec in GPT2_NAMES or _model_type(spec) == "gpt2":
+        model = GPT.from_pretrained(spec, score_head=score_head)
+        has_tok = os.path.isdir(spec) and any(os.path.exists(os.path.join(spec, f))
+                                               for f in ("tokenizer.json", "vocab.json"))
+        tokenizer = load_tokenizer(f"hf:{spec}" if has_tok else "gpt2")
+    elif spec.startswith("hf:") or _model_type(spec):  # any other causal LM, through the adapter
+        path = spec.removeprefix("hf:")
+        try:
+            tokenizer = load_tokenizer(f"hf:{path}")
+        except UserError as e:
+            raise UserError(f"{flag} {spec}: {e}") from None
+        try:
+            model = HFCausalLM.from_pretrained(path, lm_head=lm_head, score_head=score_head)
+        except (OSError, ValueError, KeyError) as e:  # not found, offline, not a causal LM
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"{flag} {spec}: could not load a causal LM: {msg}") from None
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise UserError(f"{flag} {spec}: the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding "
+                            f"only {model.config.vocab_size}")
+    elif spec == "scratch":
+        assert tokenizer is not None, "scratch needs a tokenizer"
+        model = GPT(GPTConfig(**{**(scratch or {}), "vocab_size": tokenizer.vocab_size, "lm_head": lm_head,
+                                 "score_head": score_head}))
+    else:
+        raise UserError(f"{flag} {spec}: expected a .pt checkpoint, gpt2[-medium|-large|-xl], a local GPT-2 folder, "
+                        f"hf:<name-or-path> or scratch")
+    return model, tokenizer, ckpt

@@ -29,8 +29,9 @@ import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+import hf
 from common import UserError, exact_div, print0
-from data import Tokenizer, build_task, encode_sft, gold_reward, pad_left, pad_right, read_jsonl
+from data import Tokenizer, build_task, encode_sft, gold_reward, pad_left, pad_right, read_jsonl, write_atomic
 from model import GPT, lm_loss, logprobs_from_logits
 
 
@@ -570,7 +571,7 @@ def main(args: Args) -> None:
     actor, ref_policy = GPT.from_checkpoint(sft), GPT.from_checkpoint(sft)
     reward_model = None if rm is None else GPT.from_checkpoint(rm)
     # PPO-max: the critic starts from the RM (or, with no RM, from the SFT trunk with a fresh head)
-    critic, _, _ = common.load_init(args.rm_ckpt if rm else args.sft_ckpt, score_head=True, lm_head=False)
+    critic, _, _ = hf.load_init(args.rm_ckpt if rm else args.sft_ckpt, score_head=True, lm_head=False)
     builtin, block = args.prompts is None, actor.config.block_size
     task = build_task(args.task_dir, args.task_seed) if builtin else None
     prompts = [r["prompt"] for r in read_jsonl(task["prompts"] if builtin else args.prompts, "prompts")]
@@ -616,8 +617,8 @@ def main(args: Args) -> None:
     hashes = {"sft_hash": common.file_sha256(args.sft_ckpt),
               "rm_hash": common.file_sha256(args.rm_ckpt) if rm else None}
     if args.resume:
-        ck = common.load_resume(ckpt_path, "ppo", d.world_size, {"sft_hash": ("--sft-ckpt", hashes["sft_hash"]),
-                                                                 "rm_hash": ("--rm-ckpt", hashes["rm_hash"])})
+        inputs = {"sft_hash": ("--sft-ckpt", hashes["sft_hash"]), "rm_hash": ("--rm-ckpt", hashes["rm_hash"])}
+        ck = common.load_resume(ckpt_path, "ppo", d.world_size, max_steps, inputs)
         for obj, key in ((actor, "model"), (critic, "critic"), (actor_opt, "optimizer"),
                          (critic_opt, "critic_optimizer"), (moments, "reward_moments"), (kl_ctl, "kl_ctl")):
             obj.load_state_dict(ck[key])
@@ -627,8 +628,6 @@ def main(args: Args) -> None:
         step, seconds, updates, skipped = ck["step"], ck["seconds"], ds["updates"], ds["skipped"]
         common.set_rng_state(ck["rng"][d.rank], sampler)
         print0(f"resumed from {ckpt_path} at step {step}")
-        if step >= max_steps:
-            raise UserError(f"--resume {ckpt_path}: already at step {step} of {max_steps} (raise --max-steps)")
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     compiled = d.device.type == "cuda" and args.compile
     actor_fwd, critic_fwd, ref_fwd, rm_fwd = (torch.compile(m) if compiled and m is not None else m
@@ -646,11 +645,7 @@ def main(args: Args) -> None:
         return x[:, :-1].to(d.device), x[:, 1:].to(d.device), y[:, 1:].float().to(d.device)
 
     def save(step: int) -> None:
-        rngs = [None] * d.world_size
-        if d.ddp:
-            dist.all_gather_object(rngs, common.rng_state(sampler))
-        else:
-            rngs = [common.rng_state(sampler)]
+        rngs = common.all_rng_states(sampler)
         if d.master:
             sched = dict(warmup_steps=args.warmup_steps, max_steps=max_steps, delay=args.critic_warmup_steps)
             common.save_checkpoint(dict(
@@ -665,14 +660,15 @@ def main(args: Args) -> None:
 
     # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
     first, start_step, samples, bad_in_row = {}, step, [], 0
+    show = lambda s: f"{s['prompt']}{s['response']}{'' if s['ended'] else ' [no EOS]'}"  # noqa: E731
     samples_path = os.path.join(args.out_dir, "samples.jsonl")
     if d.master:  # a fresh run starts a fresh sample file; a resumed one drops what came after its checkpoint
         os.makedirs(args.out_dir, exist_ok=True)
-        kept = [x for x in open(samples_path) if x.endswith("\n") and json.loads(x)["step"] <= step] \
-            if args.resume and os.path.exists(samples_path) else []
-        with open(samples_path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(samples_path + ".tmp", samples_path)
+        kept = []
+        if args.resume and os.path.exists(samples_path):
+            with open(samples_path) as f:
+                kept = [x for x in f if x.endswith("\n") and json.loads(x)["step"] <= step]
+        write_atomic(samples_path, "".join(kept))
     while step < max_steps:
         t0 = time.time()
         rows = prompt_order.take(args.rollout_batch_size)[d.rank * per_rank : (d.rank + 1) * per_rank]
@@ -727,7 +723,6 @@ def main(args: Args) -> None:
             print0(" | ".join([f"step {step:05d}/{max_steps:05d}"] + [f"{k.split('/')[-1]} {common._fmt(metrics[k])}"
                                                                       for k in CONSOLE if k in metrics]))
         if d.master and (step % args.sample_every == 0 or step == max_steps):
-            show = lambda s: f"{s['prompt']}{s['response']}{'' if s['ended'] else ' [no EOS]'}"  # noqa: E731
             logger.text("samples", "\n\n".join(f"{show(s)} | score {s['score']:.2f}" + (
                 f" | gold {s['gold']:.2f}" if gold_fn else "") for s in samples[:8]), step)
             with open(samples_path, "a") as f:
@@ -740,7 +735,7 @@ def main(args: Args) -> None:
 
     # 4. a few samples to look at
     for s in samples[:5]:
-        print0(f"  {s['prompt']}{s['response']}{'' if s['ended'] else ' [no EOS]'}  (score {s['score']:.2f})")
+        print0(f"  {show(s)}  (score {s['score']:.2f})")
     if args.export_hf and d.master:
         common.export_hf(actor, tok, args.export_hf)
     print0(f"ppo done in {time.time() - t_start:.0f}s: {ckpt_path} | first minibatch of the first update: "

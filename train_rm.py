@@ -25,6 +25,7 @@ import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+import hf
 from common import UserError, print0
 from data import PROBE_KINDS, build_task, gold_reward, load_tokenizer, pad_right, probe_texts, read_jsonl
 from model import lm_loss
@@ -197,7 +198,7 @@ def main(args: Args) -> None:
     if args.init == "scratch" and not builtin:
         raise UserError("--init scratch only works on the built-in task; pass an SFT checkpoint or gpt2")
     task_tok = load_tokenizer(task["tokenizer"]) if builtin else None
-    model, tok, _ = common.load_init(args.init, tokenizer=task_tok, score_head=True, kind=("sft", "rm"))
+    model, tok, _ = hf.load_init(args.init, tokenizer=task_tok, score_head=True, kind=("sft", "rm"))
     if builtin and tok.state() != task_tok.state():
         raise UserError(f"--init {args.init}: its tokenizer is not the built-in task's ({task['tokenizer']})")
     block_size = model.config.block_size
@@ -237,15 +238,14 @@ def main(args: Args) -> None:
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     init_hash = common.file_sha256(args.init) if args.init.endswith(".pt") else None  # what this run started from
     if args.resume:
-        ck = common.load_resume(ckpt_path, "rm", d.world_size, {"init_hash": (f"--init {args.init}", init_hash)})
+        ck = common.load_resume(ckpt_path, "rm", d.world_size, max_steps,
+                                {"init_hash": (f"--init {args.init}", init_hash)})
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         step, seconds, score_offset = ck["step"], ck["seconds"], ck["score_offset"]
         epoch, pos, perm, skipped = (ck["data_state"][k] for k in ("epoch", "pos", "perm", "skipped"))
         common.set_rng_state(ck["rng"][d.rank])
         print0(f"resumed from {ckpt_path} at step {step}")
-        if step >= max_steps:
-            raise UserError(f"--resume {ckpt_path}: already at step {step} of {max_steps} (raise --max-steps)")
     raw_model = model
     if d.device.type == "cuda" and args.compile:
         model = torch.compile(model)
@@ -274,11 +274,7 @@ def main(args: Args) -> None:
         offset = score_all(calib).mean().item()
         fold_score_offset(raw_model, offset)
         score_offset += offset
-        rngs = [None] * d.world_size
-        if d.ddp:
-            dist.all_gather_object(rngs, common.rng_state())
-        else:
-            rngs = [common.rng_state()]
+        rngs = common.all_rng_states()
         if d.master:
             common.save_checkpoint(dict(
                 kind="rm", model=raw_model.state_dict(), model_config=asdict(raw_model.config), init_hash=init_hash,

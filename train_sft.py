@@ -20,6 +20,7 @@ import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
+import hf
 from common import UserError, print0
 from data import build_task, encode_sft, is_valid, load_tokenizer, pad_left, pad_right, read_jsonl
 from model import lm_loss
@@ -127,7 +128,7 @@ def main(args: Args) -> None:
     if args.init == "scratch" and tok is None:
         raise UserError("--init scratch on --data needs --tokenizer (gpt2, hf:<path> or a tokenizer.json)")
     scratch = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
-    model, tok, _ = common.load_init(args.init, tokenizer=tok, scratch=scratch)
+    model, tok, _ = hf.load_init(args.init, tokenizer=tok, scratch=scratch)
     # from scratch on the built-in task the model learns the language too: no prompt masking
     mask_prompt = not (builtin and args.init == "scratch")
     train, n_skip = encode_sft(tok, train_rows, model.config.block_size, mask_prompt)
@@ -152,15 +153,14 @@ def main(args: Args) -> None:
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     init_hash = common.file_sha256(args.init) if args.init.endswith(".pt") else None  # what this run started from
     if args.resume:
-        ck = common.load_resume(ckpt_path, "sft", d.world_size, {"init_hash": (f"--init {args.init}", init_hash)})
+        ck = common.load_resume(ckpt_path, "sft", d.world_size, max_steps,
+                                {"init_hash": (f"--init {args.init}", init_hash)})
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         step, seconds = ck["step"], ck["seconds"]
         epoch, pos, perm, skipped = (ck["data_state"][k] for k in ("epoch", "pos", "perm", "skipped"))
         common.set_rng_state(ck["rng"][d.rank], sampler)
         print0(f"resumed from {ckpt_path} at step {step}")
-        if step >= max_steps:
-            raise UserError(f"--resume {ckpt_path}: already at step {step} of {max_steps} (raise --max-steps)")
     raw_model = model
     if d.device.type == "cuda" and args.compile:
         model = torch.compile(model)
@@ -171,11 +171,7 @@ def main(args: Args) -> None:
     flops_per_token = raw_model.flops_per_token(sum(len(e[0]) for e in train) // len(train))
 
     def save(step: int) -> None:
-        rngs = [None] * d.world_size
-        if d.ddp:
-            torch.distributed.all_gather_object(rngs, common.rng_state(sampler))
-        else:
-            rngs = [common.rng_state(sampler)]
+        rngs = common.all_rng_states(sampler)
         if d.master:
             common.save_checkpoint(dict(
                 kind="sft", model=raw_model.state_dict(), model_config=asdict(raw_model.config), init_hash=init_hash,

@@ -93,27 +93,8 @@ class IdTokenizer:
         return " ".join(str(i) for i in ids.tolist())
 
 
-def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
-    """Best achieved matmul FLOP/s over square sizes 512..2048 (a few short trials each): the machine's peak."""
-    best = 0.0
-    for n in (512, 1024, 2048):
-        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-        a @ b
-        for _ in range(3):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            iters, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < 0.1:
-                a @ b
-                iters += 1
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            best = max(best, 2 * n**3 * iters / (time.perf_counter() - t0))
-    return best
-
-
 class GemmRecorder:
-    """Counts every nn.Linear call of the given models by phase and shape (M rows, in, out, bias, with grad), then
+    """Counts every nn.Linear call of the given CPU models by phase and shape (M rows, in, out, bias, with grad), then
     times each shape alone (forward, plus backward where it trained) with warm caches: the linear layers' GEMMs of an
     iteration with nothing around them, a floor no implementation of the same work gets under on this machine
     (attention's own small GEMMs, a few % of the FLOPs here, are left out, so the true floor is a little higher)."""
@@ -126,18 +107,18 @@ class GemmRecorder:
     def _record(self, mod, inp, out):
         x = inp[0]
         key = (self.phase, x.numel() // x.size(-1), mod.in_features, mod.out_features, mod.bias is not None,
-               torch.is_grad_enabled() and mod.weight.requires_grad, x.device.type)
+               torch.is_grad_enabled() and mod.weight.requires_grad)
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def floor(self, reps: int = 10) -> dict:
         for h in self.hooks:
             h.remove()
         out = {"generate": 0.0, "scoring": 0.0, "update": 0.0}
-        for (phase, M, k, n, bias, grad, dev), count in self.counts.items():
-            x = torch.randn(M, k, device=dev).requires_grad_(grad)
-            w = (torch.randn(n, k, device=dev) * 0.02).requires_grad_(grad)
-            b = torch.zeros(n, device=dev).requires_grad_(grad) if bias else None
-            gy = torch.randn(M, n, device=dev)
+        for (phase, M, k, n, bias, grad), count in self.counts.items():
+            x = torch.randn(M, k).requires_grad_(grad)
+            w = (torch.randn(n, k) * 0.02).requires_grad_(grad)
+            b = torch.zeros(n).requires_grad_(grad) if bias else None
+            gy = torch.randn(M, n)
 
             def once():
                 for t in (x, w, b):  # a fresh step: no gradient accumulation
@@ -152,12 +133,8 @@ class GemmRecorder:
                 once()
             ts = []
             for _ in range(reps):
-                if dev == "cuda":
-                    torch.cuda.synchronize()
                 t = time.perf_counter()
                 once()
-                if dev == "cuda":
-                    torch.cuda.synchronize()
                 ts.append(time.perf_counter() - t)
             out[phase] += count * statistics.median(ts)
         return out
@@ -258,7 +235,8 @@ def main(args: Args) -> None:
     flops = {"generate": B * L * fa / 3, "scoring": B * L * (2 * fa + 2 * fc) / 3,
              "update": args.ppo_epochs * B * L * (fa + fc)}
     # the peak: measured fp32 matmuls on CPU; the vendor's dense bf16 figure on a known GPU (common.GPU_PEAK_FLOPS)
-    peak = measured_peak(device, torch.float32) if device.type == "cpu" else common.peak_flops(device)
+    peak = common.matmul_flops((512, 1024, 2048), trials=3, seconds=0.1) if device.type == "cpu" \
+        else common.peak_flops(device)
     # TRL takes the old log-probs from its generation's scores: its scoring phase skips the policy forward
     print(f"[flops] generate={flops['generate'] / 1e9:.2f} scoring={flops['scoring'] / 1e9:.2f} "
           f"scoring_without_policy={B * L * (fa + 2 * fc) / 3 / 1e9:.2f} update={flops['update'] / 1e9:.2f} GFLOP "

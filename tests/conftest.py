@@ -6,6 +6,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from test_hf import gpt2_dir, llama_dir  # noqa: E402, F401  tiny Hugging Face model folders, shared with test_interop
+
 
 @pytest.fixture(scope="session")
 def task_dir(tmp_path_factory):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import common
+import hf
 from common import UserError, exact_div, lr_at
 
 
@@ -49,7 +50,7 @@ def test_rng_state_round_trip():
 
 def test_init_grammar_rejects_unknown():
     with pytest.raises(UserError, match="--init nonsense: expected"):
-        common.load_init("nonsense")
+        hf.load_init("nonsense")
 
 
 def test_peak_flops_measured_on_cpu():

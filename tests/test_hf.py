@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import common
-from hf import HFCausalLM
+from hf import HFCausalLM, load_init
 from model import GPT, GPTConfig, logprobs_from_logits
 
 V = 97  # embedding rows of every tiny model; the tokenizer has 83 tokens (ids 0..82)
@@ -89,16 +89,16 @@ def prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
 
 
 def test_load_init_routes(llama_dir, gpt2_dir):
-    model, tok, ckpt = common.load_init(f"hf:{llama_dir}")
+    model, tok, ckpt = load_init(f"hf:{llama_dir}")
     assert isinstance(model, HFCausalLM) and ckpt is None and model.score_head is None
     assert (tok.eos_id, tok.pad_id, tok.vocab_size) == (EOS, PAD, 83)
     c = model.config
     assert (c.block_size, c.vocab_size, c.n_layer, c.n_head, c.n_embd) == (64, V, 2, 4, 32)
     assert c.hf_config["model_type"] == "llama" and c.hf_name_or_path == llama_dir
     # a plain folder: Llama goes to the adapter, GPT-2 to the native GPT; hf: forces the adapter
-    assert isinstance(common.load_init(llama_dir, score_head=True, lm_head=False)[0], HFCausalLM)
-    assert type(common.load_init(gpt2_dir)[0]) is GPT
-    gpt2 = common.load_init(f"hf:{gpt2_dir}")[0]
+    assert isinstance(load_init(llama_dir, score_head=True, lm_head=False)[0], HFCausalLM)
+    assert type(load_init(gpt2_dir)[0]) is GPT
+    gpt2 = load_init(f"hf:{gpt2_dir}")[0]
     assert isinstance(gpt2, HFCausalLM) and gpt2.config.block_size == 64
     # counts as GPT's: the untied Llama lm head is a matmul (kept), the tied GPT-2 one is wte (kept), wpe dropped
     emb = V * 32
@@ -106,11 +106,11 @@ def test_load_init_routes(llama_dir, gpt2_dir):
     assert gpt2.num_params() == gpt2.num_params(non_embedding=False) - 64 * 32
     assert model.flops_per_token(16) == 6 * model.num_params() + 12 * 2 * 4 * 8 * 16
     with pytest.raises(common.UserError, match="could not load"):
-        common.load_init(f"hf:{llama_dir}/missing")
+        load_init(f"hf:{llama_dir}/missing")
 
 
 def test_forward_matches_transformers_and_padding_invariance(hf_dir):
-    model = common.load_init(f"hf:{hf_dir}", score_head=True)[0].eval()
+    model = load_init(f"hf:{hf_dir}", score_head=True)[0].eval()
     raw = raw_hf(hf_dir)
     seqs = prompts([7, 12, 3])
     for pad in (PAD, V + 5):  # a pad id inside the vocab, and one outside it (replaced before the embedding)
@@ -134,7 +134,7 @@ def test_forward_matches_transformers_and_padding_invariance(hf_dir):
             none, scores_only = model(idx, mask, logits=False)
             assert none is None and (scores_only[real] - scores[real]).abs().max() <= 1e-5
     # a critic: no logits; its untied lm head (Llama) is frozen so DDP sees no unused parameter
-    critic = common.load_init(f"hf:{hf_dir}", score_head=True, lm_head=False)[0]
+    critic = load_init(f"hf:{hf_dir}", score_head=True, lm_head=False)[0]
     assert critic(idx, mask)[0] is None
     assert all(p.requires_grad for p in critic.hf.get_input_embeddings().parameters())
     assert critic.score_head.bias.item() == 0.0
@@ -160,7 +160,7 @@ def greedy_agrees(ours: list[int], ref: list[int], gaps: list[float], eos_id: in
 
 
 def test_greedy_generation_matches_transformers(hf_dir):
-    model = common.load_init(f"hf:{hf_dir}")[0].double().eval()
+    model = load_init(f"hf:{hf_dir}")[0].double().eval()
     raw = raw_hf(hf_dir).double()
     seqs = prompts([5, 9, 2, 7], seed=3)
     idx, mask = left_pad(seqs, PAD)
@@ -186,7 +186,7 @@ def test_greedy_generation_matches_transformers(hf_dir):
 
 
 def test_sampled_logprobs_equal_a_full_forward(llama_dir):
-    model = common.load_init(f"hf:{llama_dir}")[0].double().eval()
+    model = load_init(f"hf:{llama_dir}")[0].double().eval()
     idx, mask = left_pad(prompts([6, 3, 10]), V + 5)
     temperature, P = 0.7, idx.size(1)
     g = torch.Generator().manual_seed(0)
@@ -211,7 +211,7 @@ def test_sampled_logprobs_equal_a_full_forward(llama_dir):
 def test_checkpoint_round_trip(llama_dir, tmp_path, monkeypatch):
     import transformers
 
-    model, tok, _ = common.load_init(f"hf:{llama_dir}", score_head=True)
+    model, tok, _ = load_init(f"hf:{llama_dir}", score_head=True)
     with torch.no_grad():
         model.score_head.bias.fill_(0.3)
         model.hf.get_input_embeddings().weight.add_(0.01)  # weights that are no longer the folder's
@@ -220,14 +220,14 @@ def test_checkpoint_round_trip(llama_dir, tmp_path, monkeypatch):
                                 tokenizer=tok.state()), path)
     # rebuilt from model_config alone: the hub and the folder's weights are never read
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)
-    again, tok2, ckpt = common.load_init(path, score_head=True, kind="rm")
+    again, tok2, ckpt = load_init(path, score_head=True, kind="rm")
     assert isinstance(again, HFCausalLM) and ckpt["kind"] == "rm" and tok2.state() == tok.state()
     idx, mask = left_pad(prompts([4, 8]), PAD)
     with torch.no_grad():
         (a_logits, a_scores), (b_logits, b_scores) = model.eval()(idx, mask), again.eval()(idx, mask)
     assert torch.equal(a_logits, b_logits) and torch.equal(a_scores, b_scores)
     # a critic from it keeps the score head, a load without one drops it, an SFT-style checkpoint gains a fresh one
-    critic = common.load_init(path, score_head=True, lm_head=False)[0]
+    critic = load_init(path, score_head=True, lm_head=False)[0]
     assert critic.score_head.bias.item() == pytest.approx(0.3) and not critic.config.lm_head
     sft_like = {**ckpt, "model": {k: v for k, v in ckpt["model"].items() if not k.startswith("score_head.")}}
     rm = HFCausalLM.from_checkpoint(sft_like, score_head=True)
@@ -238,7 +238,7 @@ def test_checkpoint_round_trip(llama_dir, tmp_path, monkeypatch):
 def test_hf_export_round_trip(llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = common.load_init(f"hf:{llama_dir}")[0].eval()
+    model = load_init(f"hf:{llama_dir}")[0].eval()
     model.export_hf(str(tmp_path))
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     idx = torch.randint(3, 83, (2, 9))
@@ -251,7 +251,7 @@ def test_adapter_reward_model_export(llama_dir, tmp_path):
     calibration bias that its bias-free `score` layer cannot hold (saved as config.score_bias)."""
     from transformers import AutoModelForSequenceClassification
 
-    model = common.load_init(f"hf:{llama_dir}", score_head=True)[0].eval()
+    model = load_init(f"hf:{llama_dir}", score_head=True)[0].eval()
     with torch.no_grad():
         model.score_head.bias.fill_(0.3)
     model.export_hf(str(tmp_path), eos_id=EOS, pad_id=PAD)

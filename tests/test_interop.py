@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from test_hf import EOS, PAD, V, write_model
+from test_hf import EOS, PAD
 
 import common
 import data
@@ -173,17 +173,6 @@ def run_chain(tmp_path, init: str, user_data: dict) -> dict:
     return {stage: torch.load(p, weights_only=False) for stage, p in ckpt.items()}
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> str:
-    from transformers import LlamaConfig
-
-    path = str(tmp_path_factory.mktemp("interop_llama"))
-    write_model(path, LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                  num_key_value_heads=2, vocab_size=V, max_position_embeddings=64, bos_token_id=None,
-                                  eos_token_id=EOS, pad_token_id=PAD))
-    return path
-
-
 def test_llama_chain_sft_rm_ppo(tmp_path, llama_dir, user_data):
     """`--init hf:<llama>` through SFT, RM and PPO: every checkpoint rebuilds the adapter model (GPT.from_checkpoint
     dispatches on model_config's hf_config), and the PPO policy is no longer the SFT one."""
@@ -202,16 +191,6 @@ def test_llama_chain_sft_rm_ppo(tmp_path, llama_dir, user_data):
         assert critic(idx)[0] is None and torch.isfinite(critic(idx)[1]).all()
     # the RM's calibration (folded into the head's bias) survives the round trip
     assert rm.score_head.bias.item() == pytest.approx(-ckpts["rm"]["score_offset"], abs=1e-3)
-
-
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory) -> str:
-    from transformers import GPT2Config
-
-    path = str(tmp_path_factory.mktemp("interop_gpt2"))
-    write_model(path, GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=V, n_positions=64, bos_token_id=EOS,
-                                 eos_token_id=EOS, pad_token_id=PAD))
-    return path
 
 
 def test_gpt2_chain_then_export(tmp_path, gpt2_dir, user_data):

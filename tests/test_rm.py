@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import common
 import data
+import hf
 import train_rm
 from model import GPT, GPTConfig
 
@@ -154,7 +155,7 @@ def test_fold_score_offset_known_answer():
 
 
 def test_load_init_adds_fresh_score_head(sft_ckpt):
-    model, _, _ = common.load_init(sft_ckpt, score_head=True)
+    model, _, _ = hf.load_init(sft_ckpt, score_head=True)
     sft = torch.load(sft_ckpt, weights_only=False)["model"]
     assert model.config.lm_head and model.config.score_head
     assert all(torch.equal(model.state_dict()[k], v) for k, v in sft.items())  # the trunk and LM head are the SFT's
