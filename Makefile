@@ -1,7 +1,7 @@
 # Two commands set everything up on a fresh machine: `make demo` and `make test` (both idempotent).
 #   make demo            the whole pipeline on the built-in task, default sizes (outputs under out/)
 #   make demo TINY=1     the same chain with tiny sizes in about a minute (outputs under out/tiny/)
-#   make test            the test suite
+#   make test            ruff format --check, ruff check (pinned in requirements.txt), then the test suite
 #   make ablation        PPO-max vs vanilla vs minus-one-trick, 2 seeds, and a --kl-coef sweep (about 1.5 h;
 #                        needs out/sft and out/rm from `make demo`; resumes; table in out/ablation/ablation.md)
 PYTHON ?= python3
@@ -49,6 +49,8 @@ ablation: venv
 		--out-dir $(OUT)/ablation
 
 test: venv
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=15 tests
 
 # tyro and its pure-Python dependencies as wheels, for bench/gpu_check.sh on a CUDA box without network

@@ -47,8 +47,13 @@ class Tokenizer:
         return self.backend.decode(ids)
 
     def state(self) -> dict:
-        return {"name": self.name, "eos_id": self.eos_id, "pad_id": self.pad_id, "vocab_size": self.vocab_size,
-                **self._source}
+        return {
+            "name": self.name,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+            "vocab_size": self.vocab_size,
+            **self._source,
+        }
 
     @classmethod
     def from_state(cls, d: dict) -> "Tokenizer":
@@ -65,22 +70,29 @@ class Tokenizer:
 
 def _bpe_tokenizer(name: str, ranks: list[bytes], pat_str: str) -> Tokenizer:
     # ranks[i] is the token with id i; the EOS comes next and the pad id lies outside the embedding
-    enc = tiktoken.Encoding(name=name, pat_str=pat_str, mergeable_ranks={b: i for i, b in enumerate(ranks)},
-                            special_tokens={EOT: len(ranks)})
+    enc = tiktoken.Encoding(
+        name=name,
+        pat_str=pat_str,
+        mergeable_ranks={b: i for i, b in enumerate(ranks)},
+        special_tokens={EOT: len(ranks)},
+    )
     source = {"pat_str": pat_str, "ranks": [base64.b64encode(b).decode("ascii") for b in ranks]}
     return Tokenizer(enc, name, eos_id=len(ranks), pad_id=len(ranks) + 1, vocab_size=len(ranks) + 1, source=source)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """"gpt2" (tiktoken r50k_base), "hf:<name-or-path>" (transformers.AutoTokenizer) or a task tokenizer.json path."""
+    """ "gpt2" (tiktoken r50k_base), "hf:<name-or-path>" (transformers.AutoTokenizer) or a task tokenizer.json path."""
     if spec == "gpt2":
         try:
             enc = tiktoken.get_encoding("r50k_base")
         except Exception as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UserError(f"could not load the GPT-2 tokenizer (r50k_base; offline? set TIKTOKEN_CACHE_DIR): {msg}")
-        return Tokenizer(enc, "gpt2", eos_id=enc.eot_token, pad_id=enc.n_vocab, vocab_size=enc.n_vocab,
-                         source={"spec": "gpt2"})
+            raise UserError(
+                f"could not load the GPT-2 tokenizer (r50k_base; offline? set TIKTOKEN_CACHE_DIR): {msg}"
+            ) from None
+        return Tokenizer(
+            enc, "gpt2", eos_id=enc.eot_token, pad_id=enc.n_vocab, vocab_size=enc.n_vocab, source={"spec": "gpt2"}
+        )
     if spec.startswith("hf:"):
         from transformers import AutoTokenizer
 
@@ -88,7 +100,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
             hf = AutoTokenizer.from_pretrained(spec[3:])
         except Exception as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UserError(f"could not load tokenizer {spec!r}: {msg}")
+            raise UserError(f"could not load tokenizer {spec!r}: {msg}") from None
         if hf.eos_token_id is None:
             raise UserError(f"tokenizer {spec!r} has no eos token")
         vocab_size = len(hf)
@@ -100,7 +112,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
         with open(spec) as f:
             return Tokenizer.from_state(json.load(f))
     except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{spec}: not a tokenizer file ({type(e).__name__}: {e})")
+        raise UserError(f"{spec}: not a tokenizer file ({type(e).__name__}: {e})") from None
 
 
 def train_bpe(word_counts: dict[str, int], targets: list[str], max_merges: int = 1024) -> list[bytes]:
@@ -138,14 +150,61 @@ def train_bpe(word_counts: dict[str, int], targets: list[str], max_merges: int =
 # -----------------------------------------------------------------------------
 # the built-in task ("reviews")
 
-TITLE_ADJS = ("Silent", "Golden", "Broken", "Hidden", "Last", "Crimson", "Quiet", "Endless", "Frozen", "Distant",
-              "Wild", "Paper", "Midnight", "Glass", "Iron", "Lonely")
-TITLE_NOUNS = ("River", "Garden", "Mountain", "City", "Letter", "Machine", "Harbor", "Forest", "Voyage", "Kingdom",
-               "Mirror", "Station", "Engine", "Island", "Tower", "Promise")
+TITLE_ADJS = (
+    "Silent",
+    "Golden",
+    "Broken",
+    "Hidden",
+    "Last",
+    "Crimson",
+    "Quiet",
+    "Endless",
+    "Frozen",
+    "Distant",
+    "Wild",
+    "Paper",
+    "Midnight",
+    "Glass",
+    "Iron",
+    "Lonely",
+)
+TITLE_NOUNS = (
+    "River",
+    "Garden",
+    "Mountain",
+    "City",
+    "Letter",
+    "Machine",
+    "Harbor",
+    "Forest",
+    "Voyage",
+    "Kingdom",
+    "Mirror",
+    "Station",
+    "Engine",
+    "Island",
+    "Tower",
+    "Promise",
+)
 ASPECTS = ("plot", "acting", "music", "ending", "pacing", "characters", "visuals", "dialogue", "humor", "setting")
-ADJECTIVES = {"wonderful": 2, "brilliant": 2, "superb": 2, "excellent": 2, "good": 1, "nice": 1, "pleasant": 1,
-              "solid": 1, "dull": -1, "weak": -1, "bland": -1, "messy": -1, "awful": -2, "terrible": -2,
-              "dreadful": -2, "horrible": -2}
+ADJECTIVES = {
+    "wonderful": 2,
+    "brilliant": 2,
+    "superb": 2,
+    "excellent": 2,
+    "good": 1,
+    "nice": 1,
+    "pleasant": 1,
+    "solid": 1,
+    "dull": -1,
+    "weak": -1,
+    "bland": -1,
+    "messy": -1,
+    "awful": -2,
+    "terrible": -2,
+    "dreadful": -2,
+    "horrible": -2,
+}
 INTENSIFIERS = {"very": 1.5, "truly": 1.5, "somewhat": 0.5, "slightly": 0.5}
 VERBS = {"loved": 2, "adored": 2, "liked": 1, "enjoyed": 1, "disliked": -1, "hated": -2}
 TEMPLATE_WEIGHTS = {"S1": 0.4, "S2": 0.25, "S3": 0.15, "S4": 0.2}
@@ -159,10 +218,13 @@ ON_ASPECT_PROB = 1.0
 TASK_VERSION = 2  # bump when generation changes: the cache folder is keyed by it
 
 # every pre-tokenized word the task text can contain; the task tokenizer makes each one a single token
-GRAMMAR_WORDS = tuple(dict.fromkeys(
-    ["Review", " of", " The", " (", ",", "):", ".", " the", " was", " i", " but", " overall", " it"]
-    + list(ASPECTS) + [" " + w for w in (*TITLE_ADJS, *TITLE_NOUNS, *ASPECTS, *ADJECTIVES, *INTENSIFIERS, *VERBS)]
-))
+GRAMMAR_WORDS = tuple(
+    dict.fromkeys(
+        ["Review", " of", " The", " (", ",", "):", ".", " the", " was", " i", " but", " overall", " it"]
+        + list(ASPECTS)
+        + [" " + w for w in (*TITLE_ADJS, *TITLE_NOUNS, *ASPECTS, *ADJECTIVES, *INTENSIFIERS, *VERBS)]
+    )
+)
 
 # one regex per sentence template (the sentence without its final period)
 _alt = "|".join
@@ -185,13 +247,11 @@ def parse_response(response: str) -> list[tuple[str, dict]] | None:
         return None
     parsed = []
     for i, s in enumerate(sentences):
-        for name, pattern in SENTENCE_RES.items():
-            m = pattern.fullmatch(s)
-            if m:
-                break
-        else:
+        matches = [(name, pattern.fullmatch(s)) for name, pattern in SENTENCE_RES.items()]
+        name, match = next(((name, m) for name, m in matches if m), (None, None))
+        if match is None:
             return None
-        f = m.groupdict()
+        f = match.groupdict()
         if name == "S4" and i != len(sentences) - 1:
             return None
         parsed.append((name, f))
@@ -296,10 +356,24 @@ def sample_pair(rng: random.Random, prompt: str) -> dict:
 
 
 TASK_FILES = ("pretrain", "sft", "sft_eval", "pairs", "pairs_eval", "prompts", "eval_prompts")
-TASK_SIZES = {"pretrain": 20000, "sft": 20000, "sft_eval": 1000, "pairs": 20000, "pairs_eval": 4000, "prompts": 8192,
-              "eval_prompts": 1024}
-TINY_SIZES = {"pretrain": 1000, "sft": 1000, "sft_eval": 64, "pairs": 1000, "pairs_eval": 200, "prompts": 512,
-              "eval_prompts": 128}
+TASK_SIZES = {
+    "pretrain": 20000,
+    "sft": 20000,
+    "sft_eval": 1000,
+    "pairs": 20000,
+    "pairs_eval": 4000,
+    "prompts": 8192,
+    "eval_prompts": 1024,
+}
+TINY_SIZES = {
+    "pretrain": 1000,
+    "sft": 1000,
+    "sft_eval": 64,
+    "pairs": 1000,
+    "pairs_eval": 200,
+    "prompts": 512,
+    "eval_prompts": 128,
+}
 
 
 def _task_records(name: str, rng: random.Random, n: int, train_titles: list[str], eval_titles: list[str]) -> list:
@@ -358,8 +432,12 @@ def build_task(data_dir: str, task_seed: int = 1337, tiny: bool = False) -> dict
 
 def _check_fields(obj: dict, kind: str) -> str | None:
     """What is wrong with one record of this kind, or None."""
-    fields = {"sft": ("prompt", "response"), "text": ("text",), "prompts": ("prompt",),
-              "hh": ("chosen", "rejected")}.get(kind)
+    fields = {
+        "sft": ("prompt", "response"),
+        "text": ("text",),
+        "prompts": ("prompt",),
+        "hh": ("chosen", "rejected"),
+    }.get(kind)
     if kind == "pairs":
         fields = ("prompt", "responses", "ranking") if "responses" in obj else ("prompt", "chosen", "rejected")
     if fields is None:
@@ -391,13 +469,13 @@ def read_jsonl(path: str, kind: str) -> list[dict]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start})")
+                raise UserError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start})") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: bad JSON: {e.msg} (column {e.colno})")
+                raise UserError(f"{path}:{lineno}: bad JSON: {e.msg} (column {e.colno})") from None
             if not isinstance(obj, dict):
                 raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             problem = _check_fields(obj, kind)

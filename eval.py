@@ -93,8 +93,9 @@ def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rm=No
         chunk = prompts[i : i + args.batch_size]
         query, qmask = (t.to(device) for t in pad_left([tok.encode(p) for p in chunk], tok.pad_id))
         max_new = min(args.max_new_tokens, model.config.block_size - query.size(1))
-        response, rmask, logprobs = model.generate(query, qmask, max_new, tok.eos_id, tok.pad_id,
-                                                   temperature=args.temperature, generator=g)
+        response, rmask, logprobs = model.generate(
+            query, qmask, max_new, tok.eos_id, tok.pad_id, temperature=args.temperature, generator=g
+        )
         n = rmask.sum(1).long()
         ended = (response.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1) == tok.eos_id) & (n > 0)
         kl = torch.zeros(len(chunk), device=device)
@@ -142,14 +143,25 @@ def load_model(path: str, flag: str, device, want: str = "lm"):
     """A GPT from one of our checkpoints (its LM or its scalar head), eval mode, and the checkpoint."""
     if not path.endswith(".pt"):
         raise UserError(f"{flag} {path}: expected a .pt checkpoint of this repo")
-    model, tok, ckpt = hf.load_init(path, lm_head=want == "lm", score_head=want == "score", flag=flag,
-                                        kind=("sft", "ppo") if want == "lm" else "rm")
+    model, tok, ckpt = hf.load_init(
+        path, lm_head=want == "lm", score_head=want == "score", flag=flag, kind=("sft", "ppo") if want == "lm" else "rm"
+    )
     return model.to(device).eval(), tok, ckpt
 
 
 def print_table(results: dict) -> None:
-    cols = ["gold", "score", "kl", "response_len", "perplexity", "eos_frac", "valid_frac", "distinct_2",
-            "win_rate_vs_ref", "seconds"]
+    cols = [
+        "gold",
+        "score",
+        "kl",
+        "response_len",
+        "perplexity",
+        "eos_frac",
+        "valid_frac",
+        "distinct_2",
+        "win_rate_vs_ref",
+        "seconds",
+    ]
     rows = {k: v for k, v in results.items() if k != "rm"}
     fmt = lambda v: "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
     print("| policy | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
@@ -164,8 +176,13 @@ def print_table(results: dict) -> None:
 def main(args: Args) -> dict:
     t0 = time.time()
     common.seed_everything(args.seed)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
     builtin = args.prompts is None
     task = build_task(args.task_dir, args.task_seed) if builtin or (args.pairs and args.pairs_data is None) else None
     results = {}
@@ -233,9 +250,14 @@ def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
         start += len(seqs)
     gaps, g_gaps, w = torch.tensor(gaps), torch.tensor(g_gaps), torch.tensor(weights, dtype=torch.double)
     acc = lambda g: ((w * ((g > 0).double() + 0.5 * (g == 0).double())).sum() / w.sum()).item()  # noqa: E731
-    return {"accuracy": acc(gaps), "margin": ((w * gaps).sum() / w.sum()).item(), "ece": calibration_error(gaps),
-            "bayes_ceiling": acc(g_gaps) if args.pairs_data is None else None, "pairs": len(gaps),
-            "seconds": round(ckpt.get("seconds", 0.0), 1)}
+    return {
+        "accuracy": acc(gaps),
+        "margin": ((w * gaps).sum() / w.sum()).item(),
+        "ece": calibration_error(gaps),
+        "bayes_ceiling": acc(g_gaps) if args.pairs_data is None else None,
+        "pairs": len(gaps),
+        "seconds": round(ckpt.get("seconds", 0.0), 1),
+    }
 
 
 if __name__ == "__main__":

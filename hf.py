@@ -118,8 +118,12 @@ class HFCausalLM(nn.Module):
         score_head = "score_head.weight" in sd if score_head is None else score_head
         hf_config = AutoConfig.for_model(**mc["hf_config"])
         _no_dropout(hf_config)
-        model = cls(AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32), lm_head, score_head,
-                    mc.get("hf_name_or_path", ""))
+        model = cls(
+            AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32),
+            lm_head,
+            score_head,
+            mc.get("hf_name_or_path", ""),
+        )
         own = model.state_dict()
         fresh = {k: own[k] for k in own if k.startswith("score_head.") and k not in sd}
         model.load_state_dict({k: v for k, v in sd.items() if k in own} | fresh)
@@ -154,8 +158,10 @@ class HFCausalLM(nn.Module):
         seq.config.score_bias = bias
         seq.save_pretrained(out_dir)
         if bias:
-            print(f"export_hf: {type(seq).__name__}'s score layer has no bias: add score_bias {bias:+.4f} "
-                  f"(config.json) to its scores to get ours")
+            print(
+                f"export_hf: {type(seq).__name__}'s score layer has no bias: add score_bias {bias:+.4f} "
+                f"(config.json) to its scores to get ours"
+            )
 
     # --- what the stages call
 
@@ -293,8 +299,15 @@ def _model_type(path: str) -> str | None:
         return None
 
 
-def load_init(spec: str, tokenizer=None, scratch: dict | None = None, score_head: bool = False,
-              lm_head: bool = True, flag: str = "--init", kind: str | tuple | None = None):
+def load_init(
+    spec: str,
+    tokenizer=None,
+    scratch: dict | None = None,
+    score_head: bool = False,
+    lm_head: bool = True,
+    flag: str = "--init",
+    kind: str | tuple | None = None,
+):
     """Build (model, tokenizer, ckpt or None) from an --init spec:
     `*.pt` our checkpoint (an adapter one if its model_config has hf_config) | `gpt2`... or a local GPT-2 folder (native
     GPT) | `hf:<name-or-path>` or any other local HF folder (hf.HFCausalLM) | `scratch` (tiny config, given tokenizer).
@@ -314,8 +327,9 @@ def load_init(spec: str, tokenizer=None, scratch: dict | None = None, score_head
         tokenizer = Tokenizer.from_state(ckpt["tokenizer"])
     elif spec in GPT2_NAMES or _model_type(spec) == "gpt2":
         model = GPT.from_pretrained(spec, score_head=score_head)
-        has_tok = os.path.isdir(spec) and any(os.path.exists(os.path.join(spec, f))
-                                               for f in ("tokenizer.json", "vocab.json"))
+        has_tok = os.path.isdir(spec) and any(
+            os.path.exists(os.path.join(spec, f)) for f in ("tokenizer.json", "vocab.json")
+        )
         tokenizer = load_tokenizer(f"hf:{spec}" if has_tok else "gpt2")
     elif spec.startswith("hf:") or _model_type(spec):  # any other causal LM, through the adapter
         path = spec.removeprefix("hf:")
@@ -329,13 +343,20 @@ def load_init(spec: str, tokenizer=None, scratch: dict | None = None, score_head
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UserError(f"{flag} {spec}: could not load a causal LM: {msg}") from None
         if tokenizer.vocab_size > model.config.vocab_size:
-            raise UserError(f"{flag} {spec}: the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding "
-                            f"only {model.config.vocab_size}")
+            raise UserError(
+                f"{flag} {spec}: the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding "
+                f"only {model.config.vocab_size}"
+            )
     elif spec == "scratch":
         assert tokenizer is not None, "scratch needs a tokenizer"
-        model = GPT(GPTConfig(**{**(scratch or {}), "vocab_size": tokenizer.vocab_size, "lm_head": lm_head,
-                                 "score_head": score_head}))
+        model = GPT(
+            GPTConfig(
+                **{**(scratch or {}), "vocab_size": tokenizer.vocab_size, "lm_head": lm_head, "score_head": score_head}
+            )
+        )
     else:
-        raise UserError(f"{flag} {spec}: expected a .pt checkpoint, gpt2[-medium|-large|-xl], a local GPT-2 folder, "
-                        f"hf:<name-or-path> or scratch")
+        raise UserError(
+            f"{flag} {spec}: expected a .pt checkpoint, gpt2[-medium|-large|-xl], a local GPT-2 folder, "
+            f"hf:<name-or-path> or scratch"
+        )
     return model, tokenizer, ckpt

@@ -187,8 +187,11 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, cliprange: float, 
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     pg_loss = (torch.max(pg_losses, pg_losses2) * mask).sum() / (mask.sum() if denom is None else denom)
     with torch.no_grad():
-        stats = {"clipfrac": masked_mean((pg_losses2 > pg_losses).float(), mask),
-                 "approx_kl": masked_mean((ratio - 1) - log_ratio, mask), "ratio_mean": masked_mean(ratio, mask)}
+        stats = {
+            "clipfrac": masked_mean((pg_losses2 > pg_losses).float(), mask),
+            "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
     return pg_loss, stats
 
 
@@ -312,8 +315,9 @@ def response_forward(model, query, query_mask, response, response_mask, temperat
     at position P+t-1 (DESIGN §2), so the lm head runs on the last T+1 positions only (never on the prompt).
     Returns (logits / temperature (B, T, V) fp32 or None, scores (B, T) or None)."""
     P, T = query.size(1), response.size(1)
-    logits, scores = model(torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1),
-                           logits_to_keep=T + 1)
+    logits, scores = model(
+        torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1), logits_to_keep=T + 1
+    )
     if logits is not None:
         logits = logits[:, :-1].float()
         logits = logits / temperature if temperature != 1.0 else logits
@@ -330,11 +334,31 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def rollout(policy, ref_policy, critic, reward_model, tok: Tokenizer, prompts: list[str], *, max_new_tokens: int,
-            temperature: float, generator: torch.Generator, kl_coef: float, kl_estimator: str,
-            reward_moments: RunningMoments, reward_norm: str, reward_clip: Optional[float], missing_eos_penalty: float,
-            gamma: float, lam: float, micro_batch_size: int, reward_fn: Optional[Callable] = None,
-            reward_fn_coef: float = 1.0, gold_fn: Optional[Callable] = None, dtype=torch.float32):
+def rollout(
+    policy,
+    ref_policy,
+    critic,
+    reward_model,
+    tok: Tokenizer,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+    kl_coef: float,
+    kl_estimator: str,
+    reward_moments: RunningMoments,
+    reward_norm: str,
+    reward_clip: Optional[float],
+    missing_eos_penalty: float,
+    gamma: float,
+    lam: float,
+    micro_batch_size: int,
+    reward_fn: Optional[Callable] = None,
+    reward_fn_coef: float = 1.0,
+    gold_fn: Optional[Callable] = None,
+    dtype=torch.float32,
+):
     """Steps 1-5 on this rank's prompts. policy, ref_policy: GPTs with an LM head; critic: scalar head; reward_model:
     scalar head, or None (reward_fn alone). Returns (experience: dict of (B, ...) tensors, stats: global means keyed
     by DESIGN §6 tags plus logprob_err (generation vs training forward), samples: this rank's texts as dicts)."""
@@ -343,8 +367,9 @@ def rollout(policy, ref_policy, critic, reward_model, tok: Tokenizer, prompts: l
     # 1. generate with the KV cache from the tempered distribution (no top-k/top-p: the ratio must be on-policy)
     query, query_mask = (t.to(device) for t in pad_left([tok.encode(p) for p in prompts], tok.pad_id))
     with amp:
-        response, mask, gen_logprobs = policy.generate(query, query_mask, max_new_tokens, tok.eos_id, tok.pad_id,
-                                                       temperature=temperature, generator=generator)
+        response, mask, gen_logprobs = policy.generate(
+            query, query_mask, max_new_tokens, tok.eos_id, tok.pad_id, temperature=temperature, generator=generator
+        )
     B, P = query.shape
     # 2. generation stops each row at its first EOS and pads after it (mask includes the EOS); which rows ended
     last = mask.sum(1).long() - 1  # (B,) index of the last real response token
@@ -392,23 +417,57 @@ def rollout(policy, ref_policy, critic, reward_model, tok: Tokenizer, prompts: l
     gold = [gold_fn(p, t, e) for p, t, e in zip(prompts, texts, ended.tolist())] if gold_fn else [0.0] * B
     kl_seq = ((logprobs - ref_logprobs) * mask).sum(1)  # objective/kl is always the per-sequence sum of k1
     err = (returns - values) * mask
-    sums = torch.stack([torch.tensor(float(B), device=device), scores.sum(), score_norm.sum(), kl_seq.sum(),
-                        rewards.sum(), entropy.sum(), mask.sum(), -logprobs.sum(), ended.float().sum(),
-                        torch.tensor(float(sum(gold)), device=device), returns.sum(), (returns**2).sum(), err.sum(),
-                        (err**2).sum()]).double()
+    sums = torch.stack(
+        [
+            torch.tensor(float(B), device=device),
+            scores.sum(),
+            score_norm.sum(),
+            kl_seq.sum(),
+            rewards.sum(),
+            entropy.sum(),
+            mask.sum(),
+            -logprobs.sum(),
+            ended.float().sum(),
+            torch.tensor(float(sum(gold)), device=device),
+            returns.sum(),
+            (returns**2).sum(),
+            err.sum(),
+            (err**2).sum(),
+        ]
+    ).double()
     n, score, norm, kl, rlhf, ent, n_tok, nll, eos, gld, r1, r2, e1, e2 = common.all_reduce_sum(sums).tolist()
     var_r, var_err = r2 / n_tok - (r1 / n_tok) ** 2, e2 / n_tok - (e1 / n_tok) ** 2
-    stats = {"objective/score": score / n, "objective/score_norm": norm / n, "objective/kl": kl / n,
-             "objective/rlhf_reward": rlhf / n, "objective/entropy": ent / n_tok, "rollout/response_len": n_tok / n,
-             "rollout/perplexity": math.exp(nll / n_tok), "rollout/eos_frac": eos / n,
-             "value/explained_variance": 1 - var_err / max(var_r, 1e-12), "logprob_err": lp_err}
+    stats = {
+        "objective/score": score / n,
+        "objective/score_norm": norm / n,
+        "objective/kl": kl / n,
+        "objective/rlhf_reward": rlhf / n,
+        "objective/entropy": ent / n_tok,
+        "rollout/response_len": n_tok / n,
+        "rollout/perplexity": math.exp(nll / n_tok),
+        "rollout/eos_frac": eos / n,
+        "value/explained_variance": 1 - var_err / max(var_r, 1e-12),
+        "logprob_err": lp_err,
+    }
     if gold_fn is not None:
         stats["objective/gold"] = gld / n
-    exp = dict(query=query, query_mask=query_mask, response=response, mask=mask, logprobs=logprobs,
-               ref_logprobs=ref_logprobs, values=values, rewards=rewards, advantages=advantages, returns=returns,
-               scores=scores)
-    samples = [{"prompt": p, "response": t, "ended": e, "score": s, "gold": g if gold_fn else None}
-               for p, t, e, s, g in zip(prompts, texts, ended.tolist(), scores.tolist(), gold)]
+    exp = dict(
+        query=query,
+        query_mask=query_mask,
+        response=response,
+        mask=mask,
+        logprobs=logprobs,
+        ref_logprobs=ref_logprobs,
+        values=values,
+        rewards=rewards,
+        advantages=advantages,
+        returns=returns,
+        scores=scores,
+    )
+    samples = [
+        {"prompt": p, "response": t, "ended": e, "score": s, "gold": g if gold_fn else None}
+        for p, t, e, s, g in zip(prompts, texts, ended.tolist(), scores.tolist(), gold)
+    ]
     return exp, stats, samples
 
 
@@ -417,11 +476,29 @@ def _sync(model, sync: bool):
     return model.no_sync() if isinstance(model, DDP) and not sync else nullcontext()
 
 
-def ppo_update(actor, critic, actor_optimizer, critic_optimizer, exp: dict, *, ppo_epochs: int, num_minibatches: int,
-               micro_batch_size: int, cliprange: float, cliprange_value: Optional[float], temperature: float,
-               adv_whiten: str = "minibatch", entropy_coef: float = 0.0, ptx_coef: float = 0.0,
-               ptx_sampler: Optional[Callable] = None, grad_clip: float = 0.0, critic_grad_clip: float = 0.0,
-               train_actor: bool = True, generator: Optional[torch.Generator] = None, dtype=torch.float32) -> dict:
+def ppo_update(
+    actor,
+    critic,
+    actor_optimizer,
+    critic_optimizer,
+    exp: dict,
+    *,
+    ppo_epochs: int,
+    num_minibatches: int,
+    micro_batch_size: int,
+    cliprange: float,
+    cliprange_value: Optional[float],
+    temperature: float,
+    adv_whiten: str = "minibatch",
+    entropy_coef: float = 0.0,
+    ptx_coef: float = 0.0,
+    ptx_sampler: Optional[Callable] = None,
+    grad_clip: float = 0.0,
+    critic_grad_clip: float = 0.0,
+    train_actor: bool = True,
+    generator: Optional[torch.Generator] = None,
+    dtype=torch.float32,
+) -> dict:
     """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one optimizer step per
     minibatch for the critic and (unless train_actor is False: critic warm-up) the actor. actor and critic may be DDP
     or compiled modules. ptx_sampler() -> (inputs, targets, mask) of one micro-batch of pre-training text.
@@ -450,8 +527,9 @@ def ppo_update(actor, critic, actor_optimizer, critic_optimizer, exp: dict, *, p
             # the step's global token counts (loss denominators) and whitening statistics: one all-reduce per step
             m, a = mask[rows], advantages[rows]
             ptx_tokens = sum((p[2].sum() for p in ptx), torch.zeros((), device=device))
-            n_tok, s1, s2, n_ptx = common.all_reduce_sum(torch.stack([m.sum(), a.sum(), (a**2).sum(), ptx_tokens])
-                                                         .double())
+            n_tok, s1, s2, n_ptx = common.all_reduce_sum(
+                torch.stack([m.sum(), a.sum(), (a**2).sum(), ptx_tokens]).double()
+            )
             adv_mean, adv_var = (s1 / n_tok).float(), (s2 / n_tok - (s1 / n_tok) ** 2).float()
             n_tok, n_ptx = n_tok.float(), n_ptx.float()
             for j in range(accum):
@@ -472,26 +550,35 @@ def ppo_update(actor, critic, actor_optimizer, critic_optimizer, exp: dict, *, p
                         logits, _ = response_forward(actor, q, qm, r, m, temperature)
                         logprobs = logprobs_from_logits(logits, r)
                         pg_loss, st = ppo_policy_loss(logprobs, old_logprobs, adv, m, cliprange, denom=n_tok)
-                        loss = pg_loss - entropy_coef * (entropy_from_logits(logits) * m).sum() / n_tok \
-                            if entropy_coef > 0 else pg_loss
+                        loss = (
+                            pg_loss - entropy_coef * (entropy_from_logits(logits) * m).sum() / n_tok
+                            if entropy_coef > 0
+                            else pg_loss
+                        )
                     (loss * world).backward()
                     acc["pg_loss"] += pg_loss.detach()
                     for k, key in (("approx_kl", "approx_kl"), ("clipfrac", "clipfrac"), ("ratio", "ratio_mean")):
                         acc[k] += st[key] * m.sum()
                     if epoch == 0 and mb == 0 and j == 0:  # must be ratio 1, approx_kl 0, clipfrac 0 (DESIGN §5)
-                        first = {"first/ratio_err": ((logprobs - old_logprobs).exp().sub(1).abs() * m).max().item(),
-                                 "first/approx_kl": st["approx_kl"].item(), "first/clipfrac": st["clipfrac"].item()}
+                        first = {
+                            "first/ratio_err": ((logprobs - old_logprobs).exp().sub(1).abs() * m).max().item(),
+                            "first/approx_kl": st["approx_kl"].item(),
+                            "first/clipfrac": st["clipfrac"].item(),
+                        }
                 with _sync(critic, sync), amp:
                     _, v = response_forward(critic, q, qm, r, m, temperature)
-                    vf_loss, vst = ppo_value_loss(v, exp["values"][idx, :T], exp["returns"][idx, :T], m,
-                                                  cliprange_value, denom=n_tok)
+                    vf_loss, vst = ppo_value_loss(
+                        v, exp["values"][idx, :T], exp["returns"][idx, :T], m, cliprange_value, denom=n_tok
+                    )
                 (vf_loss * world).backward()
                 acc["vf_loss"] += vf_loss.detach()
                 acc["vf_clipfrac"] += vst["clipfrac"] * m.sum()
                 acc["tokens"] += m.sum()
             # separate optimizers and clips; a non-finite norm (the same on every rank after the all-reduce) skips
-            for name, model, opt, clip in (("actor", actor, actor_optimizer, grad_clip),
-                                           ("critic", critic, critic_optimizer, critic_grad_clip)):
+            for name, model, opt, clip in (
+                ("actor", actor, actor_optimizer, grad_clip),
+                ("critic", critic, critic_optimizer, critic_grad_clip),
+            ):
                 if name == "critic" or train_actor:
                     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
                     if torch.isfinite(norm):  # the step's one host sync
@@ -505,11 +592,20 @@ def ppo_update(actor, critic, actor_optimizer, critic_optimizer, exp: dict, *, p
             n_steps += 1
     g = dict(zip(keys, common.all_reduce_sum(torch.stack([acc[k] for k in keys])).tolist()))
     tokens = max(g["tokens"], 1.0)
-    return {"policy/loss": g["pg_loss"] / n_steps, "value/loss": g["vf_loss"] / n_steps,
-            "ptx/loss": g["ptx_loss"] / n_steps, "policy/approx_kl": g["approx_kl"] / tokens,
-            "policy/clipfrac": g["clipfrac"] / tokens, "policy/ratio_mean": g["ratio"] / tokens if train_actor else 1.0,
-            "value/clipfrac": g["vf_clipfrac"] / tokens, "train/grad_norm": norms["actor"].item() / n_steps,
-            "value/grad_norm": norms["critic"].item() / n_steps, "updates": n_steps, "skipped": skipped, **first}
+    return {
+        "policy/loss": g["pg_loss"] / n_steps,
+        "value/loss": g["vf_loss"] / n_steps,
+        "ptx/loss": g["ptx_loss"] / n_steps,
+        "policy/approx_kl": g["approx_kl"] / tokens,
+        "policy/clipfrac": g["clipfrac"] / tokens,
+        "policy/ratio_mean": g["ratio"] / tokens if train_actor else 1.0,
+        "value/clipfrac": g["vf_clipfrac"] / tokens,
+        "train/grad_norm": norms["actor"].item() / n_steps,
+        "value/grad_norm": norms["critic"].item() / n_steps,
+        "updates": n_steps,
+        "skipped": skipped,
+        **first,
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -549,9 +645,20 @@ def load_reward_fn(spec: str) -> Callable:
     return fn
 
 
-CONSOLE = ("objective/score", "objective/gold", "objective/kl", "rollout/response_len", "rollout/perplexity",
-           "objective/entropy", "policy/approx_kl", "policy/clipfrac", "value/explained_variance", "collapse/alarm",
-           "perf/rollout_s", "perf/update_s")
+CONSOLE = (
+    "objective/score",
+    "objective/gold",
+    "objective/kl",
+    "rollout/response_len",
+    "rollout/perplexity",
+    "objective/entropy",
+    "policy/approx_kl",
+    "policy/clipfrac",
+    "value/explained_variance",
+    "collapse/alarm",
+    "perf/rollout_s",
+    "perf/update_s",
+)
 
 
 def main(args: Args) -> None:
@@ -564,8 +671,10 @@ def main(args: Args) -> None:
     sft = common.load_checkpoint(args.sft_ckpt, kind=("sft", "ppo"), flag="--sft-ckpt")
     rm = None if args.rm_ckpt == "none" else common.load_checkpoint(args.rm_ckpt, kind="rm", flag="--rm-ckpt")
     if rm is not None and rm["tokenizer"] != sft["tokenizer"]:
-        raise UserError(f"--rm-ckpt {args.rm_ckpt}: its tokenizer differs from --sft-ckpt {args.sft_ckpt}'s "
-                        "(train the RM from this SFT checkpoint)")
+        raise UserError(
+            f"--rm-ckpt {args.rm_ckpt}: its tokenizer differs from --sft-ckpt {args.sft_ckpt}'s "
+            "(train the RM from this SFT checkpoint)"
+        )
     tok = Tokenizer.from_state(sft["tokenizer"])
     reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
     actor, ref_policy = GPT.from_checkpoint(sft), GPT.from_checkpoint(sft)
@@ -577,8 +686,9 @@ def main(args: Args) -> None:
     prompts = [r["prompt"] for r in read_jsonl(task["prompts"] if builtin else args.prompts, "prompts")]
     n_all, prompts = len(prompts), [p for p in prompts if len(tok.encode(p)) + args.max_new_tokens <= block]
     if not prompts:
-        raise UserError(f"every prompt is longer than the context minus --max-new-tokens ({block} - "
-                        f"{args.max_new_tokens} tokens)")
+        raise UserError(
+            f"every prompt is longer than the context minus --max-new-tokens ({block} - {args.max_new_tokens} tokens)"
+        )
     ptx_path = args.ptx_data or (task["pretrain"] if builtin else None)
     ptx = encode_sft(tok, read_jsonl(ptx_path, "text"), block, mask_prompt=False)[0] if ptx_path else []
     gold_fn = gold_reward if builtin else None
@@ -590,15 +700,20 @@ def main(args: Args) -> None:
     mb_rows = exact_div(per_rank, args.num_minibatches, "--rollout-batch-size/world_size over --num-minibatches")
     mbs = min(args.micro_batch_size, mb_rows)  # a micro-batch never exceeds a rank's share of the minibatch
     accum = exact_div(mb_rows, mbs, "minibatch rows per rank over --micro-batch-size")
-    ptx_micro = exact_div(args.ptx_batch_size, world * accum, "--ptx-batch-size over world_size * accum steps") \
-        if ptx and args.ptx_coef > 0 else 0  # checked only when there is a ptx loss to compute
+    ptx_micro = (
+        exact_div(args.ptx_batch_size, world * accum, "--ptx-batch-size over world_size * accum steps")
+        if ptx and args.ptx_coef > 0
+        else 0
+    )  # checked only when there is a ptx loss to compute
     d = common.setup_dist(args.device)
     dtype = common.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
-    print0(f"ppo: {len(prompts)} prompts ({n_all - len(prompts)} too long, skipped) | {len(ptx)} ptx texts | actor "
-           f"{actor.num_params() / 1e6:.2f} M, critic {critic.num_params() / 1e6:.2f} M | rollout "
-           f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x {accum} accum x "
-           f"{mbs} | {max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}")
+    print0(
+        f"ppo: {len(prompts)} prompts ({n_all - len(prompts)} too long, skipped) | {len(ptx)} ptx texts | actor "
+        f"{actor.num_params() / 1e6:.2f} M, critic {critic.num_params() / 1e6:.2f} M | rollout "
+        f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x {accum} accum x "
+        f"{mbs} | {max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}"
+    )
     common.seed_everything(args.seed)
     for m in (actor, ref_policy, critic, reward_model):
         if m is not None:
@@ -614,13 +729,21 @@ def main(args: Args) -> None:
     prompt_order, ptx_order = Order(len(prompts), args.seed), Order(max(1, len(ptx)), args.seed + 1)
     step, seconds, updates, skipped = 0, 0.0, 0, 0
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
-    hashes = {"sft_hash": common.file_sha256(args.sft_ckpt),
-              "rm_hash": common.file_sha256(args.rm_ckpt) if rm else None}
+    hashes = {
+        "sft_hash": common.file_sha256(args.sft_ckpt),
+        "rm_hash": common.file_sha256(args.rm_ckpt) if rm else None,
+    }
     if args.resume:
         inputs = {"sft_hash": ("--sft-ckpt", hashes["sft_hash"]), "rm_hash": ("--rm-ckpt", hashes["rm_hash"])}
         ck = common.load_resume(ckpt_path, "ppo", d.world_size, max_steps, inputs)
-        for obj, key in ((actor, "model"), (critic, "critic"), (actor_opt, "optimizer"),
-                         (critic_opt, "critic_optimizer"), (moments, "reward_moments"), (kl_ctl, "kl_ctl")):
+        for obj, key in (
+            (actor, "model"),
+            (critic, "critic"),
+            (actor_opt, "optimizer"),
+            (critic_opt, "critic_optimizer"),
+            (moments, "reward_moments"),
+            (kl_ctl, "kl_ctl"),
+        ):
             obj.load_state_dict(ck[key])
         ds = ck["data_state"]
         detector.load_state_dict(ds["collapse"])
@@ -630,8 +753,9 @@ def main(args: Args) -> None:
         print0(f"resumed from {ckpt_path} at step {step}")
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     compiled = d.device.type == "cuda" and args.compile
-    actor_fwd, critic_fwd, ref_fwd, rm_fwd = (torch.compile(m) if compiled and m is not None else m
-                                              for m in (actor, critic, ref_policy, reward_model))
+    actor_fwd, critic_fwd, ref_fwd, rm_fwd = (
+        torch.compile(m) if compiled and m is not None else m for m in (actor, critic, ref_policy, reward_model)
+    )
     ids = [d.local_rank] if d.device.type == "cuda" else None
     actor_ddp, critic_ddp = (DDP(m, device_ids=ids) if d.ddp else m for m in (actor_fwd, critic_fwd))
     logger = common.Logger(args.out_dir, d.master, purge_step=step if args.resume else None)
@@ -648,15 +772,36 @@ def main(args: Args) -> None:
         rngs = common.all_rng_states(sampler)
         if d.master:
             sched = dict(warmup_steps=args.warmup_steps, max_steps=max_steps, delay=args.critic_warmup_steps)
-            common.save_checkpoint(dict(
-                kind="ppo", model=actor.state_dict(), model_config=asdict(actor.config), tokenizer=tok.state(),
-                args=asdict(args), step=step, optimizer=actor_opt.state_dict(), scheduler=sched | {"lr": args.lr},
-                rng=rngs, data_state=dict(prompts=prompt_order.state_dict(), ptx=ptx_order.state_dict(),
-                                          collapse=detector.state_dict(), updates=updates, skipped=skipped),
-                world_size=d.world_size, seconds=seconds + time.time() - t_start, critic=critic.state_dict(),
-                critic_config=asdict(critic.config), critic_optimizer=critic_opt.state_dict(),
-                critic_scheduler=sched | {"lr": args.critic_lr, "delay": 0}, reward_moments=moments.state_dict(),
-                kl_ctl=kl_ctl.state_dict(), **hashes), ckpt_path)
+            common.save_checkpoint(
+                dict(
+                    kind="ppo",
+                    model=actor.state_dict(),
+                    model_config=asdict(actor.config),
+                    tokenizer=tok.state(),
+                    args=asdict(args),
+                    step=step,
+                    optimizer=actor_opt.state_dict(),
+                    scheduler=sched | {"lr": args.lr},
+                    rng=rngs,
+                    data_state=dict(
+                        prompts=prompt_order.state_dict(),
+                        ptx=ptx_order.state_dict(),
+                        collapse=detector.state_dict(),
+                        updates=updates,
+                        skipped=skipped,
+                    ),
+                    world_size=d.world_size,
+                    seconds=seconds + time.time() - t_start,
+                    critic=critic.state_dict(),
+                    critic_config=asdict(critic.config),
+                    critic_optimizer=critic_opt.state_dict(),
+                    critic_scheduler=sched | {"lr": args.critic_lr, "delay": 0},
+                    reward_moments=moments.state_dict(),
+                    kl_ctl=kl_ctl.state_dict(),
+                    **hashes,
+                ),
+                ckpt_path,
+            )
 
     # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
     first, start_step, samples, bad_in_row = {}, step, [], 0
@@ -673,58 +818,110 @@ def main(args: Args) -> None:
         t0 = time.time()
         rows = prompt_order.take(args.rollout_batch_size)[d.rank * per_rank : (d.rank + 1) * per_rank]
         exp, stats, samples = rollout(
-            actor_fwd, ref_fwd, critic_fwd, rm_fwd, tok, [prompts[i] for i in rows], max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, generator=sampler, kl_coef=kl_ctl.value, kl_estimator=args.kl_estimator,
-            reward_moments=moments, reward_norm=args.reward_norm, reward_clip=args.reward_clip,
-            missing_eos_penalty=args.missing_eos_penalty, gamma=args.gamma, lam=args.lam,
-            micro_batch_size=mbs, reward_fn=reward_fn, reward_fn_coef=args.reward_fn_coef,
-            gold_fn=gold_fn, dtype=dtype)
+            actor_fwd,
+            ref_fwd,
+            critic_fwd,
+            rm_fwd,
+            tok,
+            [prompts[i] for i in rows],
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            generator=sampler,
+            kl_coef=kl_ctl.value,
+            kl_estimator=args.kl_estimator,
+            reward_moments=moments,
+            reward_norm=args.reward_norm,
+            reward_clip=args.reward_clip,
+            missing_eos_penalty=args.missing_eos_penalty,
+            gamma=args.gamma,
+            lam=args.lam,
+            micro_batch_size=mbs,
+            reward_fn=reward_fn,
+            reward_fn_coef=args.reward_fn_coef,
+            gold_fn=gold_fn,
+            dtype=dtype,
+        )
         kl_coef = kl_ctl.value
         kl_ctl.update(stats["objective/kl"], args.rollout_batch_size)
         t1 = time.time()
         # the actor's schedule starts when it starts moving, after the critic warm-up
-        lr = common.lr_at(max(0, step - args.critic_warmup_steps), max_steps - args.critic_warmup_steps, args.lr,
-                          args.warmup_steps)
+        lr = common.lr_at(
+            max(0, step - args.critic_warmup_steps), max_steps - args.critic_warmup_steps, args.lr, args.warmup_steps
+        )
         critic_lr = common.lr_at(step, max_steps, args.critic_lr, args.warmup_steps)
         for opt, value in ((actor_opt, lr), (critic_opt, critic_lr)):
             for group in opt.param_groups:
                 group["lr"] = value
         upd = ppo_update(
-            actor_ddp, critic_ddp, actor_opt, critic_opt, exp, ppo_epochs=args.ppo_epochs,
-            num_minibatches=args.num_minibatches, micro_batch_size=mbs, cliprange=args.cliprange,
-            cliprange_value=args.cliprange_value, temperature=args.temperature, adv_whiten=args.adv_whiten,
-            entropy_coef=args.entropy_coef, ptx_coef=args.ptx_coef if ptx else 0.0, ptx_sampler=ptx_sampler,
-            grad_clip=args.grad_clip, critic_grad_clip=args.critic_grad_clip,
-            train_actor=step >= args.critic_warmup_steps, generator=sampler, dtype=dtype)
+            actor_ddp,
+            critic_ddp,
+            actor_opt,
+            critic_opt,
+            exp,
+            ppo_epochs=args.ppo_epochs,
+            num_minibatches=args.num_minibatches,
+            micro_batch_size=mbs,
+            cliprange=args.cliprange,
+            cliprange_value=args.cliprange_value,
+            temperature=args.temperature,
+            adv_whiten=args.adv_whiten,
+            entropy_coef=args.entropy_coef,
+            ptx_coef=args.ptx_coef if ptx else 0.0,
+            ptx_sampler=ptx_sampler,
+            grad_clip=args.grad_clip,
+            critic_grad_clip=args.critic_grad_clip,
+            train_actor=step >= args.critic_warmup_steps,
+            generator=sampler,
+            dtype=dtype,
+        )
         first = first or {k: v for k, v in upd.items() if k.startswith("first/")}
         step, updates, skipped = step + 1, updates + upd["updates"], skipped + upd["skipped"]
         bad_in_row = bad_in_row + 1 if upd["skipped"] else 0
         if bad_in_row >= 10:  # the checkpoint saved before these stays the last good one
-            raise RuntimeError(f"non-finite gradients in {bad_in_row} iterations in a row: lower --lr/--critic-lr or "
-                               "check the reward")
+            raise RuntimeError(
+                f"non-finite gradients in {bad_in_row} iterations in a row: lower --lr/--critic-lr or check the reward"
+            )
         t2 = time.time()
 
         # 7. monitoring; the collapse detector watches the actor's moves only (after the critic warm-up)
         alarm = step > args.critic_warmup_steps and detector.update(
-            stats["objective/kl"], stats["rollout/response_len"], stats["rollout/perplexity"])
+            stats["objective/kl"], stats["rollout/response_len"], stats["rollout/perplexity"]
+        )
         # FLOPs: a forward is ~1/3 of training; generation + old + ref (actor-sized), critic + RM, then the epochs
         L = exp["query"].size(1) + exp["mask"].size(1)
         fa, fc = actor.flops_per_token(L), critic.flops_per_token(L)
         flops = exp["mask"].size(0) * L * d.world_size * ((3 * fa + 2 * fc) / 3 + args.ppo_epochs * (fa + fc))
         metrics = {k: v for k, v in (stats | upd).items() if "/" in k and not k.startswith("first/")} | {
-            "train/lr": lr, "train/critic_lr": critic_lr, "train/kl_coef": kl_coef, "train/updates": updates,
-            "train/skipped_steps": skipped, "collapse/alarm": float(alarm), "perf/rollout_s": t1 - t0,
-            "perf/update_s": t2 - t1, "perf/tokens_per_sec": exp["mask"].size(0) * L * d.world_size / (t2 - t0),
-            "perf/mfu": flops / (t2 - t0) / (peak * d.world_size)}
+            "train/lr": lr,
+            "train/critic_lr": critic_lr,
+            "train/kl_coef": kl_coef,
+            "train/updates": updates,
+            "train/skipped_steps": skipped,
+            "collapse/alarm": float(alarm),
+            "perf/rollout_s": t1 - t0,
+            "perf/update_s": t2 - t1,
+            "perf/tokens_per_sec": exp["mask"].size(0) * L * d.world_size / (t2 - t0),
+            "perf/mfu": flops / (t2 - t0) / (peak * d.world_size),
+        }
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
             print0(f"step {step}: generation vs training-forward log-probs, max |diff| {stats['logprob_err']:.1e}")
         logger.log(step, metrics, console=False)
         if step % args.log_every == 0 or step == max_steps or alarm:
-            print0(" | ".join([f"step {step:05d}/{max_steps:05d}"] + [f"{k.split('/')[-1]} {common._fmt(metrics[k])}"
-                                                                      for k in CONSOLE if k in metrics]))
+            print0(
+                " | ".join(
+                    [f"step {step:05d}/{max_steps:05d}"]
+                    + [f"{k.split('/')[-1]} {common._fmt(metrics[k])}" for k in CONSOLE if k in metrics]
+                )
+            )
         if d.master and (step % args.sample_every == 0 or step == max_steps):
-            logger.text("samples", "\n\n".join(f"{show(s)} | score {s['score']:.2f}" + (
-                f" | gold {s['gold']:.2f}" if gold_fn else "") for s in samples[:8]), step)
+            logger.text(
+                "samples",
+                "\n\n".join(
+                    f"{show(s)} | score {s['score']:.2f}" + (f" | gold {s['gold']:.2f}" if gold_fn else "")
+                    for s in samples[:8]
+                ),
+                step,
+            )
             with open(samples_path, "a") as f:
                 f.writelines(json.dumps({"step": step, **s}) + "\n" for s in samples[:16])
         if alarm and args.stop_on_collapse:
@@ -738,8 +935,10 @@ def main(args: Args) -> None:
         print0(f"  {show(s)}  (score {s['score']:.2f})")
     if args.export_hf and d.master:
         common.export_hf(actor, tok, args.export_hf)
-    print0(f"ppo done in {time.time() - t_start:.0f}s: {ckpt_path} | first minibatch of the first update: "
-           + ", ".join(f"{k[6:]} {v:.1e}" for k, v in first.items()))
+    print0(
+        f"ppo done in {time.time() - t_start:.0f}s: {ckpt_path} | first minibatch of the first update: "
+        + ", ".join(f"{k[6:]} {v:.1e}" for k, v in first.items())
+    )
     logger.close()
     common.cleanup_dist()
 

@@ -77,8 +77,12 @@ class Args(common.CommonArgs):
 # reward-model pieces: pure functions, imported by tests
 
 
-def preference_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, weights: Optional[torch.Tensor] = None,
-                    denom: Optional[float] = None) -> torch.Tensor:
+def preference_loss(
+    r_chosen: torch.Tensor,
+    r_rejected: torch.Tensor,
+    weights: Optional[torch.Tensor] = None,
+    denom: Optional[float] = None,
+) -> torch.Tensor:
     """Weighted mean of -log σ(r_chosen - r_rejected) over pairs (N,); logsigmoid keeps it finite at any margin.
     denom replaces the sum of weights (the training loop passes the global pair weight of the step)."""
     nll = -F.logsigmoid(r_chosen.float() - r_rejected.float())  # (N,)
@@ -192,8 +196,9 @@ def main(args: Args) -> None:
     if args.calib_data or builtin:
         calib_rows = read_jsonl(args.calib_data or task["sft"], "sft")
     else:  # on user data the chosen (best) responses
-        calib_rows = [{"prompt": r["prompt"], "response": responses_of(r)[r.get("ranking", [0])[0]]}
-                      for r in train_rows]
+        calib_rows = [
+            {"prompt": r["prompt"], "response": responses_of(r)[r.get("ranking", [0])[0]]} for r in train_rows
+        ]
     calib_rows = calib_rows[: args.calib_size or None]
     if args.init == "scratch" and not builtin:
         raise UserError("--init scratch only works on the built-in task; pass an SFT checkpoint or gpt2")
@@ -204,11 +209,16 @@ def main(args: Args) -> None:
     block_size = model.config.block_size
     train, n_skip = encode_prefs(tok, train_rows, block_size)
     evals, _ = encode_prefs(tok, eval_rows, block_size)
-    calib = [s for s in (tok.encode(r["prompt"]) + tok.encode(r["response"]) + [tok.eos_id] for r in calib_rows)
-             if len(s) <= block_size]
+    calib = [
+        s
+        for s in (tok.encode(r["prompt"]) + tok.encode(r["response"]) + [tok.eos_id] for r in calib_rows)
+        if len(s) <= block_size
+    ]
     if not train or not evals or not calib:
-        raise UserError(f"{args.data or task['pairs']}: no preference record (or no held-out or calibration one) "
-                        f"fits the context ({block_size} tokens)")
+        raise UserError(
+            f"{args.data or task['pairs']}: no preference record (or no held-out or calibration one) "
+            f"fits the context ({block_size} tokens)"
+        )
     probes = []  # hackability probe: (kind, ids), degenerate texts and fluent positive reviews on held-out prompts
     if builtin:
         prompts = [r["prompt"] for r in read_jsonl(task["eval_prompts"], "prompts")]
@@ -227,10 +237,12 @@ def main(args: Args) -> None:
     d = common.setup_dist(args.device)
     dtype = common.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.epochs * len(train) // args.batch_size)
-    print0(f"rm: {len(train)} train / {len(evals)} eval records ({n_skip} too long, skipped) | {len(calib)} calibration"
-           f" | {model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
-           f"{grad_accum_steps} accum x {mbs} | {max_steps} steps | lm_coef {args.lm_coef} | "
-           f"device {d.device} {dtype}")
+    print0(
+        f"rm: {len(train)} train / {len(evals)} eval records ({n_skip} too long, skipped) | {len(calib)} calibration"
+        f" | {model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
+        f"{grad_accum_steps} accum x {mbs} | {max_steps} steps | lm_coef {args.lm_coef} | "
+        f"device {d.device} {dtype}"
+    )
     model.to(d.device)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     step, seconds, epoch, pos, skipped, score_offset = 0, 0.0, 0, 0, 0, 0.0
@@ -238,8 +250,9 @@ def main(args: Args) -> None:
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     init_hash = common.file_sha256(args.init) if args.init.endswith(".pt") else None  # what this run started from
     if args.resume:
-        ck = common.load_resume(ckpt_path, "rm", d.world_size, max_steps,
-                                {"init_hash": (f"--init {args.init}", init_hash)})
+        ck = common.load_resume(
+            ckpt_path, "rm", d.world_size, max_steps, {"init_hash": (f"--init {args.init}", init_hash)}
+        )
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         step, seconds, score_offset = ck["step"], ck["seconds"], ck["score_offset"]
@@ -253,8 +266,9 @@ def main(args: Args) -> None:
         model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     logger = common.Logger(args.out_dir, d.master, purge_step=step if args.resume else None)
     peak = common.peak_flops(d.device, args.peak_flops)
-    flops_per_token = raw_model.flops_per_token(sum(len(s) for ex in train for s in ex[0]) //
-                                                sum(len(ex[0]) for ex in train))
+    flops_per_token = raw_model.flops_per_token(
+        sum(len(s) for ex in train for s in ex[0]) // sum(len(ex[0]) for ex in train)
+    )
 
     def score_all(seqs: list) -> torch.Tensor:
         """Scores (N,) on every rank; rank r scores seqs[r::world_size]."""
@@ -276,12 +290,25 @@ def main(args: Args) -> None:
         score_offset += offset
         rngs = common.all_rng_states()
         if d.master:
-            common.save_checkpoint(dict(
-                kind="rm", model=raw_model.state_dict(), model_config=asdict(raw_model.config), init_hash=init_hash,
-                tokenizer=tok.state(), args=asdict(args), step=step, optimizer=optimizer.state_dict(),
-                scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps, min_lr_ratio=0.0),
-                rng=rngs, data_state=dict(epoch=epoch, pos=pos, perm=perm, skipped=skipped), world_size=d.world_size,
-                seconds=seconds + time.time() - t_start, score_offset=score_offset), ckpt_path)
+            common.save_checkpoint(
+                dict(
+                    kind="rm",
+                    model=raw_model.state_dict(),
+                    model_config=asdict(raw_model.config),
+                    init_hash=init_hash,
+                    tokenizer=tok.state(),
+                    args=asdict(args),
+                    step=step,
+                    optimizer=optimizer.state_dict(),
+                    scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps, min_lr_ratio=0.0),
+                    rng=rngs,
+                    data_state=dict(epoch=epoch, pos=pos, perm=perm, skipped=skipped),
+                    world_size=d.world_size,
+                    seconds=seconds + time.time() - t_start,
+                    score_offset=score_offset,
+                ),
+                ckpt_path,
+            )
 
     def evaluate(n_records: int, offset: float) -> tuple[dict, torch.Tensor, list]:
         """Held-out metrics, gaps (P,) and scored pairs of the first n_records records; scores minus offset."""
@@ -294,8 +321,11 @@ def main(args: Args) -> None:
         r_r = scores[[starts[e] + j for e, _, j, _ in pairs]]
         w = torch.tensor([p[3] for p in pairs], dtype=torch.double)
         gaps = r_c - r_r  # (P,)
-        out = {"val/accuracy": (w * ((gaps > 0) + 0.5 * (gaps == 0))).sum().item() / w.sum().item(),
-               "val/margin": (w * gaps).sum().item() / w.sum().item(), "val/ece": calibration_error(gaps)}
+        out = {
+            "val/accuracy": (w * ((gaps > 0) + 0.5 * (gaps == 0))).sum().item() / w.sum().item(),
+            "val/margin": (w * gaps).sum().item() / w.sum().item(),
+            "val/ece": calibration_error(gaps),
+        }
         g_gap = torch.tensor([golds[e][i] - golds[e][j] for e, i, j, _ in pairs] if builtin else [])
         if builtin:  # the gold model's accuracy on the drawn labels (ties 1/2); the RM's on the gold order (no ties)
             out["val/bayes_ceiling"] = (w * ((g_gap > 0) + 0.5 * (g_gap == 0))).sum().item() / w.sum().item()
@@ -310,8 +340,16 @@ def main(args: Args) -> None:
         scored = []  # samples.jsonl records
         for n, (e, i, j, _) in enumerate(pairs):
             row, texts = evals[e][4], responses_of(evals[e][4])
-            scored.append({"step": step, "prompt": row["prompt"], "chosen": texts[i], "rejected": texts[j],
-                           "score_chosen": r_c[n].item(), "score_rejected": r_r[n].item()})
+            scored.append(
+                {
+                    "step": step,
+                    "prompt": row["prompt"],
+                    "chosen": texts[i],
+                    "rejected": texts[j],
+                    "score_chosen": r_c[n].item(),
+                    "score_rejected": r_r[n].item(),
+                }
+            )
             if builtin:
                 scored[-1] |= {"gold_chosen": golds[e][i], "gold_rejected": golds[e][j]}
         return out, gaps, scored
@@ -337,10 +375,9 @@ def main(args: Args) -> None:
         # sorted by length: each micro-batch pads to its own longest sequence (the gradient does not depend on it)
         mine = sorted(batch[d.rank * per_rank : (d.rank + 1) * per_rank], key=lambda ex: max(map(len, ex[0])))
         for micro in range(grad_accum_steps):
-            ids, mask, ci, ri, w, lm_mask = (t.to(d.device) for t in collate(
-                mine[micro * mbs :][: mbs], tok.pad_id))
+            ids, mask, ci, ri, w, lm_mask = (t.to(d.device) for t in collate(mine[micro * mbs :][:mbs], tok.pad_id))
             sync = micro == grad_accum_steps - 1 or not d.ddp
-            with (nullcontext() if sync else model.no_sync()), common.autocast(d.device, dtype):
+            with nullcontext() if sync else model.no_sync(), common.autocast(d.device, dtype):
                 logits, scores = model(ids, logits=args.lm_coef > 0)  # right padding: no attention mask needed
                 r = sequence_scores(scores.float(), mask)  # (N,) score at each response's EOS
                 bt = preference_loss(r[ci], r[ri], w, denom=pair_denom)
@@ -369,10 +406,21 @@ def main(args: Args) -> None:
             dt = time.time() - t_last
             tps = tokens_since * d.world_size / dt
             loss_m, bt_m, lm_m, acc_m = (sums / steps_since).tolist()
-            logger.log(step, {"train/loss": loss_m, "train/bt_loss": bt_m, "train/lm_loss": lm_m,
-                              "train/accuracy": acc_m, "train/lr": lr, "train/grad_norm": grad_norm.item(),
-                              "train/skipped_steps": skipped, "perf/tokens_per_sec": tps,
-                              "perf/mfu": tps * flops_per_token / (peak * d.world_size)}, max_steps)
+            logger.log(
+                step,
+                {
+                    "train/loss": loss_m,
+                    "train/bt_loss": bt_m,
+                    "train/lm_loss": lm_m,
+                    "train/accuracy": acc_m,
+                    "train/lr": lr,
+                    "train/grad_norm": grad_norm.item(),
+                    "train/skipped_steps": skipped,
+                    "perf/tokens_per_sec": tps,
+                    "perf/mfu": tps * flops_per_token / (peak * d.world_size),
+                },
+                max_steps,
+            )
             sums.zero_()
             t_last, tokens_since, steps_since = time.time(), 0, 0
         final, t_pause = step == max_steps, time.time()
@@ -392,16 +440,23 @@ def main(args: Args) -> None:
         t_last += time.time() - t_pause  # perf/tokens_per_sec counts training time only
 
     # 4. the numbers that matter
-    print0(f"calibration: score_offset {score_offset:+.4f} (the mean score of {len(calib)} calibration examples) "
-           f"folded into score_head.bias")
+    print0(
+        f"calibration: score_offset {score_offset:+.4f} (the mean score of {len(calib)} calibration examples) "
+        f"folded into score_head.bias"
+    )
     if builtin:
         print0("probe (mean score by kind): " + " | ".join(f"{k} {v:+.3f}" for k, v in per_kind.items()))
     if args.export_hf and d.master:
         common.export_hf(raw_model, tok, args.export_hf)
-    print0(f"rm done in {time.time() - t_start:.0f}s: {ckpt_path} | val/accuracy {metrics['val/accuracy']:.4f}" +
-           (f" | val/bayes_ceiling {metrics['val/bayes_ceiling']:.4f} | probe/degenerate_score "
+    print0(
+        f"rm done in {time.time() - t_start:.0f}s: {ckpt_path} | val/accuracy {metrics['val/accuracy']:.4f}"
+        + (
+            f" | val/bayes_ceiling {metrics['val/bayes_ceiling']:.4f} | probe/degenerate_score "
             f"{metrics['probe/degenerate_score']:+.3f} | probe/fluent_score {metrics['probe/fluent_score']:+.3f}"
-            if builtin else ""))
+            if builtin
+            else ""
+        )
+    )
     logger.close()
     common.cleanup_dist()
 

@@ -95,8 +95,9 @@ def sample_responses(model, tok, prompts: list, temperature: float, max_new_toke
         idx, mask = pad_left([tok.encode(p) for p in chunk], tok.pad_id)
         dev = next(model.parameters()).device
         max_new = min(max_new_tokens, model.config.block_size - idx.shape[1])
-        resp, rmask, _ = model.generate(idx.to(dev), mask.to(dev), max_new, tok.eos_id, tok.pad_id,
-                                        temperature=temperature, generator=generator)
+        resp, rmask, _ = model.generate(
+            idx.to(dev), mask.to(dev), max_new, tok.eos_id, tok.pad_id, temperature=temperature, generator=generator
+        )
         for p, r, m in zip(chunk, resp.tolist(), rmask.tolist()):
             n = int(sum(m))
             ended = n > 0 and r[n - 1] == tok.eos_id
@@ -142,9 +143,11 @@ def main(args: Args) -> None:
     d = common.setup_dist(args.device)
     dtype = common.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.epochs * len(train) // args.batch_size)
-    print0(f"sft: {len(train)} train / {len(evals)} eval examples ({n_skip} too long, skipped) | "
-           f"{model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
-           f"{grad_accum_steps} accum x {mbs} | {max_steps} steps | device {d.device} {dtype}")
+    print0(
+        f"sft: {len(train)} train / {len(evals)} eval examples ({n_skip} too long, skipped) | "
+        f"{model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
+        f"{grad_accum_steps} accum x {mbs} | {max_steps} steps | device {d.device} {dtype}"
+    )
     model.to(d.device)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
@@ -153,8 +156,9 @@ def main(args: Args) -> None:
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     init_hash = common.file_sha256(args.init) if args.init.endswith(".pt") else None  # what this run started from
     if args.resume:
-        ck = common.load_resume(ckpt_path, "sft", d.world_size, max_steps,
-                                {"init_hash": (f"--init {args.init}", init_hash)})
+        ck = common.load_resume(
+            ckpt_path, "sft", d.world_size, max_steps, {"init_hash": (f"--init {args.init}", init_hash)}
+        )
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         step, seconds = ck["step"], ck["seconds"]
@@ -173,12 +177,24 @@ def main(args: Args) -> None:
     def save(step: int) -> None:
         rngs = common.all_rng_states(sampler)
         if d.master:
-            common.save_checkpoint(dict(
-                kind="sft", model=raw_model.state_dict(), model_config=asdict(raw_model.config), init_hash=init_hash,
-                tokenizer=tok.state(), args=asdict(args), step=step, optimizer=optimizer.state_dict(),
-                scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps),
-                rng=rngs, data_state=dict(epoch=epoch, pos=pos, perm=perm, skipped=skipped), world_size=d.world_size,
-                seconds=seconds + time.time() - t_start), ckpt_path)
+            common.save_checkpoint(
+                dict(
+                    kind="sft",
+                    model=raw_model.state_dict(),
+                    model_config=asdict(raw_model.config),
+                    init_hash=init_hash,
+                    tokenizer=tok.state(),
+                    args=asdict(args),
+                    step=step,
+                    optimizer=optimizer.state_dict(),
+                    scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps),
+                    rng=rngs,
+                    data_state=dict(epoch=epoch, pos=pos, perm=perm, skipped=skipped),
+                    world_size=d.world_size,
+                    seconds=seconds + time.time() - t_start,
+                ),
+                ckpt_path,
+            )
 
     @torch.no_grad()
     def evaluate(n_samples: int) -> dict:
@@ -190,8 +206,9 @@ def main(args: Args) -> None:
                 logits, _ = raw_model(x)
             sums[0] += lm_loss(logits, y, m, denom=1.0)
             sums[1] += m.sum()
-        samples = sample_responses(raw_model, tok, prompts[d.rank : n_samples : d.world_size], args.temperature,
-                                   args.max_new_tokens, sampler)
+        samples = sample_responses(
+            raw_model, tok, prompts[d.rank : n_samples : d.world_size], args.temperature, args.max_new_tokens, sampler
+        )
         if builtin:
             sums[2] += sum(is_valid(r, e) for _, r, e in samples)
         common.all_reduce_sum(sums)
@@ -218,10 +235,9 @@ def main(args: Args) -> None:
         mine = batch[d.rank * per_rank : (d.rank + 1) * per_rank]
         loss_sum = torch.zeros((), device=d.device)
         for micro in range(grad_accum_steps):
-            x, y, m = (t.to(d.device) for t in collate(mine[micro * mbs :][: mbs],
-                                                       tok.pad_id))
+            x, y, m = (t.to(d.device) for t in collate(mine[micro * mbs :][:mbs], tok.pad_id))
             sync = micro == grad_accum_steps - 1 or not d.ddp
-            with (nullcontext() if sync else model.no_sync()), common.autocast(d.device, dtype):
+            with nullcontext() if sync else model.no_sync(), common.autocast(d.device, dtype):
                 logits, _ = model(x)
                 # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
                 loss = lm_loss(logits, y, m, denom=denom) * d.world_size
@@ -245,9 +261,18 @@ def main(args: Args) -> None:
             common.all_reduce_sum(loss_sum)
             dt = time.time() - t_last
             tps = tokens_since * d.world_size / dt
-            logger.log(step, {"train/loss": loss_sum.item(), "train/lr": lr, "train/grad_norm": grad_norm.item(),
-                              "train/skipped_steps": skipped, "perf/tokens_per_sec": tps,
-                              "perf/mfu": tps * flops_per_token / (peak * d.world_size)}, max_steps)
+            logger.log(
+                step,
+                {
+                    "train/loss": loss_sum.item(),
+                    "train/lr": lr,
+                    "train/grad_norm": grad_norm.item(),
+                    "train/skipped_steps": skipped,
+                    "perf/tokens_per_sec": tps,
+                    "perf/mfu": tps * flops_per_token / (peak * d.world_size),
+                },
+                max_steps,
+            )
             t_last, tokens_since = time.time(), 0
         final = step == max_steps
         if step % args.eval_every == 0 or final:
@@ -257,8 +282,18 @@ def main(args: Args) -> None:
             if final and d.master:
                 with open(os.path.join(args.out_dir, "samples.jsonl"), "w") as f:
                     for p, r, e in samples:
-                        f.write(json.dumps({"step": step, "prompt": p, "response": r, "ended": e,
-                                            "valid": is_valid(r, e) if builtin else None}) + "\n")
+                        f.write(
+                            json.dumps(
+                                {
+                                    "step": step,
+                                    "prompt": p,
+                                    "response": r,
+                                    "ended": e,
+                                    "valid": is_valid(r, e) if builtin else None,
+                                }
+                            )
+                            + "\n"
+                        )
         if (args.save_every and step % args.save_every == 0) or final:
             save(step)
 
@@ -267,8 +302,10 @@ def main(args: Args) -> None:
         print0(f"  {p}{r}{'' if e else ' [no EOS]'}")
     if args.export_hf and d.master:
         common.export_hf(raw_model, tok, args.export_hf)
-    print0(f"sft done in {time.time() - t_start:.0f}s: {ckpt_path}" +
-           (f" | val/valid_frac {metrics['val/valid_frac']:.3f}" if builtin else ""))
+    print0(
+        f"sft done in {time.time() - t_start:.0f}s: {ckpt_path}"
+        + (f" | val/valid_frac {metrics['val/valid_frac']:.3f}" if builtin else "")
+    )
     logger.close()
     common.cleanup_dist()
 

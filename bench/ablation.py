@@ -26,9 +26,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name -> the train_ppo.py flags that switch tricks off (PPO-max = the defaults)
 VARIANTS = {
     "ppo_max": [],
-    "vanilla": ["--kl-coef", "0", "--reward-norm", "none", "--reward-clip", "None", "--cliprange-value", "None",
-                "--critic-warmup-steps", "0", "--ptx-coef", "0", "--grad-clip", "0", "--critic-grad-clip", "0",
-                "--adv-whiten", "rollout"],
+    "vanilla": [
+        "--kl-coef",
+        "0",
+        "--reward-norm",
+        "none",
+        "--reward-clip",
+        "None",
+        "--cliprange-value",
+        "None",
+        "--critic-warmup-steps",
+        "0",
+        "--ptx-coef",
+        "0",
+        "--grad-clip",
+        "0",
+        "--critic-grad-clip",
+        "0",
+        "--adv-whiten",
+        "rollout",
+    ],
     "no_kl": ["--kl-coef", "0"],
     "no_reward_norm_clip": ["--reward-norm", "none", "--reward-clip", "None"],
     "no_critic_warmup": ["--critic-warmup-steps", "0"],
@@ -103,10 +120,17 @@ def summarize(run_dir: str, last: int) -> dict:
     alarm = first_alarm(s, run_args)
     gold = s["objective/gold"]
     peak_step, peak = max(gold, key=lambda sv: sv[1])
-    return {"gold": tail("objective/gold"), "score": tail("objective/score"), "kl": tail("objective/kl"),
-            "response_len": tail("rollout/response_len"), "perplexity": tail("rollout/perplexity"),
-            "first_alarm": alarm, "gold_peak": peak, "gold_peak_step": peak_step,
-            "iterations": gold[-1][0]}
+    return {
+        "gold": tail("objective/gold"),
+        "score": tail("objective/score"),
+        "kl": tail("objective/kl"),
+        "response_len": tail("rollout/response_len"),
+        "perplexity": tail("rollout/perplexity"),
+        "first_alarm": alarm,
+        "gold_peak": peak,
+        "gold_peak_step": peak_step,
+        "iterations": gold[-1][0],
+    }
 
 
 def run_one(args: Args, name: str, seed: int, flags: list[str], threads: int) -> Optional[subprocess.Popen]:
@@ -114,9 +138,26 @@ def run_one(args: Args, name: str, seed: int, flags: list[str], threads: int) ->
     run_dir = os.path.join(args.out_dir, name, str(seed))
     if os.path.exists(os.path.join(run_dir, "summary.json")):
         return None
-    cmd = [sys.executable, os.path.join(ROOT, "train_ppo.py"), "--out-dir", run_dir, "--seed", str(seed),
-           "--sft-ckpt", args.sft_ckpt, "--rm-ckpt", args.rm_ckpt, "--task-dir", args.task_dir, "--log-every", "50",
-           "--kl-coef", str(KL_COEF), *flags, *shlex.split(args.extra)]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "train_ppo.py"),
+        "--out-dir",
+        run_dir,
+        "--seed",
+        str(seed),
+        "--sft-ckpt",
+        args.sft_ckpt,
+        "--rm-ckpt",
+        args.rm_ckpt,
+        "--task-dir",
+        args.task_dir,
+        "--log-every",
+        "50",
+        "--kl-coef",
+        str(KL_COEF),
+        *flags,
+        *shlex.split(args.extra),
+    ]
     os.makedirs(run_dir, exist_ok=True)
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
     log = open(os.path.join(run_dir, "stdout.txt"), "w")
@@ -132,8 +173,11 @@ def finish(p: subprocess.Popen, last: int) -> None:
     summary = summarize(p.run_dir, last) | {"seconds": time.time() - p.t0}
     with open(os.path.join(p.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"done {p.label} in {summary['seconds']:.0f}s: gold {summary['gold']:.3f} kl {summary['kl']:.2f} "
-          f"first alarm {summary['first_alarm']}", flush=True)
+    print(
+        f"done {p.label} in {summary['seconds']:.0f}s: gold {summary['gold']:.3f} kl {summary['kl']:.2f} "
+        f"first alarm {summary['first_alarm']}",
+        flush=True,
+    )
 
 
 def spread(xs: list) -> str:
@@ -148,27 +192,38 @@ def spread(xs: list) -> str:
 
 
 def tables(args: Args, runs: dict[str, dict[int, dict]], sweep: dict[float, dict[int, dict]]) -> str:
-    lines = [f"Final = mean of the last {args.last} iterations' rollouts; ± = half the range over seeds "
-             f"{args.seeds}; alarm = first collapse-alarm iteration per seed (- = none).", "",
-             "| variant | gold | RM score | KL (nats) | length | perplexity | gold peak (iteration) | first alarm |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Final = mean of the last {args.last} iterations' rollouts; ± = half the range over seeds "
+        f"{args.seeds}; alarm = first collapse-alarm iteration per seed (- = none).",
+        "",
+        "| variant | gold | RM score | KL (nats) | length | perplexity | gold peak (iteration) | first alarm |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, by_seed in runs.items():
         r = list(by_seed.values())
         col = lambda k: spread([x[k] for x in r])  # noqa: E731
         alarms = ", ".join(str(x["first_alarm"]) if x["first_alarm"] else "-" for x in r)
         peaks = ", ".join(f"{x['gold_peak']:.2f} ({x['gold_peak_step']})" for x in r)
-        lines.append(f"| {name} | {col('gold')} | {col('score')} | {col('kl')} | {col('response_len')} | "
-                     f"{col('perplexity')} | {peaks} | {alarms} |")
+        lines.append(
+            f"| {name} | {col('gold')} | {col('score')} | {col('kl')} | {col('response_len')} | "
+            f"{col('perplexity')} | {peaks} | {alarms} |"
+        )
     if sweep:
-        lines += ["", "KL-coefficient sweep (gold vs KL frontier; kl 0 = no_kl, 0.1 = ppo_max):", "",
-                  "| kl_coef | gold | RM score | KL (nats) | length | perplexity | first alarm |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "KL-coefficient sweep (gold vs KL frontier; kl 0 = no_kl, 0.1 = ppo_max):",
+            "",
+            "| kl_coef | gold | RM score | KL (nats) | length | perplexity | first alarm |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for coef, by_seed in sorted(sweep.items()):
             r = list(by_seed.values())
             col = lambda k: spread([x[k] for x in r])  # noqa: E731
             alarms = ", ".join(str(x["first_alarm"]) if x["first_alarm"] else "-" for x in r)
-            lines.append(f"| {coef:g} | {col('gold')} | {col('score')} | {col('kl')} | {col('response_len')} | "
-                         f"{col('perplexity')} | {alarms} |")
+            lines.append(
+                f"| {coef:g} | {col('gold')} | {col('score')} | {col('kl')} | {col('response_len')} | "
+                f"{col('perplexity')} | {alarms} |"
+            )
     return "\n".join(lines)
 
 

@@ -22,8 +22,9 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import GPT, GPTConfig  # noqa: E402
 from ppo_throughput import Shape  # noqa: E402
+
+from model import GPT, GPTConfig  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -40,8 +41,9 @@ def main(args: Args) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     B, P, R, V = args.batch, args.prompt_len, args.resp_len, args.vocab
-    ours = GPT(GPTConfig(block_size=args.n_positions, vocab_size=V, n_layer=args.layers, n_head=args.heads,
-                         n_embd=args.dim)).eval()
+    ours = GPT(
+        GPTConfig(block_size=args.n_positions, vocab_size=V, n_layer=args.layers, n_head=args.heads, n_embd=args.dim)
+    ).eval()
     with tempfile.TemporaryDirectory() as d:
         ours.export_hf(d)
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -62,9 +64,12 @@ def main(args: Args) -> None:
             out = hf.generate(input_ids=prompts, attention_mask=mask, generation_config=gcfg)
         assert out.shape == (B, P + R)
 
-    print(f"[setup] torch={torch.__version__} threads={torch.get_num_threads()} params "
-          f"{sum(p.numel() for p in ours.parameters()) / 1e6:.2f} M layers={args.layers} dim={args.dim} vocab={V} "
-          f"B={B} P={P} R={R}", flush=True)
+    print(
+        f"[setup] torch={torch.__version__} threads={torch.get_num_threads()} params "
+        f"{sum(p.numel() for p in ours.parameters()) / 1e6:.2f} M layers={args.layers} dim={args.dim} vocab={V} "
+        f"B={B} P={P} R={R}",
+        flush=True,
+    )
     times = {"ours": [], "hf": []}
     for rep in range(args.reps + 1):
         for name, fn in (("ours", run_ours), ("hf", run_hf)):

@@ -106,8 +106,14 @@ class GemmRecorder:
 
     def _record(self, mod, inp, out):
         x = inp[0]
-        key = (self.phase, x.numel() // x.size(-1), mod.in_features, mod.out_features, mod.bias is not None,
-               torch.is_grad_enabled() and mod.weight.requires_grad)
+        key = (
+            self.phase,
+            x.numel() // x.size(-1),
+            mod.in_features,
+            mod.out_features,
+            mod.bias is not None,
+            torch.is_grad_enabled() and mod.weight.requires_grad,
+        )
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def floor(self, reps: int = 10) -> dict:
@@ -149,8 +155,15 @@ def main(args: Args) -> None:
     B, P, R = args.batch, args.prompt_len, args.resp_len
     mb = B // args.mini_batches
     micro = args.micro_batch or mb
-    cfg = GPTConfig(block_size=args.n_positions, vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads,
-                    n_embd=args.dim, dropout=0.0, bias=True)
+    cfg = GPTConfig(
+        block_size=args.n_positions,
+        vocab_size=args.vocab,
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_embd=args.dim,
+        dropout=0.0,
+        bias=True,
+    )
     policy = GPT(cfg).to(device)
     ref = GPT(cfg).to(device).requires_grad_(False)
     ref.load_state_dict(policy.state_dict())
@@ -192,11 +205,13 @@ def main(args: Args) -> None:
 
     policy.generate = timed_generate
     n_params = policy.num_params()
-    print(f"[setup] torch={torch.__version__} threads={torch.get_num_threads()} device={device} dtype={args.dtype} "
-          f"compile={args.compile} | policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f} M params (x4 "
-          f"models) layers={args.layers} heads={args.heads} dim={args.dim} vocab={args.vocab} | B={B} P={P} R={R} "
-          f"ppo_epochs={args.ppo_epochs} mini_batches={args.mini_batches} (minibatch {mb}, micro-batch {micro})",
-          flush=True)
+    print(
+        f"[setup] torch={torch.__version__} threads={torch.get_num_threads()} device={device} dtype={args.dtype} "
+        f"compile={args.compile} | policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f} M params (x4 "
+        f"models) layers={args.layers} heads={args.heads} dim={args.dim} vocab={args.vocab} | B={B} P={P} R={R} "
+        f"ppo_epochs={args.ppo_epochs} mini_batches={args.mini_batches} (minibatch {mb}, micro-batch {micro})",
+        flush=True,
+    )
     rows = []
     # the warm-up iteration also records every linear layer's GEMM shape (the hooks cost a little Python time there)
     recorder = GemmRecorder([policy, ref, reward_model, critic]) if args.floor and device.type == "cpu" else None
@@ -206,24 +221,57 @@ def main(args: Args) -> None:
         sync()
         t0 = time.perf_counter()
         exp, stats, _ = rollout(
-            policy if not args.compile else fwd[policy], fwd[ref], fwd[critic], fwd[reward_model], tok,
-            prompts[it * B : (it + 1) * B], max_new_tokens=R, temperature=args.temperature, generator=sampler,
-            kl_coef=0.1, kl_estimator="k1", reward_moments=moments, reward_norm="norm", reward_clip=5.0,
-            missing_eos_penalty=-1.0, gamma=1.0, lam=0.95, micro_batch_size=B, dtype=dtype)
+            policy if not args.compile else fwd[policy],
+            fwd[ref],
+            fwd[critic],
+            fwd[reward_model],
+            tok,
+            prompts[it * B : (it + 1) * B],
+            max_new_tokens=R,
+            temperature=args.temperature,
+            generator=sampler,
+            kl_coef=0.1,
+            kl_estimator="k1",
+            reward_moments=moments,
+            reward_norm="norm",
+            reward_clip=5.0,
+            missing_eos_penalty=-1.0,
+            gamma=1.0,
+            lam=0.95,
+            micro_batch_size=B,
+            dtype=dtype,
+        )
         sync()
         t1 = time.perf_counter()
         assert exp["mask"].shape == (B, R) and bool(exp["mask"].all()), "every response must be exactly R tokens"
         if recorder:
             recorder.phase = "update"
-        ppo_update(fwd[policy], fwd[critic], actor_opt, critic_opt, exp, ppo_epochs=args.ppo_epochs,
-                   num_minibatches=args.mini_batches, micro_batch_size=micro, cliprange=0.2, cliprange_value=0.2,
-                   temperature=args.temperature, adv_whiten="minibatch", grad_clip=1.0, critic_grad_clip=1.0,
-                   generator=sampler, dtype=dtype)
+        ppo_update(
+            fwd[policy],
+            fwd[critic],
+            actor_opt,
+            critic_opt,
+            exp,
+            ppo_epochs=args.ppo_epochs,
+            num_minibatches=args.mini_batches,
+            micro_batch_size=micro,
+            cliprange=0.2,
+            cliprange_value=0.2,
+            temperature=args.temperature,
+            adv_whiten="minibatch",
+            grad_clip=1.0,
+            critic_grad_clip=1.0,
+            generator=sampler,
+            dtype=dtype,
+        )
         sync()
         t2 = time.perf_counter()
         rows.append({"total": t2 - t0, "generate": gen_time[0], "scoring": t1 - t0 - gen_time[0], "update": t2 - t1})
-        print(f"[iter {it}] {t2 - t0:.3f}s: generate {gen_time[0]:.3f} scoring {t1 - t0 - gen_time[0]:.3f} "
-              f"update {t2 - t1:.3f}", flush=True)
+        print(
+            f"[iter {it}] {t2 - t0:.3f}s: generate {gen_time[0]:.3f} scoring {t1 - t0 - gen_time[0]:.3f} "
+            f"update {t2 - t1:.3f}",
+            flush=True,
+        )
         if recorder and it == 0:
             floor, recorder = recorder.floor(), None
 
@@ -232,36 +280,54 @@ def main(args: Args) -> None:
     # FLOPs, PaLM convention (forward = 1/3 of flops_per_token at the full context L = P + R)
     L = P + R
     fa, fc = policy.flops_per_token(L), critic.flops_per_token(L)
-    flops = {"generate": B * L * fa / 3, "scoring": B * L * (2 * fa + 2 * fc) / 3,
-             "update": args.ppo_epochs * B * L * (fa + fc)}
+    flops = {
+        "generate": B * L * fa / 3,
+        "scoring": B * L * (2 * fa + 2 * fc) / 3,
+        "update": args.ppo_epochs * B * L * (fa + fc),
+    }
     # the peak: measured fp32 matmuls on CPU; the vendor's dense bf16 figure on a known GPU (common.GPU_PEAK_FLOPS)
-    peak = common.matmul_flops((512, 1024, 2048), trials=3, seconds=0.1) if device.type == "cpu" \
+    peak = (
+        common.matmul_flops((512, 1024, 2048), trials=3, seconds=0.1)
+        if device.type == "cpu"
         else common.peak_flops(device)
+    )
     # TRL takes the old log-probs from its generation's scores: its scoring phase skips the policy forward
-    print(f"[flops] generate={flops['generate'] / 1e9:.2f} scoring={flops['scoring'] / 1e9:.2f} "
-          f"scoring_without_policy={B * L * (fa + 2 * fc) / 3 / 1e9:.2f} update={flops['update'] / 1e9:.2f} GFLOP "
-          f"peak={peak / 1e9:.1f} GFLOP/s")
+    print(
+        f"[flops] generate={flops['generate'] / 1e9:.2f} scoring={flops['scoring'] / 1e9:.2f} "
+        f"scoring_without_policy={B * L * (fa + 2 * fc) / 3 / 1e9:.2f} update={flops['update'] / 1e9:.2f} GFLOP "
+        f"peak={peak / 1e9:.1f} GFLOP/s"
+    )
     its = " ".join(f"{r['total']:.3f}" for r in rows)
     print(f"[result] iteration seconds: {its} (first = warm-up)")
-    print(f"[result] matmul peak (measured, {'fp32' if device.type == 'cpu' else args.dtype}): {peak / 1e9:.1f} GFLOP/s"
-          f" | non-embedding params {n_params / 1e6:.2f} M")
+    print(
+        f"[result] matmul peak (measured, {'fp32' if device.type == 'cpu' else args.dtype}): {peak / 1e9:.1f} GFLOP/s"
+        f" | non-embedding params {n_params / 1e6:.2f} M"
+    )
     for k in ("generate", "scoring", "update"):
-        print(f"[result] {k:9s} {med[k]:7.3f}s ({100 * med[k] / med['total']:4.1f}%)  {flops[k] / 1e9:9.1f} GFLOP  "
-              f"{flops[k] / med[k] / 1e9:8.1f} GFLOP/s  {100 * flops[k] / med[k] / peak:5.1f}% of peak")
+        print(
+            f"[result] {k:9s} {med[k]:7.3f}s ({100 * med[k] / med['total']:4.1f}%)  {flops[k] / 1e9:9.1f} GFLOP  "
+            f"{flops[k] / med[k] / 1e9:8.1f} GFLOP/s  {100 * flops[k] / med[k] / peak:5.1f}% of peak"
+        )
     print(f"[result] generation-only tok/s = {B * R / med['generate']:.0f}")
     if floor:
-        print(f"[floor] linear GEMMs alone: generate={floor['generate']:.3f} scoring={floor['scoring']:.3f} "
-              f"update={floor['update']:.3f} iteration={sum(floor.values()):.3f} s (measured: "
-              f"{100 * sum(floor.values()) / med['total']:.0f}% of our iteration is in them)")
+        print(
+            f"[floor] linear GEMMs alone: generate={floor['generate']:.3f} scoring={floor['scoring']:.3f} "
+            f"update={floor['update']:.3f} iteration={sum(floor.values()):.3f} s (measured: "
+            f"{100 * sum(floor.values()) / med['total']:.0f}% of our iteration is in them)"
+        )
     # decode is bandwidth-bound on a GPU: each step reads the policy's weights and the KV cache so far
     weight_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
     kv_elem = 2 if dtype != torch.float32 else 4
     kv_bytes = sum(2 * args.layers * B * (P + t) * args.dim * kv_elem for t in range(R))
-    print(f"[result] decode traffic {(R * weight_bytes + kv_bytes) / 1e9:.2f} GB (weights {weight_bytes / 1e6:.0f} MB "
-          f"x {R} steps + KV cache) -> {(R * weight_bytes + kv_bytes) / med['generate'] / 1e9:.0f} GB/s achieved")
+    print(
+        f"[result] decode traffic {(R * weight_bytes + kv_bytes) / 1e9:.2f} GB (weights {weight_bytes / 1e6:.0f} MB "
+        f"x {R} steps + KV cache) -> {(R * weight_bytes + kv_bytes) / med['generate'] / 1e9:.0f} GB/s achieved"
+    )
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    print(f"ppo_throughput: sec_per_iter={med['total']:.3f} gen_tok_per_s={B * R / med['total']:.1f} "
-          f"peak_rss_mb={peak_rss_mb:.0f}")
+    print(
+        f"ppo_throughput: sec_per_iter={med['total']:.3f} gen_tok_per_s={B * R / med['total']:.1f} "
+        f"peak_rss_mb={peak_rss_mb:.0f}"
+    )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import GPT, GPTConfig, logprobs_from_logits  # noqa: E402
 from ppo_throughput import Shape  # noqa: E402
+
+from model import GPT, GPTConfig, logprobs_from_logits  # noqa: E402
 
 
 @dataclass
@@ -43,8 +44,15 @@ def main(args: Args) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     P, R = args.prompt_len, args.resp_len
-    model = GPT(GPTConfig(block_size=max(args.n_positions, P + R), vocab_size=args.vocab, n_layer=args.layers,
-                          n_head=args.heads, n_embd=args.dim))
+    model = GPT(
+        GPTConfig(
+            block_size=max(args.n_positions, P + R),
+            vocab_size=args.vocab,
+            n_layer=args.layers,
+            n_head=args.heads,
+            n_embd=args.dim,
+        )
+    )
     x = torch.randint(0, args.vocab, (args.batch, P + R))
     mask, response = torch.ones_like(x), x[:, P:]
 
@@ -64,8 +72,10 @@ def main(args: Args) -> None:
         for variant in (False, True):
             times[variant].append(step(variant))
     a, b = statistics.median(times[False]), statistics.median(times[True])
-    print(f"[result] lm head on all {P + R} positions: {' '.join(f'{t:.2f}' for t in times[False])} s; on the "
-          f"{R + 1} response positions: {' '.join(f'{t:.2f}' for t in times[True])} s")
+    print(
+        f"[result] lm head on all {P + R} positions: {' '.join(f'{t:.2f}' for t in times[False])} s; on the "
+        f"{R + 1} response positions: {' '.join(f'{t:.2f}' for t in times[True])} s"
+    )
     print(f"response_logits: all_s={a:.3f} response_only_s={b:.3f} speedup={a / b:.2f}")
 
 

@@ -28,7 +28,7 @@ def parse(path: str) -> dict:
             out["scoring"] = p["rollout_logprob"] + p["rollout_ref_fwd"] + p["rollout_value_reward_fwd"]
             out["update"] = p["train_fwd"] + p["train_logprob"] + p["backward"] + p["optimizer_step"]
         elif line.startswith("[flops]"):
-            out["flops"] = kv(line[len("[flops]"):])
+            out["flops"] = kv(line[len("[flops]") :])
         elif line.startswith("[floor]"):
             out["floor"] = kv(line.split(":", 1)[1])  # generate, scoring, update, iteration
         else:
@@ -54,41 +54,59 @@ def main(log_dir: str) -> None:
         med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
         fl = ours[0]["flops"]
         peak = statistics.median(r["flops"]["peak"] for r in ours) * 1e9
-        work = {"generate": (fl["generate"], fl["generate"]), "scoring": (fl["scoring"], fl["scoring_without_policy"]),
-                "update": (fl["update"], fl["update"])}
-        print(f"\nShape {shape}: {len(ours)} runs of ours, {len(trl)} of TRL (medians; runs alternated); "
-              f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n")
+        work = {
+            "generate": (fl["generate"], fl["generate"]),
+            "scoring": (fl["scoring"], fl["scoring_without_policy"]),
+            "update": (fl["update"], fl["update"]),
+        }
+        print(
+            f"\nShape {shape}: {len(ours)} runs of ours, {len(trl)} of TRL (medians; runs alternated); "
+            f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s\n"
+        )
         floors = [r["floor"] for r in ours if "floor" in r]
         floor = {k: statistics.median(f[k] for f in floors) for k in floors[0]} if floors else {}
         fl_col = lambda k: f"{floor[k]:.3f}" if floor else "-"  # noqa: E731
-        print("| phase | ours s | TRL s | TRL / ours | GEMM floor s | ours GFLOP/s (% of peak) "
-              "| TRL GFLOP/s (% of peak) |")
+        print(
+            "| phase | ours s | TRL s | TRL / ours | GEMM floor s | ours GFLOP/s (% of peak) "
+            "| TRL GFLOP/s (% of peak) |"
+        )
         print("|---|---|---|---|---|---|---|")
         for ph in ("generate", "scoring", "update"):
             o, t = med(ours, ph), med(trl, ph)
             fo, ft = work[ph][0] * 1e9 / o, work[ph][1] * 1e9 / t
-            print(f"| {ph} | {o:.3f} | {t:.3f} | {t / o:.2f}x | {fl_col(ph)} | {fo / 1e9:.1f} "
-                  f"({100 * fo / peak:.0f}%) | {ft / 1e9:.1f} ({100 * ft / peak:.0f}%) |")
+            print(
+                f"| {ph} | {o:.3f} | {t:.3f} | {t / o:.2f}x | {fl_col(ph)} | {fo / 1e9:.1f} "
+                f"({100 * fo / peak:.0f}%) | {ft / 1e9:.1f} ({100 * ft / peak:.0f}%) |"
+            )
         o, t = med(ours, "sec_per_iter"), med(trl, "sec_per_iter")
         print(f"| **iteration** | **{o:.3f}** | **{t:.3f}** | **{t / o:.2f}x** | {fl_col('iteration')} | | |")
         runs_o = ", ".join(f"{r['sec_per_iter']:.2f}" for r in ours)
         runs_t = ", ".join(f"{r['sec_per_iter']:.2f}" for r in trl)
-        print(f"\nsec_per_iter by run: ours {runs_o}; TRL {runs_t}. Peak RSS: ours {med(ours, 'peak_rss_mb'):.0f} MB, "
-              f"TRL {med(trl, 'peak_rss_mb'):.0f} MB.")
+        print(
+            f"\nsec_per_iter by run: ours {runs_o}; TRL {runs_t}. Peak RSS: ours {med(ours, 'peak_rss_mb'):.0f} MB, "
+            f"TRL {med(trl, 'peak_rss_mb'):.0f} MB."
+        )
         if floor:
             f = floor["iteration"]
-            print(f"GEMM floor (the iteration's linear-layer GEMMs timed alone, warm caches, median of our runs): "
-                  f"{f:.3f} s, {100 * f / o:.0f}% of our iteration; TRL / floor = {t / f:.2f}x is the most any "
-                  f"implementation of this work could gain over TRL on this machine (with one forward fewer in "
-                  f"scoring, as TRL: {t / (f - floor['scoring'] / 4):.2f}x).")
+            print(
+                f"GEMM floor (the iteration's linear-layer GEMMs timed alone, warm caches, median of our runs): "
+                f"{f:.3f} s, {100 * f / o:.0f}% of our iteration; TRL / floor = {t / f:.2f}x is the most any "
+                f"implementation of this work could gain over TRL on this machine (with one forward fewer in "
+                f"scoring, as TRL: {t / (f - floor['scoring'] / 4):.2f}x)."
+            )
         g = last_line(os.path.join(log_dir, f"generate_{shape}.txt"), "generate:")
         if g:
-            print(f"Generation alone (bench/generate.py, same weights): ours {g['ours_tok_per_s']:.0f} tok/s, "
-                  f"transformers generate {g['hf_tok_per_s']:.0f} tok/s: {g['ratio']:.2f}x.")
+            print(
+                f"Generation alone (bench/generate.py, same weights): ours {g['ours_tok_per_s']:.0f} tok/s, "
+                f"transformers generate {g['hf_tok_per_s']:.0f} tok/s: {g['ratio']:.2f}x."
+            )
         h = last_line(os.path.join(log_dir, f"hf_generate_{shape}.txt"), "hf_generate_bench:")
         if h:
-            print(f"Peer hf_generate_bench.py (TRL venv): plain {h['plain_tok_per_s']:.0f} tok/s, TRL-like "
-                  f"{h['trl_like_tok_per_s']:.0f} tok/s.")
+            print(
+                f"Peer hf_generate_bench.py (TRL venv): plain {h['plain_tok_per_s']:.0f} tok/s, TRL-like "
+                f"{h['trl_like_tok_per_s']:.0f} tok/s."
+            )
+
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "out/bench")

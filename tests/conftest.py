@@ -36,7 +36,22 @@ def tiny_ckpts(task_dir, tmp_path_factory):
         torch.manual_seed(seed)
         cfg = GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32, score_head=kind == "rm")
         paths.append(str(d / f"{kind}.pt"))
-        common.save_checkpoint(dict(kind=kind, model=GPT(cfg).state_dict(), model_config=asdict(cfg),
-                                    tokenizer=tok.state(), args={}, step=0, optimizer={}, scheduler={}, rng=[],
-                                    data_state={}, world_size=1, seconds=0.0, score_offset=0.0), paths[-1])
+        common.save_checkpoint(
+            dict(
+                kind=kind,
+                model=GPT(cfg).state_dict(),
+                model_config=asdict(cfg),
+                tokenizer=tok.state(),
+                args={},
+                step=0,
+                optimizer={},
+                scheduler={},
+                rng=[],
+                data_state={},
+                world_size=1,
+                seconds=0.0,
+                score_offset=0.0,
+            ),
+            paths[-1],
+        )
     return tuple(paths)

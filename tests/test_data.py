@@ -15,7 +15,7 @@ import torch
 import data
 from common import UserError
 
-ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "assets")
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "assets")  # vendored GPT-2 ranks
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 PROMPT = "Review of The Silent River (music, ending):"
 
@@ -105,8 +105,12 @@ def _save_hf_tokenizer(path, pad: bool):
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
     specials = ["<eos>", "<pad>"] if pad else ["<eos>"]
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     t.train_from_iterator(["hello world", "the world says hello"] * 20, trainer=trainer)
     kw = {"pad_token": "<pad>"} if pad else {}
     PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", **kw).save_pretrained(str(path))
@@ -163,8 +167,13 @@ def test_eval_titles_held_out(task):
     title_of = lambda text: " ".join(text.split(" ")[2:5])  # noqa: E731
     for r in data.read_jsonl(task["eval_prompts"], "prompts"):
         assert title_of(r["prompt"]) in eval_titles
-    for name, kind, key in [("prompts", "prompts", "prompt"), ("sft", "sft", "prompt"), ("pairs", "pairs", "prompt"),
-                            ("pretrain", "text", "text"), ("sft_eval", "sft", "prompt")]:
+    for name, kind, key in [
+        ("prompts", "prompts", "prompt"),
+        ("sft", "sft", "prompt"),
+        ("pairs", "pairs", "prompt"),
+        ("pretrain", "text", "text"),
+        ("sft_eval", "sft", "prompt"),
+    ]:
         assert all(title_of(r[key]) in train_titles for r in data.read_jsonl(task[name], kind))
 
 
@@ -212,9 +221,14 @@ def test_gold_hand_made():
     assert data.gold_reward(PROMPT, s3, True) == pytest.approx(want)
     assert data.prompt_aspects(PROMPT) == ["music", "ending"]
     # more positive requested sentences score higher, with diminishing returns
-    g = [data.gold_reward("Review of The Iron Tower (plot):", r, True)
-         for r in [" the plot was good.", " the plot was good. i liked the plot.",
-                   " the plot was good. i liked the plot. the plot was nice."]]
+    g = [
+        data.gold_reward("Review of The Iron Tower (plot):", r, True)
+        for r in [
+            " the plot was good.",
+            " the plot was good. i liked the plot.",
+            " the plot was good. i liked the plot. the plot was nice.",
+        ]
+    ]
     assert g[0] < g[1] < g[2] and g[2] - g[1] < g[1] - g[0]
 
 
@@ -278,13 +292,18 @@ def test_read_jsonl_errors(tmp_path, kind, content, lineno, what):
 
 
 def test_read_jsonl_empty_missing_and_ok(tmp_path):
-    for path, what in [(_write(tmp_path / "empty.jsonl", b"\n  \n"), "no records"),
-                       (str(tmp_path / "missing.jsonl"), "no such file")]:
+    for path, what in [
+        (_write(tmp_path / "empty.jsonl", b"\n  \n"), "no records"),
+        (str(tmp_path / "missing.jsonl"), "no such file"),
+    ]:
         with pytest.raises(UserError) as e:
             data.read_jsonl(path, "sft")
         assert str(e.value) == f"{path}: {what}"
-    path = _write(tmp_path / "ok.jsonl", b'{"prompt": "p", "responses": ["a", "b"], "ranking": [1, 0], "x": 1}\n'
-                                         b'{"prompt": "p", "chosen": "\xc3\xa9", "rejected": "b"}\n')
+    path = _write(
+        tmp_path / "ok.jsonl",
+        b'{"prompt": "p", "responses": ["a", "b"], "ranking": [1, 0], "x": 1}\n'
+        b'{"prompt": "p", "chosen": "\xc3\xa9", "rejected": "b"}\n',
+    )
     rows = data.read_jsonl(path, "pairs")
     assert rows[0]["ranking"] == [1, 0] and rows[1]["chosen"] == "é"
 
@@ -305,9 +324,11 @@ def test_pad_left_right():
 
 
 def test_encode_sft(tok):
-    rows = [{"prompt": PROMPT, "response": " the music was good."},
-            {"prompt": PROMPT, "response": " the music was good." * 30},
-            {"text": PROMPT + " i loved the ending."}]
+    rows = [
+        {"prompt": PROMPT, "response": " the music was good."},
+        {"prompt": PROMPT, "response": " the music was good." * 30},
+        {"text": PROMPT + " i loved the ending."},
+    ]
     n_prompt = len(tok.encode(PROMPT))
     examples, skipped = data.encode_sft(tok, rows, block_size=32, mask_prompt=True)
     assert skipped == 1 and len(examples) == 2

@@ -15,17 +15,25 @@ import train_sft
 from data import build_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SFT = ("train_sft.py --n-layer 1 --n-head 2 --n-embd 32 --max-steps 2 --batch-size 8 --micro-batch-size 4 "
-       "--eval-every 2 --num-samples 4 --eval-samples 4 --max-new-tokens 8")
-RM = ("train_rm.py --init {sft} --max-steps 2 --batch-size 8 --micro-batch-size 4 --eval-every 2 --eval-pairs 8 "
-      "--probe-size 4 --calib-size 16")
-PPO = ("train_ppo.py --sft-ckpt {sft} --rm-ckpt {rm} --max-steps 1 --rollout-batch-size 8 --num-minibatches 2 "
-       "--micro-batch-size 4 --ptx-batch-size 4 --max-new-tokens 8")
+SFT = (
+    "train_sft.py --n-layer 1 --n-head 2 --n-embd 32 --max-steps 2 --batch-size 8 --micro-batch-size 4 "
+    "--eval-every 2 --num-samples 4 --eval-samples 4 --max-new-tokens 8"
+)
+RM = (
+    "train_rm.py --init {sft} --max-steps 2 --batch-size 8 --micro-batch-size 4 --eval-every 2 --eval-pairs 8 "
+    "--probe-size 4 --calib-size 16"
+)
+PPO = (
+    "train_ppo.py --sft-ckpt {sft} --rm-ckpt {rm} --max-steps 1 --rollout-batch-size 8 --num-minibatches 2 "
+    "--micro-batch-size 4 --ptx-batch-size 4 --max-new-tokens 8"
+)
 BAD_LINES = {  # file name: (a good first line, a bad second line)
     "sft_utf8.jsonl": (b'{"prompt": "a", "response": "b"}', b'{"prompt": "\xff", "response": "b"}'),
-    "pairs_range.jsonl": (b'{"prompt": "a", "chosen": "b", "rejected": "c"}',
-                          b'{"prompt": "a", "responses": ["b", "c"], "ranking": [0, 2]}'),
-    "prompts_json.jsonl": (b'{"prompt": "a"}', b'{not json'),
+    "pairs_range.jsonl": (
+        b'{"prompt": "a", "chosen": "b", "rejected": "c"}',
+        b'{"prompt": "a", "responses": ["b", "c"], "ranking": [0, 2]}',
+    ),
+    "prompts_json.jsonl": (b'{"prompt": "a"}', b"{not json"),
     "text_type.jsonl": (b'{"text": "a b"}', b'{"text": 1}'),
 }
 
@@ -50,34 +58,49 @@ def files(tmp_path_factory, task_dir, tiny_ckpts):
     return dict(w=str(w), sft=tiny_ckpts[0], rm=tiny_ckpts[1], td=task_dir, tok=build_task(task_dir, 1337)["tokenizer"])
 
 
-@pytest.mark.parametrize("cmd, message", [
-    (SFT + " --data {w}/sft_utf8.jsonl --tokenizer {tok}", r"sft_utf8\.jsonl:2: not valid UTF-8"),
-    (SFT + " --data {w}/empty.jsonl --tokenizer {tok}", r"empty\.jsonl: no records"),
-    (SFT + " --init {w}/truncated.pt", r"--init .*truncated\.pt: not a readable checkpoint"),
-    (SFT + " --resume", r"--resume .*ckpt\.pt: no such checkpoint"),
-    (SFT + " --init hf:{w}/no_such_model", r"--init hf:.*no_such_model: could not load tokenizer"),
-    (SFT + " --resume --out-dir {w}/ws_sft", r"--resume .*ckpt\.pt: saved with world size 2, now 1"),
-    (RM + " --data {w}/pairs_range.jsonl", r"pairs_range\.jsonl:2: field 'ranking' must be a permutation of 0\.\.1"),
-    (RM + " --init {w}/sft_othertok.pt", r"--init .*sft_othertok\.pt: its tokenizer is not the built-in task's"),
-    (RM + " --resume --out-dir {w}/ws_rm", r"--resume .*ckpt\.pt: saved with world size 2, now 1"),
-    (PPO + " --prompts {w}/prompts_json.jsonl", r"prompts_json\.jsonl:2: bad JSON"),
-    (PPO + " --ptx-data {w}/text_type.jsonl", r"text_type\.jsonl:2: field 'text' must be a string, got int"),
-    (PPO.replace("--rm-ckpt {rm}", "--rm-ckpt {sft}"), r"--rm-ckpt .*: is a 'sft' checkpoint, expected rm"),
-    (PPO.replace("{rm}", "{w}/rm_othertok.pt"), r"--rm-ckpt .*rm_othertok\.pt: its tokenizer differs from"),
-    (PPO + " --rollout-batch-size 10 --num-minibatches 4", r"--rollout-batch-size/world_size over --num-minibatches: "
-                                                           r"10 must divide by 4"),
-    (PPO + " --micro-batch-size 2 --ptx-batch-size 3", r"--ptx-batch-size over world_size \* accum steps: 3 must"),
-    (PPO + " --resume", r"--resume .*ckpt\.pt: no such checkpoint"),
-    (PPO + " --resume --out-dir {w}/ws_rm", r"--resume .*ckpt\.pt: is a 'rm' checkpoint, expected ppo"),
-])
+@pytest.mark.parametrize(
+    "cmd, message",
+    [
+        (SFT + " --data {w}/sft_utf8.jsonl --tokenizer {tok}", r"sft_utf8\.jsonl:2: not valid UTF-8"),
+        (SFT + " --data {w}/empty.jsonl --tokenizer {tok}", r"empty\.jsonl: no records"),
+        (SFT + " --init {w}/truncated.pt", r"--init .*truncated\.pt: not a readable checkpoint"),
+        (SFT + " --resume", r"--resume .*ckpt\.pt: no such checkpoint"),
+        (SFT + " --init hf:{w}/no_such_model", r"--init hf:.*no_such_model: could not load tokenizer"),
+        (SFT + " --resume --out-dir {w}/ws_sft", r"--resume .*ckpt\.pt: saved with world size 2, now 1"),
+        (
+            RM + " --data {w}/pairs_range.jsonl",
+            r"pairs_range\.jsonl:2: field 'ranking' must be a permutation of 0\.\.1",
+        ),
+        (RM + " --init {w}/sft_othertok.pt", r"--init .*sft_othertok\.pt: its tokenizer is not the built-in task's"),
+        (RM + " --resume --out-dir {w}/ws_rm", r"--resume .*ckpt\.pt: saved with world size 2, now 1"),
+        (PPO + " --prompts {w}/prompts_json.jsonl", r"prompts_json\.jsonl:2: bad JSON"),
+        (PPO + " --ptx-data {w}/text_type.jsonl", r"text_type\.jsonl:2: field 'text' must be a string, got int"),
+        (PPO.replace("--rm-ckpt {rm}", "--rm-ckpt {sft}"), r"--rm-ckpt .*: is a 'sft' checkpoint, expected rm"),
+        (PPO.replace("{rm}", "{w}/rm_othertok.pt"), r"--rm-ckpt .*rm_othertok\.pt: its tokenizer differs from"),
+        (
+            PPO + " --rollout-batch-size 10 --num-minibatches 4",
+            r"--rollout-batch-size/world_size over --num-minibatches: "
+            r"10 must divide by 4",
+        ),
+        (PPO + " --micro-batch-size 2 --ptx-batch-size 3", r"--ptx-batch-size over world_size \* accum steps: 3 must"),
+        (PPO + " --resume", r"--resume .*ckpt\.pt: no such checkpoint"),
+        (PPO + " --resume --out-dir {w}/ws_rm", r"--resume .*ckpt\.pt: is a 'rm' checkpoint, expected ppo"),
+    ],
+)
 def test_user_mistake_is_one_line_exit_2(tmp_path, files, cmd, message):
     cmd = cmd.format(**files)
     out = re.search(r"--out-dir (\S+)", cmd)
     out = out.group(1) if out else str(tmp_path / "out")
     ckpt = os.path.join(out, "ckpt.pt")
     before = open(ckpt, "rb").read() if os.path.exists(ckpt) else None
-    r = subprocess.run(shlex.split(f"{sys.executable} {cmd} --task-dir {files['td']} --out-dir {out}"), cwd=ROOT,
-                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    r = subprocess.run(
+        shlex.split(f"{sys.executable} {cmd} --task-dir {files['td']} --out-dir {out}"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.startswith("error: ") and re.search(message, r.stderr), r.stderr
@@ -86,9 +109,20 @@ def test_user_mistake_is_one_line_exit_2(tmp_path, files, cmd, message):
 
 def test_resume_of_a_finished_run_is_a_user_error(tmp_path, task_dir):
     """It used to end in an UnboundLocalError traceback (no step ran, so no samples to print)."""
-    args = train_sft.Args(out_dir=str(tmp_path), task_dir=task_dir, n_layer=1, n_head=2, n_embd=32, batch_size=8,
-                          micro_batch_size=4, max_steps=1, eval_every=1, num_samples=4, eval_samples=4,
-                          max_new_tokens=8)
+    args = train_sft.Args(
+        out_dir=str(tmp_path),
+        task_dir=task_dir,
+        n_layer=1,
+        n_head=2,
+        n_embd=32,
+        batch_size=8,
+        micro_batch_size=4,
+        max_steps=1,
+        eval_every=1,
+        num_samples=4,
+        eval_samples=4,
+        max_new_tokens=8,
+    )
     train_sft.main(args)
     with pytest.raises(common.UserError, match=r"already at step 1 of 1 \(raise --max-steps\)"):
         train_sft.main(train_sft.Args(**{**args.__dict__, "resume": True}))

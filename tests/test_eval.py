@@ -29,9 +29,16 @@ def test_last_token_scores_with_ragged_padding():
 
 def test_policy_metrics_hand_made():
     p = "Review of The Silent River (music):"
-    s = {"prompt": [p, p], "response": [" the music was very wonderful.", " the music was"], "ended": [True, False],
-         "tokens": [[1, 2, 3], [1, 2]], "logprob_sum": [-3.0, -1.0], "n": [3, 2], "kl": [0.5, 1.5],
-         "score": [1.0, float("nan")]}
+    s = {
+        "prompt": [p, p],
+        "response": [" the music was very wonderful.", " the music was"],
+        "ended": [True, False],
+        "tokens": [[1, 2, 3], [1, 2]],
+        "logprob_sum": [-3.0, -1.0],
+        "n": [3, 2],
+        "kl": [0.5, 1.5],
+        "score": [1.0, float("nan")],
+    }
     m, gold = ev.policy_metrics(s, True, [0.0, -1.0])
     assert gold[1] == -1.0 and m["valid_frac"] == 0.5 and m["eos_frac"] == 0.5 and m["kl"] == 1.0
     assert m["perplexity"] == pytest.approx(math.exp(4 / 5)) and m["response_len"] == 2.5
@@ -58,14 +65,42 @@ def test_results_json_layout(tmp_path, task_dir):
     tok = load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32))
     path = str(tmp_path / "ckpt.pt")
-    common.save_checkpoint({"kind": "sft", "model": model.state_dict(), "model_config": model.config.__dict__,
-                            "tokenizer": tok.state(), "seconds": 12.0}, path)
+    common.save_checkpoint(
+        {
+            "kind": "sft",
+            "model": model.state_dict(),
+            "model_config": model.config.__dict__,
+            "tokenizer": tok.state(),
+            "seconds": 12.0,
+        },
+        path,
+    )
     out = tmp_path / "results.json"
     out.write_text(json.dumps({"rm": {"accuracy": 0.8}}))
-    ev.main(ev.Args(policy=[path], names=["sft"], ref=path, rm="none", num_samples=16, task_dir=task_dir,
-                    json=str(out), max_new_tokens=16))
+    ev.main(
+        ev.Args(
+            policy=[path],
+            names=["sft"],
+            ref=path,
+            rm="none",
+            num_samples=16,
+            task_dir=task_dir,
+            json=str(out),
+            max_new_tokens=16,
+        )
+    )
     res = json.loads(out.read_text())
     assert set(res) == {"rm", "sft"}
-    assert set(res["sft"]) == {"gold", "score", "kl", "response_len", "perplexity", "eos_frac", "valid_frac",
-                               "distinct_2", "win_rate_vs_ref", "seconds"}
+    assert set(res["sft"]) == {
+        "gold",
+        "score",
+        "kl",
+        "response_len",
+        "perplexity",
+        "eos_frac",
+        "valid_frac",
+        "distinct_2",
+        "win_rate_vs_ref",
+        "seconds",
+    }
     assert res["sft"]["seconds"] == 12.0 and res["sft"]["win_rate_vs_ref"] == 0.5 and abs(res["sft"]["kl"]) < 1e-4

@@ -44,9 +44,18 @@ def llama_dir(tmp_path_factory) -> str:
     from transformers import LlamaConfig
 
     path = str(tmp_path_factory.mktemp("hf_llama"))
-    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=64, bos_token_id=None,
-                      eos_token_id=EOS, pad_token_id=PAD)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
     write_model(path, cfg)
     return path
 
@@ -56,8 +65,19 @@ def gpt2_dir(tmp_path_factory) -> str:
     from transformers import GPT2Config
 
     path = str(tmp_path_factory.mktemp("hf_gpt2"))
-    write_model(path, GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=V, n_positions=64, bos_token_id=EOS,
-                                 eos_token_id=EOS, pad_token_id=PAD))
+    write_model(
+        path,
+        GPT2Config(
+            n_layer=2,
+            n_head=4,
+            n_embd=32,
+            vocab_size=V,
+            n_positions=64,
+            bos_token_id=EOS,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+        ),
+    )
     return path
 
 
@@ -169,8 +189,16 @@ def test_greedy_generation_matches_transformers(hf_dir):
     eos = int(probe[0, 3])
     new = 20
     response, response_mask, _ = model.generate(idx, mask, new, eos_id=eos, pad_id=PAD, temperature=0.0)
-    out = raw.generate(input_ids=idx, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=eos,
-                       pad_token_id=PAD, return_dict_in_generate=True, output_logits=True)
+    out = raw.generate(
+        input_ids=idx,
+        attention_mask=mask,
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=PAD,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     top2 = torch.stack(out.logits, 1).topk(2, dim=-1).values  # (B, steps, 2)
     gaps = (top2[..., 0] - top2[..., 1]).tolist()
     compared = 0
@@ -190,10 +218,20 @@ def test_sampled_logprobs_equal_a_full_forward(llama_dir):
     idx, mask = left_pad(prompts([6, 3, 10]), V + 5)
     temperature, P = 0.7, idx.size(1)
     g = torch.Generator().manual_seed(0)
-    response, response_mask, logprobs = model.generate(idx, mask, 12, eos_id=EOS, pad_id=V + 5, temperature=temperature,
-                                                       top_k=20, min_new_tokens=2, generator=g)
-    again = model.generate(idx, mask, 12, eos_id=EOS, pad_id=V + 5, temperature=temperature, top_k=20,
-                           min_new_tokens=2, generator=torch.Generator().manual_seed(0))[0]
+    response, response_mask, logprobs = model.generate(
+        idx, mask, 12, eos_id=EOS, pad_id=V + 5, temperature=temperature, top_k=20, min_new_tokens=2, generator=g
+    )
+    again = model.generate(
+        idx,
+        mask,
+        12,
+        eos_id=EOS,
+        pad_id=V + 5,
+        temperature=temperature,
+        top_k=20,
+        min_new_tokens=2,
+        generator=torch.Generator().manual_seed(0),
+    )[0]
     assert torch.equal(response, again)  # the explicit generator decides everything
     with torch.no_grad():
         logits, _ = model(torch.cat([idx, response], 1), torch.cat([mask, response_mask.long()], 1))
@@ -216,8 +254,9 @@ def test_checkpoint_round_trip(llama_dir, tmp_path, monkeypatch):
         model.score_head.bias.fill_(0.3)
         model.hf.get_input_embeddings().weight.add_(0.01)  # weights that are no longer the folder's
     path = str(tmp_path / "ckpt.pt")
-    common.save_checkpoint(dict(kind="rm", model=model.state_dict(), model_config=asdict(model.config),
-                                tokenizer=tok.state()), path)
+    common.save_checkpoint(
+        dict(kind="rm", model=model.state_dict(), model_config=asdict(model.config), tokenizer=tok.state()), path
+    )
     # rebuilt from model_config alone: the hub and the folder's weights are never read
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)
     again, tok2, ckpt = load_init(path, score_head=True, kind="rm")

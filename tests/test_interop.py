@@ -63,24 +63,31 @@ def test_hh_to_pair():
 
 
 def hh_cli(*argv) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "data.py", *map(str, argv)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "data.py", *map(str, argv)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_convert_hh_cli(tmp_path):
     d1 = f"{H} what is 2+2?{A}"
     d2 = f"{H} hi{A} hello{H} tell me a joke{A}"
-    records = [{"chosen": d1 + " 4", "rejected": d1 + " 5"},
-               {"chosen": f"{H} a{A} b", "rejected": f"{H} c{A} d"},  # no shared prompt: skipped
-               {"chosen": d2 + " Why did the chicken...", "rejected": d2 + ""},  # empty answer: skipped
-               {"chosen": d2 + " A pun.", "rejected": d2 + " No.", "extra": 1}]
+    records = [
+        {"chosen": d1 + " 4", "rejected": d1 + " 5"},
+        {"chosen": f"{H} a{A} b", "rejected": f"{H} c{A} d"},  # no shared prompt: skipped
+        {"chosen": d2 + " Why did the chicken...", "rejected": d2 + ""},  # empty answer: skipped
+        {"chosen": d2 + " A pun.", "rejected": d2 + " No.", "extra": 1},
+    ]
     src, dst = write_jsonl(tmp_path / "hh.jsonl", records), tmp_path / "pairs.jsonl"
     r = hh_cli("hh", src, dst)
-    assert r.returncode == 0 and r.stdout.strip() == f"wrote 2 pairs to {dst} (2 skipped: no shared prompt, an empty " \
-                                                       "or a tied answer)", r.stdout + r.stderr
+    assert (
+        r.returncode == 0
+        and r.stdout.strip() == f"wrote 2 pairs to {dst} (2 skipped: no shared prompt, an empty or a tied answer)"
+    ), r.stdout + r.stderr
     pairs = data.read_jsonl(str(dst), "pairs")  # what train_rm.py --data reads
-    assert pairs == [{"prompt": d1, "chosen": " 4", "rejected": " 5"},
-                     {"prompt": d2, "chosen": " A pun.", "rejected": " No."}]
+    assert pairs == [
+        {"prompt": d1, "chosen": " 4", "rejected": " 5"},
+        {"prompt": d2, "chosen": " A pun.", "rejected": " No."},
+    ]
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]  # written through a temp file and os.replace
     assert data.convert_hh(src, str(dst)) == (2, 2)
     # a bad line: one line on stderr, exit code 2 (like every stage), nothing written
@@ -95,16 +102,21 @@ def test_convert_hh_cli(tmp_path):
 GOOD = json.dumps({"chosen": f"{H} a{A} yes", "rejected": f"{H} a{A} no"}) + "\n"
 
 
-@pytest.mark.parametrize("content, message", [
-    (GOOD + '{"chosen": "\\n\\nHuman: a\\n\\nAssistant: b", "rejected": 3}\n',
-     r"hh\.jsonl:2: field 'rejected' must be a string, got int"),
-    (GOOD + '{"chosen": "x"}\n', r"hh\.jsonl:2: missing field 'rejected'"),
-    (GOOD + "\n{not json\n", r"hh\.jsonl:3: bad JSON"),
-    (GOOD + '["chosen", "rejected"]\n', r"hh\.jsonl:2: expected a JSON object"),
-    (GOOD.encode() + b'{"chosen": "\xff"}\n', r"hh\.jsonl:2: not valid UTF-8"),
-    ("\n", r"hh\.jsonl: no records"),
-    (json.dumps({"chosen": f"{H} a{A} b", "rejected": f"{H} c{A} d"}) + "\n", r"hh\.jsonl: no usable record"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            GOOD + '{"chosen": "\\n\\nHuman: a\\n\\nAssistant: b", "rejected": 3}\n',
+            r"hh\.jsonl:2: field 'rejected' must be a string, got int",
+        ),
+        (GOOD + '{"chosen": "x"}\n', r"hh\.jsonl:2: missing field 'rejected'"),
+        (GOOD + "\n{not json\n", r"hh\.jsonl:3: bad JSON"),
+        (GOOD + '["chosen", "rejected"]\n', r"hh\.jsonl:2: expected a JSON object"),
+        (GOOD.encode() + b'{"chosen": "\xff"}\n', r"hh\.jsonl:2: not valid UTF-8"),
+        ("\n", r"hh\.jsonl: no records"),
+        (json.dumps({"chosen": f"{H} a{A} b", "rejected": f"{H} c{A} d"}) + "\n", r"hh\.jsonl: no usable record"),
+    ],
+)
 def test_convert_hh_user_mistakes(tmp_path, content, message):
     src, dst = tmp_path / "hh.jsonl", tmp_path / "pairs.jsonl"
     src.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -114,9 +126,11 @@ def test_convert_hh_user_mistakes(tmp_path, content, message):
 
 
 def test_convert_hh_usage_errors(tmp_path):
-    for argv, message in [(["hh", str(tmp_path / "missing.jsonl"), str(tmp_path / "o.jsonl")], "no such file"),
-                          (["hh", "in.jsonl"], "usage: python data.py hh"),
-                          (["sft", "in.jsonl", "out.jsonl"], "usage: python data.py hh")]:
+    for argv, message in [
+        (["hh", str(tmp_path / "missing.jsonl"), str(tmp_path / "o.jsonl")], "no such file"),
+        (["hh", "in.jsonl"], "usage: python data.py hh"),
+        (["sft", "in.jsonl", "out.jsonl"], "usage: python data.py hh"),
+    ]:
         with pytest.raises(common.UserError, match=message):
             data._cli(argv)
     src = write_jsonl(tmp_path / "hh.jsonl", [{"chosen": f"{H} a{A} yes", "rejected": f"{H} a{A} no"}])
@@ -141,18 +155,48 @@ def user_data(tmp_path_factory) -> dict:
     prompts = [words(4) for _ in range(40)]
     return {
         "sft": write_jsonl(d / "sft.jsonl", [{"prompt": p, "response": " " + words(3)} for p in prompts]),
-        "pairs": write_jsonl(d / "pairs.jsonl", [{"prompt": p, "chosen": " w10 w11", "rejected": " " + words(3)}
-                                                 for p in prompts]),
+        "pairs": write_jsonl(
+            d / "pairs.jsonl", [{"prompt": p, "chosen": " w10 w11", "rejected": " " + words(3)} for p in prompts]
+        ),
         "prompts": write_jsonl(d / "prompts.jsonl", [{"prompt": p} for p in prompts]),
     }
 
 
-SFT = dict(batch_size=8, micro_batch_size=4, max_steps=3, eval_every=3, num_samples=4, eval_samples=4, warmup_steps=1,
-           log_every=1, max_new_tokens=6, lr=1e-3)
-RM = dict(batch_size=8, micro_batch_size=4, max_steps=3, eval_every=3, eval_pairs=8, calib_size=16, warmup_steps=1,
-          log_every=1, lr=1e-3)
-PPO = dict(rollout_batch_size=8, num_minibatches=2, micro_batch_size=2, max_new_tokens=6, critic_warmup_steps=1,
-           warmup_steps=1, log_every=1, sample_every=2, collapse_window=2, max_steps=2)
+SFT = dict(
+    batch_size=8,
+    micro_batch_size=4,
+    max_steps=3,
+    eval_every=3,
+    num_samples=4,
+    eval_samples=4,
+    warmup_steps=1,
+    log_every=1,
+    max_new_tokens=6,
+    lr=1e-3,
+)
+RM = dict(
+    batch_size=8,
+    micro_batch_size=4,
+    max_steps=3,
+    eval_every=3,
+    eval_pairs=8,
+    calib_size=16,
+    warmup_steps=1,
+    log_every=1,
+    lr=1e-3,
+)
+PPO = dict(
+    rollout_batch_size=8,
+    num_minibatches=2,
+    micro_batch_size=2,
+    max_new_tokens=6,
+    critic_warmup_steps=1,
+    warmup_steps=1,
+    log_every=1,
+    sample_every=2,
+    collapse_window=2,
+    max_steps=2,
+)
 
 
 def run_chain(tmp_path, init: str, user_data: dict) -> dict:
@@ -161,11 +205,27 @@ def run_chain(tmp_path, init: str, user_data: dict) -> dict:
     ckpt = {stage: os.path.join(out[stage], "ckpt.pt") for stage in out}
     common_args = dict(task_dir=str(tmp_path / "data"), device="cpu")
     train_sft.main(train_sft.Args(out_dir=out["sft"], init=init, data=user_data["sft"], **common_args, **SFT))
-    train_rm.main(train_rm.Args(out_dir=out["rm"], init=ckpt["sft"], data=user_data["pairs"], **common_args, **RM,
-                                export_hf=str(tmp_path / "hf_rm")))
-    train_ppo.main(train_ppo.Args(out_dir=out["ppo"], sft_ckpt=ckpt["sft"], rm_ckpt=ckpt["rm"],
-                                  prompts=user_data["prompts"], **common_args, **PPO,
-                                  export_hf=str(tmp_path / "hf_policy")))
+    train_rm.main(
+        train_rm.Args(
+            out_dir=out["rm"],
+            init=ckpt["sft"],
+            data=user_data["pairs"],
+            **common_args,
+            **RM,
+            export_hf=str(tmp_path / "hf_rm"),
+        )
+    )
+    train_ppo.main(
+        train_ppo.Args(
+            out_dir=out["ppo"],
+            sft_ckpt=ckpt["sft"],
+            rm_ckpt=ckpt["rm"],
+            prompts=user_data["prompts"],
+            **common_args,
+            **PPO,
+            export_hf=str(tmp_path / "hf_policy"),
+        )
+    )
     scalars = read_scalars(out["ppo"])
     for tag in ("objective/score", "objective/kl", "policy/loss", "value/loss", "rollout/response_len"):
         assert len(scalars[tag]) == 2 and all(math.isfinite(v) for v in scalars[tag]), (tag, scalars.get(tag))
@@ -234,17 +294,29 @@ def test_ppo_two_ranks_torchrun(tmp_path, task_dir):
     tok = data.load_tokenizer(data.build_task(task_dir, 1337)["tokenizer"])
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32, block_size=64)
-    base = dict(model_config=asdict(cfg), tokenizer=tok.state(), args={}, step=0, optimizer={}, scheduler={}, rng=[],
-                data_state={}, world_size=1, seconds=0.0)
+    base = dict(
+        model_config=asdict(cfg),
+        tokenizer=tok.state(),
+        args={},
+        step=0,
+        optimizer={},
+        scheduler={},
+        rng=[],
+        data_state={},
+        world_size=1,
+        seconds=0.0,
+    )
     sft, rm = str(tmp_path / "sft.pt"), str(tmp_path / "rm.pt")
     common.save_checkpoint(base | dict(kind="sft", model=GPT(cfg).state_dict()), sft)
     rm_model = GPT(GPTConfig(**{**asdict(cfg), "score_head": True}))
     common.save_checkpoint(base | dict(kind="rm", model=rm_model.state_dict(), score_offset=0.0), rm)
     out = tmp_path / "ppo"
-    cmd = (f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_ppo.py --task-dir "
-           f"{task_dir} --sft-ckpt {sft} --rm-ckpt {rm} --out-dir {out} --max-steps 2 --rollout-batch-size 8 "
-           "--num-minibatches 2 --micro-batch-size 2 --max-new-tokens 12 --critic-warmup-steps 1 --warmup-steps 1 "
-           "--ptx-batch-size 4 --log-every 1 --sample-every 2 --collapse-window 2 --device cpu")
+    cmd = (
+        f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_ppo.py --task-dir "
+        f"{task_dir} --sft-ckpt {sft} --rm-ckpt {rm} --out-dir {out} --max-steps 2 --rollout-batch-size 8 "
+        "--num-minibatches 2 --micro-batch-size 2 --max-new-tokens 12 --critic-warmup-steps 1 --warmup-steps 1 "
+        "--ptx-batch-size 4 --log-every 1 --sample-every 2 --collapse-window 2 --device cpu"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     r = subprocess.run(shlex.split(cmd), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

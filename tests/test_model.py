@@ -323,9 +323,15 @@ def test_configure_optimizers_and_flops():
     assert opt.defaults["fused"]  # one fused kernel on CPU too; it must step like the per-tensor loop
     ref = GPT(tiny_config(score_head=True))
     ref.load_state_dict(model.state_dict())
-    ref_opt = torch.optim.AdamW([{"params": [p for p in ref.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-                                 {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-                                lr=3e-4, betas=(0.9, 0.95), fused=False)
+    ref_opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in ref.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=3e-4,
+        betas=(0.9, 0.95),
+        fused=False,
+    )
     idx = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
         for m, o in ((model, opt), (ref, ref_opt)):
@@ -348,8 +354,9 @@ def test_configure_optimizers_and_flops():
 def test_sample_tokens_distribution_and_masked_logits():
     """Inverse-CDF sampling: empirical frequencies match softmax (chi-square-sized tolerance), -inf never sampled."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.tensor([[0.0, 1.0, -float("inf"), 2.0, -1.0], [-float("inf"), -float("inf"), 5.0, -float("inf"),
-                                                                   -float("inf")]])
+    logits = torch.tensor(
+        [[0.0, 1.0, -float("inf"), 2.0, -1.0], [-float("inf"), -float("inf"), 5.0, -float("inf"), -float("inf")]]
+    )
     n = 20000
     toks = torch.stack([sample_tokens(logits, g) for _ in range(n)])  # (n, 2)
     assert (toks[:, 1] == 2).all() and (toks[:, 0] != 2).all()

@@ -14,18 +14,70 @@ import torch.multiprocessing as mp
 import train_ppo
 from data import build_task
 from model import GPT, GPTConfig
-from train_ppo import (CollapseDetector, KLController, RunningMoments, compute_gae, masked_mean, masked_whiten,
-                       ppo_policy_loss, ppo_value_loss, shape_rewards)
+from train_ppo import (
+    CollapseDetector,
+    KLController,
+    RunningMoments,
+    compute_gae,
+    masked_mean,
+    masked_whiten,
+    ppo_policy_loss,
+    ppo_value_loss,
+    shape_rewards,
+)
 
-PPO_TAGS = ["objective/score", "objective/score_norm", "objective/kl", "objective/rlhf_reward", "objective/entropy",
-            "objective/gold", "rollout/response_len", "rollout/perplexity", "rollout/eos_frac", "policy/loss",
-            "policy/approx_kl", "policy/clipfrac", "policy/ratio_mean", "value/loss", "value/clipfrac",
-            "value/explained_variance", "value/grad_norm", "ptx/loss", "train/critic_lr", "train/kl_coef",
-            "train/updates", "collapse/alarm", "perf/rollout_s", "perf/update_s", "train/lr", "train/grad_norm",
-            "train/skipped_steps", "perf/tokens_per_sec", "perf/mfu"]
-CKPT_KEYS = {"kind", "model", "model_config", "tokenizer", "args", "step", "optimizer", "scheduler", "rng",
-             "data_state", "world_size", "seconds", "critic", "critic_optimizer", "critic_scheduler",
-             "reward_moments", "kl_ctl", "sft_hash", "rm_hash"}
+PPO_TAGS = [
+    "objective/score",
+    "objective/score_norm",
+    "objective/kl",
+    "objective/rlhf_reward",
+    "objective/entropy",
+    "objective/gold",
+    "rollout/response_len",
+    "rollout/perplexity",
+    "rollout/eos_frac",
+    "policy/loss",
+    "policy/approx_kl",
+    "policy/clipfrac",
+    "policy/ratio_mean",
+    "value/loss",
+    "value/clipfrac",
+    "value/explained_variance",
+    "value/grad_norm",
+    "ptx/loss",
+    "train/critic_lr",
+    "train/kl_coef",
+    "train/updates",
+    "collapse/alarm",
+    "perf/rollout_s",
+    "perf/update_s",
+    "train/lr",
+    "train/grad_norm",
+    "train/skipped_steps",
+    "perf/tokens_per_sec",
+    "perf/mfu",
+]
+CKPT_KEYS = {
+    "kind",
+    "model",
+    "model_config",
+    "tokenizer",
+    "args",
+    "step",
+    "optimizer",
+    "scheduler",
+    "rng",
+    "data_state",
+    "world_size",
+    "seconds",
+    "critic",
+    "critic_optimizer",
+    "critic_scheduler",
+    "reward_moments",
+    "kl_ctl",
+    "sft_hash",
+    "rm_hash",
+}
 
 
 def ragged(B: int = 6, T: int = 7, seed: int = 0):
@@ -140,8 +192,11 @@ def test_denom_gives_big_batch_gradient():
     lengths, mask, (lp, old, adv, ret, _) = ragged(B=8, seed=3)
     for kind in ("policy", "value"):
         x_full = lp.clone().requires_grad_(True)
-        f = (lambda x, m, s: ppo_policy_loss(x, old[s], adv[s], m, 0.2, denom)[0]) if kind == "policy" else \
-            (lambda x, m, s: ppo_value_loss(x, old[s], ret[s], m, 0.2, denom)[0])
+        f = (
+            (lambda x, m, s: ppo_policy_loss(x, old[s], adv[s], m, 0.2, denom)[0])
+            if kind == "policy"
+            else (lambda x, m, s: ppo_value_loss(x, old[s], ret[s], m, 0.2, denom)[0])
+        )
         denom = None
         f(x_full, mask, slice(None)).backward()
         x_acc = lp.clone().requires_grad_(True)
@@ -185,17 +240,36 @@ def fake_experience(B: int = 8, seed: int = 0):
     with torch.no_grad():
         logits, _ = train_ppo.response_forward(actor, query, query_mask, response, mask, 1.0)
         _, values = train_ppo.response_forward(critic, query, query_mask, response, mask, 1.0)
-    exp = dict(query=query, query_mask=query_mask, response=response, mask=mask, values=values * mask,
-               logprobs=train_ppo.logprobs_from_logits(logits, response) * mask,
-               advantages=torch.randn(B, 6) * mask, returns=torch.randn(B, 6) * mask)
+    exp = dict(
+        query=query,
+        query_mask=query_mask,
+        response=response,
+        mask=mask,
+        values=values * mask,
+        logprobs=train_ppo.logprobs_from_logits(logits, response) * mask,
+        advantages=torch.randn(B, 6) * mask,
+        returns=torch.randn(B, 6) * mask,
+    )
     return actor, critic, exp
 
 
 def update_once(actor, critic, exp, micro_batch_size):
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (actor, critic)]
-    return train_ppo.ppo_update(actor, critic, *opts, exp, ppo_epochs=1, num_minibatches=1,
-                                micro_batch_size=micro_batch_size, cliprange=0.2, cliprange_value=0.2, temperature=1.0,
-                                grad_clip=0.5, critic_grad_clip=0.5, generator=torch.Generator().manual_seed(0))
+    return train_ppo.ppo_update(
+        actor,
+        critic,
+        *opts,
+        exp,
+        ppo_epochs=1,
+        num_minibatches=1,
+        micro_batch_size=micro_batch_size,
+        cliprange=0.2,
+        cliprange_value=0.2,
+        temperature=1.0,
+        grad_clip=0.5,
+        critic_grad_clip=0.5,
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
 def _two_rank_worker(rank: int, port: int, q) -> None:
@@ -241,8 +315,15 @@ def test_two_gloo_ranks_equal_one_big_batch():
         rm.load_state_dict(moments)
         assert rm.count == 23 and rm.mean == pytest.approx(big.mean().item(), abs=1e-12)
         assert rm.std == pytest.approx(big.std(correction=0).item(), abs=1e-12)
-        for k in ("policy/loss", "value/loss", "policy/approx_kl", "policy/clipfrac", "value/clipfrac",
-                  "train/grad_norm", "value/grad_norm"):
+        for k in (
+            "policy/loss",
+            "value/loss",
+            "policy/approx_kl",
+            "policy/clipfrac",
+            "value/clipfrac",
+            "train/grad_norm",
+            "value/grad_norm",
+        ):
             assert stats[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
         for mine, ref in ((actor_sd, actor.state_dict()), (critic_sd, critic.state_dict())):
             for k in ref:
@@ -332,9 +413,23 @@ def test_padding_never_changes_logprobs_or_values(tok):
 
 
 def rollout_kwargs(**kw):
-    return dict(max_new_tokens=12, temperature=0.9, generator=torch.Generator().manual_seed(0), kl_coef=0.1,
-                kl_estimator="k1", reward_moments=RunningMoments(), reward_norm="norm", reward_clip=5.0,
-                missing_eos_penalty=-3.0, gamma=1.0, lam=0.95, micro_batch_size=4) | kw
+    return (
+        dict(
+            max_new_tokens=12,
+            temperature=0.9,
+            generator=torch.Generator().manual_seed(0),
+            kl_coef=0.1,
+            kl_estimator="k1",
+            reward_moments=RunningMoments(),
+            reward_norm="norm",
+            reward_clip=5.0,
+            missing_eos_penalty=-3.0,
+            gamma=1.0,
+            lam=0.95,
+            micro_batch_size=4,
+        )
+        | kw
+    )
 
 
 def boost_eos(model: GPT, eos_id: int, amount: float = 3.0) -> GPT:
@@ -350,8 +445,17 @@ def test_rollout_kl_zero_score_on_eos_and_first_minibatch(tok):
     ref.load_state_dict(actor.state_dict())
     critic, rm = tiny(tok, 1, lm_head=False, score_head=True), tiny(tok, 2, score_head=True)
     prompts = [f"Review of The Silent River ({a}):" for a in ("plot", "music", "acting, ending")] + ["Review of"] * 5
-    exp, stats, samples = train_ppo.rollout(actor, ref, critic, rm, tok, prompts, **rollout_kwargs(
-        reward_fn=lambda p, r, e: len(r) / 10, reward_fn_coef=0.5, reward_norm="none", reward_clip=None))
+    exp, stats, samples = train_ppo.rollout(
+        actor,
+        ref,
+        critic,
+        rm,
+        tok,
+        prompts,
+        **rollout_kwargs(
+            reward_fn=lambda p, r, e: len(r) / 10, reward_fn_coef=0.5, reward_norm="none", reward_clip=None
+        ),
+    )
     assert stats["objective/kl"] == 0.0 and (exp["logprobs"] == exp["ref_logprobs"]).all()  # exactly, not approx
     mask, P = exp["mask"], exp["query"].size(1)
     ended = torch.tensor([s["ended"] for s in samples])
@@ -373,9 +477,20 @@ def test_rollout_kl_zero_score_on_eos_and_first_minibatch(tok):
     # the first minibatch of an update: ratio 1, approx_kl 0, clipfrac 0 (training shapes differ from scoring)
     opt_a = torch.optim.AdamW(actor.parameters(), lr=1e-2)
     opt_c = torch.optim.AdamW(critic.parameters(), lr=1e-2)
-    upd = train_ppo.ppo_update(actor, critic, opt_a, opt_c, exp, ppo_epochs=2, num_minibatches=2, micro_batch_size=2,
-                               cliprange=0.2, cliprange_value=0.2, temperature=0.9,
-                               generator=torch.Generator().manual_seed(0))
+    upd = train_ppo.ppo_update(
+        actor,
+        critic,
+        opt_a,
+        opt_c,
+        exp,
+        ppo_epochs=2,
+        num_minibatches=2,
+        micro_batch_size=2,
+        cliprange=0.2,
+        cliprange_value=0.2,
+        temperature=0.9,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert upd["first/ratio_err"] <= 1e-5 and abs(upd["first/approx_kl"]) <= 1e-5 and upd["first/clipfrac"] == 0
     assert upd["updates"] == 4 and upd["policy/approx_kl"] > 0  # later minibatches moved
 
@@ -390,8 +505,9 @@ def test_rollout_raises_on_logprob_mismatch(tok, monkeypatch):
 
     monkeypatch.setattr(actor, "generate", bad_generate)
     with pytest.raises(RuntimeError, match="generation log-probs differ"):
-        train_ppo.rollout(actor, actor, critic, None, tok, ["Review of"] * 4,
-                          **rollout_kwargs(reward_fn=lambda p, r, e: 0.0))
+        train_ppo.rollout(
+            actor, actor, critic, None, tok, ["Review of"] * 4, **rollout_kwargs(reward_fn=lambda p, r, e: 0.0)
+        )
 
 
 # -----------------------------------------------------------------------------
@@ -404,11 +520,22 @@ def read_scalars(out_dir: str) -> dict:
     acc = EventAccumulator(out_dir)
     acc.Reload()
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]} | {
-        "_text": acc.Tags()["tensors"]}
+        "_text": acc.Tags()["tensors"]
+    }
 
 
-TINY_PPO = dict(rollout_batch_size=8, num_minibatches=2, micro_batch_size=2, ppo_epochs=2, max_new_tokens=24,
-                critic_warmup_steps=1, warmup_steps=1, log_every=1, sample_every=2, collapse_window=2)
+TINY_PPO = dict(
+    rollout_batch_size=8,
+    num_minibatches=2,
+    micro_batch_size=2,
+    ppo_epochs=2,
+    max_new_tokens=24,
+    critic_warmup_steps=1,
+    warmup_steps=1,
+    log_every=1,
+    sample_every=2,
+    collapse_window=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -416,16 +543,37 @@ def sft_ckpt(tmp_path_factory, task_dir):
     import train_sft
 
     out = str(tmp_path_factory.mktemp("sft"))
-    train_sft.main(train_sft.Args(out_dir=out, task_dir=task_dir, n_layer=1, n_head=2, n_embd=32, batch_size=8,
-                                  micro_batch_size=8, max_steps=5, eval_every=5, num_samples=8, eval_samples=8,
-                                  warmup_steps=1, max_new_tokens=16))
+    train_sft.main(
+        train_sft.Args(
+            out_dir=out,
+            task_dir=task_dir,
+            n_layer=1,
+            n_head=2,
+            n_embd=32,
+            batch_size=8,
+            micro_batch_size=8,
+            max_steps=5,
+            eval_every=5,
+            num_samples=8,
+            eval_samples=8,
+            warmup_steps=1,
+            max_new_tokens=16,
+        )
+    )
     return os.path.join(out, "ckpt.pt")
 
 
 def test_ppo_smoke_gold_reward(tmp_path, task_dir, sft_ckpt):
     out = str(tmp_path / "ppo")
-    args = train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none",
-                          reward_fn="data:gold_reward", max_steps=3, **TINY_PPO)
+    args = train_ppo.Args(
+        out_dir=out,
+        task_dir=task_dir,
+        sft_ckpt=sft_ckpt,
+        rm_ckpt="none",
+        reward_fn="data:gold_reward",
+        max_steps=3,
+        **TINY_PPO,
+    )
     train_ppo.main(args)
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
     assert CKPT_KEYS <= set(ckpt) and ckpt["kind"] == "ppo" and ckpt["step"] == 3 and ckpt["rm_hash"] is None
@@ -453,20 +601,23 @@ def test_ppo_smoke_with_reward_model(tmp_path, task_dir, sft_ckpt):
     rm_path = str(tmp_path / "rm.pt")
     common.save_checkpoint(sft | {"kind": "rm", "model": rm_model.state_dict(), "score_offset": 0.0}, rm_path)
     out = str(tmp_path / "ppo")
-    train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt=rm_path, max_steps=2,
-                                  **TINY_PPO))
+    train_ppo.main(
+        train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt=rm_path, max_steps=2, **TINY_PPO)
+    )
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
     assert ckpt["rm_hash"] is not None and "objective/gold" in read_scalars(out)
     bad_path = str(tmp_path / "rm_bad.pt")
-    common.save_checkpoint(torch.load(rm_path, weights_only=False) | {"tokenizer": {**sft["tokenizer"], "name": "x"}},
-                           bad_path)
+    common.save_checkpoint(
+        torch.load(rm_path, weights_only=False) | {"tokenizer": {**sft["tokenizer"], "name": "x"}}, bad_path
+    )
     with pytest.raises(common.UserError, match="tokenizer differs"):
         train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt=bad_path))
     with pytest.raises(common.UserError, match="needs --reward-fn"):
         train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none"))
     with pytest.raises(common.UserError, match="--reward-fn data:nope"):
-        train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none",
-                                      reward_fn="data:nope"))
+        train_ppo.main(
+            train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none", reward_fn="data:nope")
+        )
 
 
 def test_non_finite_loss_skips_the_step(monkeypatch):
@@ -494,8 +645,18 @@ def test_stop_on_collapse_keeps_the_checkpoint_before_the_alarm(tmp_path, task_d
 
     monkeypatch.setattr(train_ppo, "CollapseDetector", AlarmOnSecond)
     out = str(tmp_path / "ppo")
-    train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none",
-                                  reward_fn="data:gold_reward", max_steps=4, save_every=1, stop_on_collapse=True,
-                                  **{**TINY_PPO, "critic_warmup_steps": 0}))
+    train_ppo.main(
+        train_ppo.Args(
+            out_dir=out,
+            task_dir=task_dir,
+            sft_ckpt=sft_ckpt,
+            rm_ckpt="none",
+            reward_fn="data:gold_reward",
+            max_steps=4,
+            save_every=1,
+            stop_on_collapse=True,
+            **{**TINY_PPO, "critic_warmup_steps": 0},
+        )
+    )
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 1
     assert read_scalars(out)["collapse/alarm"] == [0.0, 1.0]

@@ -18,18 +18,25 @@ import train_ppo
 import train_sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SFT_FLAGS = ("--n-layer 1 --n-head 2 --n-embd 32 --batch-size 8 --micro-batch-size 4 --max-steps 120 --eval-every 40 "
-             "--num-samples 8 --eval-samples 8 --warmup-steps 5 --log-every 10 --max-new-tokens 24 --save-every 1")
-RM_FLAGS = ("--batch-size 8 --micro-batch-size 4 --max-steps 40 --warmup-steps 2 --eval-every 15 --eval-pairs 8 "
-            "--probe-size 4 --calib-size 32 --log-every 10 --save-every 1")
-PPO_FLAGS = ("--max-steps 12 --rollout-batch-size 8 --num-minibatches 2 --micro-batch-size 4 --ptx-batch-size 4 "
-             "--max-new-tokens 16 --critic-warmup-steps 2 --warmup-steps 2 --sample-every 1 --log-every 4 "
-             "--kl-target 1.0 --kl-horizon 100 --collapse-window 3 --save-every 1")
+SFT_FLAGS = (
+    "--n-layer 1 --n-head 2 --n-embd 32 --batch-size 8 --micro-batch-size 4 --max-steps 120 --eval-every 40 "
+    "--num-samples 8 --eval-samples 8 --warmup-steps 5 --log-every 10 --max-new-tokens 24 --save-every 1"
+)
+RM_FLAGS = (
+    "--batch-size 8 --micro-batch-size 4 --max-steps 40 --warmup-steps 2 --eval-every 15 --eval-pairs 8 "
+    "--probe-size 4 --calib-size 32 --log-every 10 --save-every 1"
+)
+PPO_FLAGS = (
+    "--max-steps 12 --rollout-batch-size 8 --num-minibatches 2 --micro-batch-size 4 --ptx-batch-size 4 "
+    "--max-new-tokens 16 --critic-warmup-steps 2 --warmup-steps 2 --sample-every 1 --log-every 4 "
+    "--kl-target 1.0 --kl-horizon 100 --collapse-window 3 --save-every 1"
+)
 
 
 def run(cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(shlex.split(cmd), cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        shlex.split(cmd), cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
 
 
 def kill_and_resume(cmd: str, out_dir: str, min_step: int) -> None:
@@ -62,8 +69,13 @@ def assert_same_weights(a: str, b: str, key: str = "model") -> None:
 
 def test_sft_kill_and_resume_is_exact(tmp_path, task_dir):
     base = f"{sys.executable} train_sft.py --task-dir {task_dir} {SFT_FLAGS}"
-    r = subprocess.run(shlex.split(f"{base} --out-dir {tmp_path}/full"), cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        shlex.split(f"{base} --out-dir {tmp_path}/full"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=30)
     assert_same_weights(tmp_path / "full" / "ckpt.pt", tmp_path / "killed" / "ckpt.pt")
@@ -83,9 +95,23 @@ def test_sft_nan_step_is_skipped(tmp_path, task_dir, monkeypatch):
 
     monkeypatch.setattr(train_sft, "lm_loss", flaky_loss)
     out = str(tmp_path / "o")
-    train_sft.main(train_sft.Args(out_dir=out, task_dir=task_dir, n_layer=1, n_head=2, n_embd=32, batch_size=8,
-                                  micro_batch_size=4, max_steps=6, eval_every=6, num_samples=4, eval_samples=4,
-                                  log_every=1, max_new_tokens=16))
+    train_sft.main(
+        train_sft.Args(
+            out_dir=out,
+            task_dir=task_dir,
+            n_layer=1,
+            n_head=2,
+            n_embd=32,
+            batch_size=8,
+            micro_batch_size=4,
+            max_steps=6,
+            eval_every=6,
+            num_samples=4,
+            eval_samples=4,
+            log_every=1,
+            max_new_tokens=16,
+        )
+    )
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
     assert ckpt["step"] == 6 and ckpt["data_state"]["skipped"] == 1
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
@@ -95,8 +121,9 @@ def test_rm_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts):
     held_out = tmp_path / "pairs_eval.jsonl"
     with open(data.build_task(task_dir, 1337)["pairs_eval"]) as f:  # a small held-out set keeps the final eval short
         held_out.write_text("".join(f.readline() for _ in range(32)))
-    base = (f"{sys.executable} train_rm.py --task-dir {task_dir} --init {tiny_ckpts[0]} --eval-data {held_out} "
-            f"{RM_FLAGS}")
+    base = (
+        f"{sys.executable} train_rm.py --task-dir {task_dir} --init {tiny_ckpts[0]} --eval-data {held_out} {RM_FLAGS}"
+    )
     r = run(f"{base} --out-dir {tmp_path}/full")
     assert r.returncode == 0, r.stderr[-3000:]
     kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=12)
@@ -132,6 +159,7 @@ def test_ppo_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts):
 
 def test_ppo_kill_between_samples_and_save_leaves_no_duplicates(tmp_path, task_dir, tiny_ckpts, monkeypatch):
     """A kill after an iteration's samples are appended but before its checkpoint: the resume drops them, redoes it."""
+
     class Killed(BaseException):
         pass
 
@@ -144,9 +172,22 @@ def test_ppo_kill_between_samples_and_save_leaves_no_duplicates(tmp_path, task_d
         real_save(obj, path)
 
     monkeypatch.setattr(common, "save_checkpoint", dying_save)
-    args = train_ppo.Args(out_dir=str(tmp_path), task_dir=task_dir, sft_ckpt=tiny_ckpts[0], rm_ckpt=tiny_ckpts[1],
-                          max_steps=4, rollout_batch_size=8, num_minibatches=2, micro_batch_size=4, ptx_batch_size=4,
-                          max_new_tokens=8, critic_warmup_steps=1, warmup_steps=1, sample_every=1, save_every=1)
+    args = train_ppo.Args(
+        out_dir=str(tmp_path),
+        task_dir=task_dir,
+        sft_ckpt=tiny_ckpts[0],
+        rm_ckpt=tiny_ckpts[1],
+        max_steps=4,
+        rollout_batch_size=8,
+        num_minibatches=2,
+        micro_batch_size=4,
+        ptx_batch_size=4,
+        max_new_tokens=8,
+        critic_warmup_steps=1,
+        warmup_steps=1,
+        sample_every=1,
+        save_every=1,
+    )
     with pytest.raises(Killed):
         train_ppo.main(args)
     assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 2
@@ -158,9 +199,20 @@ def test_ppo_kill_between_samples_and_save_leaves_no_duplicates(tmp_path, task_d
 def test_ppo_resume_refuses_other_world_size_changed_inputs_and_a_finished_run(tmp_path, task_dir, tiny_ckpts):
     sft, rm = str(tmp_path / "sft.pt"), str(tmp_path / "rm.pt")
     shutil.copy(tiny_ckpts[0], sft), shutil.copy(tiny_ckpts[1], rm)
-    args = train_ppo.Args(out_dir=str(tmp_path / "ppo"), task_dir=task_dir, sft_ckpt=sft, rm_ckpt=rm, max_steps=1,
-                          rollout_batch_size=8, num_minibatches=2, micro_batch_size=4, ptx_batch_size=4,
-                          max_new_tokens=8, critic_warmup_steps=1, warmup_steps=1)
+    args = train_ppo.Args(
+        out_dir=str(tmp_path / "ppo"),
+        task_dir=task_dir,
+        sft_ckpt=sft,
+        rm_ckpt=rm,
+        max_steps=1,
+        rollout_batch_size=8,
+        num_minibatches=2,
+        micro_batch_size=4,
+        ptx_batch_size=4,
+        max_new_tokens=8,
+        critic_warmup_steps=1,
+        warmup_steps=1,
+    )
     train_ppo.main(args)
     resume, path = train_ppo.Args(**{**args.__dict__, "resume": True, "max_steps": 2}), tmp_path / "ppo" / "ckpt.pt"
     ckpt = torch.load(path, weights_only=False)
@@ -186,8 +238,18 @@ def test_rm_resume_refuses_a_changed_init(tmp_path, task_dir, tiny_ckpts):
 
     sft = str(tmp_path / "sft.pt")
     shutil.copy(tiny_ckpts[0], sft)
-    args = train_rm.Args(out_dir=str(tmp_path / "rm"), task_dir=task_dir, init=sft, max_steps=1, batch_size=8,
-                         micro_batch_size=4, eval_every=1, eval_pairs=8, probe_size=4, calib_size=16)
+    args = train_rm.Args(
+        out_dir=str(tmp_path / "rm"),
+        task_dir=task_dir,
+        init=sft,
+        max_steps=1,
+        batch_size=8,
+        micro_batch_size=4,
+        eval_every=1,
+        eval_pairs=8,
+        probe_size=4,
+        calib_size=16,
+    )
     train_rm.main(args)
     assert torch.load(tmp_path / "rm" / "ckpt.pt", weights_only=False)["init_hash"] == common.file_sha256(sft)
     common.save_checkpoint(torch.load(sft, weights_only=False) | {"seconds": 1.0}, sft)
@@ -206,9 +268,20 @@ def test_ppo_nan_step_is_skipped_and_the_run_finishes(tmp_path, task_dir, tiny_c
         return (loss * float("nan") if calls["n"] == 3 else loss), stats
 
     monkeypatch.setattr(train_ppo, "ppo_policy_loss", one_nan)
-    args = train_ppo.Args(out_dir=str(tmp_path / "one"), task_dir=task_dir, sft_ckpt=tiny_ckpts[0],
-                          rm_ckpt=tiny_ckpts[1], max_steps=3, rollout_batch_size=8, num_minibatches=2,
-                          micro_batch_size=4, ptx_batch_size=4, max_new_tokens=8, critic_warmup_steps=1, warmup_steps=1)
+    args = train_ppo.Args(
+        out_dir=str(tmp_path / "one"),
+        task_dir=task_dir,
+        sft_ckpt=tiny_ckpts[0],
+        rm_ckpt=tiny_ckpts[1],
+        max_steps=3,
+        rollout_batch_size=8,
+        num_minibatches=2,
+        micro_batch_size=4,
+        ptx_batch_size=4,
+        max_new_tokens=8,
+        critic_warmup_steps=1,
+        warmup_steps=1,
+    )
     train_ppo.main(args)
     ckpt = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
     assert ckpt["step"] == 3 and ckpt["data_state"]["skipped"] == 1

@@ -21,13 +21,50 @@ import train_rm
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RM_TAGS = ["train/loss", "train/bt_loss", "train/lm_loss", "train/accuracy", "val/accuracy", "val/margin", "val/ece",
-           "val/bayes_ceiling", "val/gold_agreement", "probe/degenerate_score", "probe/fluent_score", "train/lr",
-           "train/grad_norm", "train/skipped_steps", "perf/tokens_per_sec", "perf/mfu"]
-CKPT_KEYS = {"kind", "model", "model_config", "tokenizer", "args", "step", "optimizer", "scheduler", "rng",
-             "data_state", "world_size", "seconds", "score_offset"}
-TINY = dict(batch_size=8, micro_batch_size=4, max_steps=6, warmup_steps=2, log_every=2, eval_every=3, eval_pairs=32,
-            probe_size=8, calib_size=128)
+RM_TAGS = [
+    "train/loss",
+    "train/bt_loss",
+    "train/lm_loss",
+    "train/accuracy",
+    "val/accuracy",
+    "val/margin",
+    "val/ece",
+    "val/bayes_ceiling",
+    "val/gold_agreement",
+    "probe/degenerate_score",
+    "probe/fluent_score",
+    "train/lr",
+    "train/grad_norm",
+    "train/skipped_steps",
+    "perf/tokens_per_sec",
+    "perf/mfu",
+]
+CKPT_KEYS = {
+    "kind",
+    "model",
+    "model_config",
+    "tokenizer",
+    "args",
+    "step",
+    "optimizer",
+    "scheduler",
+    "rng",
+    "data_state",
+    "world_size",
+    "seconds",
+    "score_offset",
+}
+TINY = dict(
+    batch_size=8,
+    micro_batch_size=4,
+    max_steps=6,
+    warmup_steps=2,
+    log_every=2,
+    eval_every=3,
+    eval_pairs=32,
+    probe_size=8,
+    calib_size=128,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +78,23 @@ def sft_ckpt(tok, tmp_path_factory):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32)
     path = str(tmp_path_factory.mktemp("sft") / "ckpt.pt")
-    common.save_checkpoint(dict(kind="sft", model=GPT(cfg).state_dict(), model_config=asdict(cfg),
-                                tokenizer=tok.state(), args={}, step=0, optimizer={}, scheduler={}, rng=[],
-                                data_state={}, world_size=1, seconds=0.0), path)
+    common.save_checkpoint(
+        dict(
+            kind="sft",
+            model=GPT(cfg).state_dict(),
+            model_config=asdict(cfg),
+            tokenizer=tok.state(),
+            args={},
+            step=0,
+            optimizer={},
+            scheduler={},
+            rng=[],
+            data_state={},
+            world_size=1,
+            seconds=0.0,
+        ),
+        path,
+    )
     return path
 
 
@@ -86,8 +137,10 @@ def test_sequence_scores_ignore_padding():
     responses = [torch.randint(0, eos, (n,), generator=g).tolist() + [eos] for n in (6, 1, 9)]
     P, R = max(map(len, prompts)), max(map(len, responses))
     ids = torch.tensor([[pad] * (P - len(p)) + p + r + [pad] * (R - len(r)) for p, r in zip(prompts, responses)])
-    mask = torch.tensor([[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r))
-                         for p, r in zip(prompts, responses)], dtype=torch.float)
+    mask = torch.tensor(
+        [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r)) for p, r in zip(prompts, responses)],
+        dtype=torch.float,
+    )
     with torch.no_grad():
         padded = train_rm.sequence_scores(model(ids, mask)[1], mask)
         single = [model(torch.tensor([p + r]))[1][0, -1].item() for p, r in zip(prompts, responses)]
@@ -103,8 +156,10 @@ def test_ranking_pairs_and_kwise_batch(tok):
     pairs = train_rm.ranking_pairs([2, 0, 3, 1])
     assert [(i, j) for i, j, _ in pairs] == [(2, 0), (2, 3), (2, 1), (0, 3), (0, 1), (3, 1)]
     assert all(w == pytest.approx(1 / 6) for *_, w in pairs)
-    rows = [{"prompt": "Review of", "chosen": " the plot", "rejected": " i hated"},
-            {"prompt": "Review of The", "responses": [" a", " b b", " c c c"], "ranking": [1, 2, 0]}]
+    rows = [
+        {"prompt": "Review of", "chosen": " the plot", "rejected": " i hated"},
+        {"prompt": "Review of The", "responses": [" a", " b b", " c c c"], "ranking": [1, 2, 0]},
+    ]
     examples, skipped = train_rm.encode_prefs(tok, rows, 64)
     assert skipped == 0 and len(train_rm.encode_prefs(tok, rows, 4)[0]) == 0  # too long for 4 tokens: skipped
     ids, mask, ci, ri, w, lm_mask = train_rm.collate(examples, tok.pad_id)
@@ -172,8 +227,12 @@ def test_probe_texts(task_dir):
     negative = {w for table in (data.ADJECTIVES, data.VERBS) for w, p in table.items() if p < 0}
     for t in texts:
         words = set(re.findall(r"[a-z]+", t["response"]))
-        assert not words & negative and words & {w for w, p in data.ADJECTIVES.items() if p > 0} | {"loved", "adored",
-                                                                                                    "liked", "enjoyed"}
+        assert not words & negative and words & {w for w, p in data.ADJECTIVES.items() if p > 0} | {
+            "loved",
+            "adored",
+            "liked",
+            "enjoyed",
+        }
         gold = data.gold_reward(t["prompt"], t["response"], t["ended"])
         if t["kind"] == "fluent":
             assert data.is_valid(t["response"], True) and gold >= 0.5
@@ -189,16 +248,27 @@ def test_probe_texts(task_dir):
 # user mistakes and smoke runs
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"prompt": "a", "chosen": "b"}', r"bad\.jsonl:2: missing field 'rejected'"),
-    ('{"prompt": "a", "chosen": 3, "rejected": "c"}', r"bad\.jsonl:2: field 'chosen' must be a string"),
-    ('{"prompt": "a", "responses": ["b", "c", "d"], "ranking": [0, 2, 2]}', r"bad\.jsonl:2: field 'ranking' must be"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"prompt": "a", "chosen": "b"}', r"bad\.jsonl:2: missing field 'rejected'"),
+        ('{"prompt": "a", "chosen": 3, "rejected": "c"}', r"bad\.jsonl:2: field 'chosen' must be a string"),
+        (
+            '{"prompt": "a", "responses": ["b", "c", "d"], "ranking": [0, 2, 2]}',
+            r"bad\.jsonl:2: field 'ranking' must be",
+        ),
+    ],
+)
 def test_bad_preference_file_is_one_line_exit_2(tmp_path, line, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n' + line + "\n")
-    r = subprocess.run(shlex.split(f"{sys.executable} train_rm.py --data {bad} --out-dir {tmp_path}/o"), cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        shlex.split(f"{sys.executable} train_rm.py --data {bad} --out-dir {tmp_path}/o"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
     assert re.search(message, r.stderr), r.stderr
@@ -217,20 +287,31 @@ def test_rm_smoke(tmp_path, task_dir, sft_ckpt, tok):
     assert model.config.lm_head and model.config.score_head
     # the offset is folded into the bias (Bradley-Terry never moves the bias) and the calibration mean is now 0
     assert model.score_head.bias.item() == pytest.approx(-ckpt["score_offset"], abs=1e-3)
-    calib = [tok.encode(r["prompt"]) + tok.encode(r["response"]) + [tok.eos_id]
-             for r in data.read_jsonl(data.build_task(task_dir, 1337)["sft"], "sft")[:128]]
+    calib = [
+        tok.encode(r["prompt"]) + tok.encode(r["response"]) + [tok.eos_id]
+        for r in data.read_jsonl(data.build_task(task_dir, 1337)["sft"], "sft")[:128]
+    ]
     assert train_rm.score_seqs(model, calib, tok.pad_id, 64, "cpu", torch.float32).mean().item() == pytest.approx(
-        0.0, abs=1e-4)
+        0.0, abs=1e-4
+    )
     scalars, histograms = read_events(out)
     for tag in RM_TAGS:
         assert tag in scalars and all(math.isfinite(v) for v in scalars[tag]), tag
     assert "val/score_gap" in histograms
     assert len(scalars["val/accuracy"]) == 2 and len(scalars["train/loss"]) == 3
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
-    assert len(samples) == 300 and {"prompt", "chosen", "rejected", "score_chosen", "score_rejected", "gold_chosen",
-                                     "gold_rejected"} <= set(samples[0])
-    acc = sum((s["score_chosen"] > s["score_rejected"]) + 0.5 * (s["score_chosen"] == s["score_rejected"])
-              for s in samples) / len(samples)
+    assert len(samples) == 300 and {
+        "prompt",
+        "chosen",
+        "rejected",
+        "score_chosen",
+        "score_rejected",
+        "gold_chosen",
+        "gold_rejected",
+    } <= set(samples[0])
+    acc = sum(
+        (s["score_chosen"] > s["score_rejected"]) + 0.5 * (s["score_chosen"] == s["score_rejected"]) for s in samples
+    ) / len(samples)
     assert acc == pytest.approx(scalars["val/accuracy"][-1], abs=1e-6)
 
 
@@ -256,14 +337,20 @@ def test_rm_kwise_user_data(tmp_path, sft_ckpt):
 
 def test_rm_ddp_matches_single_process(tmp_path, task_dir, sft_ckpt):
     """2 ranks (gloo) with the same global batch end with the same weights and calibration as 1 process."""
-    flags = (f"--task-dir {task_dir} --init {sft_ckpt} --max-steps 3 --batch-size 8 --micro-batch-size 2 "
-             "--warmup-steps 1 --eval-every 3 --eval-pairs 16 --probe-size 4 --calib-size 64 --log-every 1")
+    flags = (
+        f"--task-dir {task_dir} --init {sft_ckpt} --max-steps 3 --batch-size 8 --micro-batch-size 2 "
+        "--warmup-steps 1 --eval-every 3 --eval-pairs 16 --probe-size 4 --calib-size 64 --log-every 1"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmds = [f"{sys.executable} train_rm.py {flags} --out-dir {tmp_path}/one",
-            f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_rm.py {flags} "
-            f"--out-dir {tmp_path}/two"]
-    procs = [subprocess.Popen(shlex.split(c), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for c in cmds]
+    cmds = [
+        f"{sys.executable} train_rm.py {flags} --out-dir {tmp_path}/one",
+        f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_rm.py {flags} "
+        f"--out-dir {tmp_path}/two",
+    ]
+    procs = [
+        subprocess.Popen(shlex.split(c), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c in cmds
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[1][-2000:] for o in outs)
     a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)

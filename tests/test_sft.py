@@ -17,12 +17,38 @@ import train_sft
 from model import GPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = dict(n_layer=1, n_head=2, n_embd=32, batch_size=8, micro_batch_size=4, max_steps=6, eval_every=3,
-            num_samples=16, eval_samples=8, warmup_steps=2, log_every=2, max_new_tokens=48)
-TINY_FLAGS = ("--n-layer 1 --n-head 2 --n-embd 32 --batch-size 8 --micro-batch-size 4 --max-steps 4 --eval-every 4 "
-              "--num-samples 8 --eval-samples 8 --warmup-steps 1 --log-every 2 --max-new-tokens 32")
-CKPT_KEYS = {"kind", "model", "model_config", "tokenizer", "args", "step", "optimizer", "scheduler", "rng",
-             "data_state", "world_size", "seconds"}
+TINY = dict(
+    n_layer=1,
+    n_head=2,
+    n_embd=32,
+    batch_size=8,
+    micro_batch_size=4,
+    max_steps=6,
+    eval_every=3,
+    num_samples=16,
+    eval_samples=8,
+    warmup_steps=2,
+    log_every=2,
+    max_new_tokens=48,
+)
+TINY_FLAGS = (
+    "--n-layer 1 --n-head 2 --n-embd 32 --batch-size 8 --micro-batch-size 4 --max-steps 4 --eval-every 4 "
+    "--num-samples 8 --eval-samples 8 --warmup-steps 1 --log-every 2 --max-new-tokens 32"
+)
+CKPT_KEYS = {
+    "kind",
+    "model",
+    "model_config",
+    "tokenizer",
+    "args",
+    "step",
+    "optimizer",
+    "scheduler",
+    "rng",
+    "data_state",
+    "world_size",
+    "seconds",
+}
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 
 
@@ -43,8 +69,17 @@ def test_sft_smoke(tmp_path, task_dir):
     assert model.config.n_layer == 1 and model.config.lm_head and not model.config.score_head
     json.dumps(ckpt["args"]), json.dumps(ckpt["tokenizer"])  # primitives only
     scalars = read_scalars(out)
-    for tag in ["train/loss", "train/lr", "train/grad_norm", "train/skipped_steps", "perf/tokens_per_sec",
-                "perf/mfu", "val/loss", "val/ppl", "val/valid_frac"]:
+    for tag in [
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/skipped_steps",
+        "perf/tokens_per_sec",
+        "perf/mfu",
+        "val/loss",
+        "val/ppl",
+        "val/valid_frac",
+    ]:
         assert tag in scalars and all(math.isfinite(v) for v in scalars[tag]), tag
     assert scalars["train/loss"][-1] < scalars["train/loss"][0]
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
@@ -56,7 +91,7 @@ def test_sft_masks_prompt_on_user_data(tmp_path, task_dir):
     from data import build_task, encode_sft, load_tokenizer
 
     tok = load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
-    (ex, mask), = encode_sft(tok, [{"prompt": "Review of", "response": " the plot"}], 64, mask_prompt=True)[0]
+    ((ex, mask),) = encode_sft(tok, [{"prompt": "Review of", "response": " the plot"}], 64, mask_prompt=True)[0]
     assert len(ex) == 5 and mask == [0, 0, 1, 1, 1]
     # the loss averages over targets only: changing a masked target changes nothing
     logits = torch.randn(1, 4, tok.vocab_size)
@@ -72,11 +107,14 @@ def run(cmd: str, cwd=ROOT, env=None, timeout=300):
     return subprocess.run(shlex.split(cmd), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("line, message", [
-    ("{not json", r"bad\.jsonl:2: "),
-    ('{"prompt": "a"}', r"bad\.jsonl:2: .*response"),
-    ('{"prompt": 3, "response": "b"}', r"bad\.jsonl:2: .*prompt"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", r"bad\.jsonl:2: "),
+        ('{"prompt": "a"}', r"bad\.jsonl:2: .*response"),
+        ('{"prompt": 3, "response": "b"}', r"bad\.jsonl:2: .*prompt"),
+    ],
+)
 def test_bad_sft_data_is_one_line_exit_2(tmp_path, line, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n' + line + "\n")
@@ -88,26 +126,28 @@ def test_bad_sft_data_is_one_line_exit_2(tmp_path, line, message):
 
 
 def test_bad_flags_are_one_line_errors(tmp_path):
-    for cmd, message in [(f"--init nonsense --out-dir {tmp_path}/o", "--init nonsense: expected"),
-                         (f"--init {tmp_path}/missing.pt", "no such checkpoint"),
-                         ("--batch-size 10 --micro-batch-size 4 --max-steps 1", "must divide by 4")]:
+    for cmd, message in [
+        (f"--init nonsense --out-dir {tmp_path}/o", "--init nonsense: expected"),
+        (f"--init {tmp_path}/missing.pt", "no such checkpoint"),
+        ("--batch-size 10 --micro-batch-size 4 --max-steps 1", "must divide by 4"),
+    ]:
         r = run(f"{sys.executable} train_sft.py --task-dir {tmp_path}/data --out-dir {tmp_path}/o {cmd}")
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 @pytest.fixture
 def offline_gpt2(tmp_path, monkeypatch):
-    """A tiny random GPT-2 folder (transformers) and tiktoken's GPT-2 ranks from shared/assets, no network."""
+    """A tiny random GPT-2 folder (transformers) and tiktoken's GPT-2 ranks vendored in assets/, no network."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cache = tmp_path / "tiktoken"
     cache.mkdir()
-    shutil.copy(os.path.join(ROOT, "..", "shared", "assets", "gpt2.tiktoken"),
-                cache / hashlib.sha1(R50K_URL.encode()).hexdigest())
+    shutil.copy(os.path.join(ROOT, "assets", "gpt2.tiktoken"), cache / hashlib.sha1(R50K_URL.encode()).hexdigest())
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
     folder = tmp_path / "tiny-gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=128, vocab_size=50257)).save_pretrained(
-        folder)
+        folder
+    )
     return str(folder)
 
 
@@ -121,9 +161,9 @@ def readme_commands() -> list:
 README_TINY = {
     "train_sft.py": TINY_FLAGS,
     "train_rm.py": "--max-steps 4 --eval-every 4 --eval-pairs 32 --probe-size 8 --calib-size 32 --batch-size 8 "
-                   "--micro-batch-size 4 --warmup-steps 1 --log-every 2",
+    "--micro-batch-size 4 --warmup-steps 1 --log-every 2",
     "train_ppo.py": "--max-steps 3 --rollout-batch-size 8 --micro-batch-size 4 --critic-warmup-steps 1 "
-                    "--sample-every 2 --max-new-tokens 24 --warmup-steps 1 --log-every 1",
+    "--sample-every 2 --max-new-tokens 24 --warmup-steps 1 --log-every 1",
     "eval.py": "--num-samples 16 --max-new-tokens 24",
 }
 
@@ -132,8 +172,9 @@ def test_readme_commands(tmp_path, task_dir, offline_gpt2):
     """Every per-stage README command runs, in order, with tiny flags, from a scratch working directory (so the
     default out/ paths chain the stages); gpt2 -> a tiny local GPT-2, my_*.jsonl -> generated files."""
     my_sft = tmp_path / "my_sft.jsonl"
-    my_sft.write_text("".join(json.dumps({"prompt": f"Q{i}: 2+{i}=", "response": f" {2 + i}"}) + "\n"
-                              for i in range(40)))
+    my_sft.write_text(
+        "".join(json.dumps({"prompt": f"Q{i}: 2+{i}=", "response": f" {2 + i}"}) + "\n" for i in range(40))
+    )
     cmds = readme_commands()
     assert any(c.startswith("torchrun") for c in cmds) and any("--init gpt2" in c for c in cmds)
     for cmd in cmds:
@@ -153,8 +194,11 @@ def test_ddp_matches_single_process(tmp_path, task_dir):
     the work (1 process: 4 accumulation steps of 2; 2 ranks: --micro-batch-size 8 is capped at a rank's share, 4)."""
     flags = f"--task-dir {task_dir} {TINY_FLAGS} --max-steps 3 --batch-size 8"
     r1 = run(f"{sys.executable} train_sft.py {flags} --micro-batch-size 2 --out-dir {tmp_path}/one")
-    r2 = run(f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_sft.py {flags} "
-             f"--micro-batch-size 8 --out-dir {tmp_path}/two", env={"OMP_NUM_THREADS": "1"})
+    r2 = run(
+        f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_sft.py {flags} "
+        f"--micro-batch-size 8 --out-dir {tmp_path}/two",
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert r1.returncode == 0 and r2.returncode == 0, r1.stderr[-2000:] + r2.stderr[-2000:]
     a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
     b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
@@ -167,7 +211,8 @@ def test_make_demo_tiny(tmp_path):
     """`make demo TINY=1` (with this interpreter, outputs in a temp dir) runs and prints samples."""
     if shutil.which("make") is None:
         pytest.skip("make not installed")
-    r = run(f"make -o .venv/.installed demo TINY=1 PY={sys.executable} OUT={tmp_path}/out DATA={tmp_path}/data",
-            timeout=600)
+    r = run(
+        f"make -o .venv/.installed demo TINY=1 PY={sys.executable} OUT={tmp_path}/out DATA={tmp_path}/data", timeout=600
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "sft done" in r.stdout and os.path.exists(tmp_path / "out" / "sft" / "ckpt.pt")
