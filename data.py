@@ -543,6 +543,27 @@ def pad_right(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
+class Order:
+    """The global sample order, the same on every rank: a fresh permutation of n items each epoch (seed + epoch)."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, pos: int = 0):
+        self.n, self.seed, self.epoch, self.pos, self._perm = n, seed, epoch, pos, None
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos == self.n or self._perm is None:
+                self.epoch, self.pos = (self.epoch + 1, 0) if self.pos == self.n else (self.epoch, self.pos)
+                g = torch.Generator().manual_seed(self.seed + self.epoch)
+                self._perm = torch.randperm(self.n, generator=g).tolist()
+            chunk = self._perm[self.pos : self.pos + k - len(out)]
+            out, self.pos = out + chunk, self.pos + len(chunk)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"n": self.n, "seed": self.seed, "epoch": self.epoch, "pos": self.pos}
+
+
 def encode_sft(tok: Tokenizer, rows: list[dict], block_size: int, mask_prompt: bool) -> tuple[list, int]:
     """([(ids, loss_mask), ...], n_skipped): ids = prompt + response + EOS, loss_mask[t] = 1 if token t is a target.
 
@@ -559,6 +580,46 @@ def encode_sft(tok: Tokenizer, rows: list[dict], block_size: int, mask_prompt: b
         n_masked = max(len(prompt_ids), 1) if mask_prompt else 1
         examples.append((ids, [0] * n_masked + [1] * (len(ids) - n_masked)))
     return examples, skipped
+
+
+def responses_of(row: dict) -> list[str]:
+    """A preference record's responses: [chosen, rejected], or the K-wise "responses"."""
+    return row["responses"] if "responses" in row else [row["chosen"], row["rejected"]]
+
+
+def ranking_pairs(ranking: list[int]) -> list[tuple[int, int, float]]:
+    """A ranking (permutation of response indices, best first) -> all K(K-1)/2 (better, worse, weight) pairs,
+    weights summing to 1 so every prompt counts once whatever its K (InstructGPT)."""
+    K = len(ranking)
+    return [(ranking[a], ranking[b], 2 / (K * (K - 1))) for a in range(K) for b in range(a + 1, K)]
+
+
+def encode_prefs(tok, rows: list[dict], block_size: int) -> tuple[list, int]:
+    """([(seqs, n_prompt, pairs, best, row), ...], n_skipped): seqs[k] = prompt + response k + EOS (pairs: chosen 0,
+    rejected 1), pairs from ranking_pairs, best = the top response (its tokens get the LM loss). Records with any
+    sequence longer than block_size are skipped and counted."""
+    examples, skipped = [], 0
+    for row in rows:
+        prompt_ids = tok.encode(row["prompt"])
+        ranking = row.get("ranking", [0, 1])
+        seqs = [prompt_ids + tok.encode(r) + [tok.eos_id] for r in responses_of(row)]
+        if max(len(s) for s in seqs) > block_size:
+            skipped += 1
+            continue
+        examples.append((seqs, len(prompt_ids), ranking_pairs(ranking), ranking[0], row))
+    return examples, skipped
+
+
+def calibration_error(gaps: torch.Tensor, n_bins: int = 10) -> float:
+    """Expected calibration error of P(chosen ≻ rejected) = σ(gap), gaps (N,) = r_chosen - r_rejected on held-out
+    pairs. Each pair enters in both orders, (σ(gap), 1) and (σ(-gap), 0), so the observed frequency is defined;
+    ECE = Σ_b n_b/N |observed_b - predicted_b| over n_bins equal bins of [0, 1] (Guo et al. 2017)."""
+    probs = torch.cat([torch.sigmoid(gaps.double()), torch.sigmoid(-gaps.double())])
+    outcome = torch.cat([torch.ones_like(gaps, dtype=torch.double), torch.zeros_like(gaps, dtype=torch.double)])
+    bins = (probs * n_bins).long().clamp(max=n_bins - 1)
+    n = torch.bincount(bins, minlength=n_bins).double()
+    gap_sum = torch.bincount(bins, weights=outcome - probs, minlength=n_bins)
+    return (gap_sum.abs().sum() / n.sum()).item()
 
 
 # -----------------------------------------------------------------------------

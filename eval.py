@@ -23,10 +23,8 @@ import tyro
 import common
 import hf
 from common import UserError
-from data import build_task, gold_reward, is_valid, pad_left, read_jsonl
-from model import logprobs_from_logits
-from train_ppo import response_forward
-from train_rm import calibration_error, encode_prefs, responses_of, score_seqs, sequence_scores
+from data import build_task, calibration_error, encode_prefs, gold_reward, is_valid, pad_left, read_jsonl, responses_of
+from model import logprobs_from_logits, response_forward, score_seqs, sequence_scores
 
 
 @dataclass

@@ -135,6 +135,11 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(B, T, V) -> (B, T) entropy of softmax(logits)."""
+    return torch.logsumexp(logits, -1) - (F.softmax(logits, -1) * logits).sum(-1)
+
+
 def sample_tokens(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One token per row from softmax(logits) (B, V) -> (B,), by inverse CDF with one uniform per row (torch.multinomial
     draws B x V exponentials: 15x slower at V = 512). The CDF is fp64 and u stays strictly below its total, so the
@@ -151,6 +156,46 @@ def lm_loss(logits: Tensor, targets: Tensor, mask: Tensor, denom: float | Tensor
     targets = targets.masked_fill(mask == 0, 0)
     nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(mask)
     return (nll * mask).sum() / (mask.sum() if denom is None else denom)
+
+
+def response_forward(model, query, query_mask, response, response_mask, temperature: float):
+    """One training-style forward over cat(query left-padded, response right-padded). Response token t is predicted
+    at position P+t-1 (DESIGN §2), so the lm head runs on the last T+1 positions only (never on the prompt).
+    Returns (logits / temperature (B, T, V) fp32 or None, scores (B, T) or None)."""
+    P, T = query.size(1), response.size(1)
+    logits, scores = model(
+        torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1), logits_to_keep=T + 1
+    )
+    if logits is not None:
+        logits = logits[:, :-1].float()
+        logits = logits / temperature if temperature != 1.0 else logits
+    return logits, None if scores is None else scores[:, P - 1 : -1].float()
+
+
+def sequence_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """scores, mask (B, T) -> (B,): the score at the last real token of each row (the EOS), wherever the padding is
+    (left-padded prompts, right-padded responses)."""
+    T = scores.size(1)
+    last = (mask.bool() * torch.arange(1, T + 1, device=mask.device)).argmax(-1)  # (B,) last index with mask 1
+    return scores.gather(1, last[:, None]).squeeze(1)
+
+
+@torch.no_grad()
+def score_seqs(model, seqs: list[list[int]], pad_id: int, batch_size: int, device, dtype) -> torch.Tensor:
+    """Scores (N,) of token sequences at their last token (the EOS; the last response token for a no-EOS text).
+    Sorted by length to waste little on padding; right padding needs no attention mask (causal attention never
+    looks ahead at the pads). dtype: bf16 runs under autocast."""
+    device = torch.device(device)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out = torch.zeros(len(seqs))
+    for start in range(0, len(seqs), batch_size):
+        rows = order[start : start + batch_size]
+        ids = nn.utils.rnn.pad_sequence([torch.tensor(seqs[i]) for i in rows], batch_first=True, padding_value=pad_id)
+        mask = (torch.arange(ids.size(1)) < torch.tensor([len(seqs[i]) for i in rows])[:, None]).long()  # (B, T)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            _, scores = model(ids.to(device), logits=False)
+        out[rows] = sequence_scores(scores.float(), mask.to(device)).cpu()
+    return out
 
 
 class GPT(nn.Module):

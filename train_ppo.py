@@ -24,15 +24,14 @@ from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import tyro
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 import hf
 from common import UserError, exact_div, print0
-from data import Tokenizer, build_task, encode_sft, gold_reward, pad_left, pad_right, read_jsonl, write_atomic
-from model import GPT, lm_loss, logprobs_from_logits
+from data import Order, Tokenizer, build_task, encode_sft, gold_reward, pad_left, pad_right, read_jsonl, write_atomic
+from model import GPT, entropy_from_logits, lm_loss, logprobs_from_logits, response_forward
 
 
 @dataclass
@@ -308,25 +307,6 @@ class CollapseDetector:
     def load_state_dict(self, state: dict) -> None:
         self.history = {k: list(v) for k, v in state["history"].items()}
         self.last_kl_jump, self.last_other_jump = state["last_kl_jump"], state["last_other_jump"]
-
-
-def response_forward(model, query, query_mask, response, response_mask, temperature: float):
-    """One training-style forward over cat(query left-padded, response right-padded). Response token t is predicted
-    at position P+t-1 (DESIGN §2), so the lm head runs on the last T+1 positions only (never on the prompt).
-    Returns (logits / temperature (B, T, V) fp32 or None, scores (B, T) or None)."""
-    P, T = query.size(1), response.size(1)
-    logits, scores = model(
-        torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1), logits_to_keep=T + 1
-    )
-    if logits is not None:
-        logits = logits[:, :-1].float()
-        logits = logits / temperature if temperature != 1.0 else logits
-    return logits, None if scores is None else scores[:, P - 1 : -1].float()
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) -> (B, T) entropy of softmax(logits)."""
-    return torch.logsumexp(logits, -1) - (F.softmax(logits, -1) * logits).sum(-1)
 
 
 # -----------------------------------------------------------------------------
@@ -610,27 +590,6 @@ def ppo_update(
 
 # -----------------------------------------------------------------------------
 # main
-
-
-class Order:
-    """The global sample order, the same on every rank: a fresh permutation of n items each epoch (seed + epoch)."""
-
-    def __init__(self, n: int, seed: int, epoch: int = 0, pos: int = 0):
-        self.n, self.seed, self.epoch, self.pos, self._perm = n, seed, epoch, pos, None
-
-    def take(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if self.pos == self.n or self._perm is None:
-                self.epoch, self.pos = (self.epoch + 1, 0) if self.pos == self.n else (self.epoch, self.pos)
-                g = torch.Generator().manual_seed(self.seed + self.epoch)
-                self._perm = torch.randperm(self.n, generator=g).tolist()
-            chunk = self._perm[self.pos : self.pos + k - len(out)]
-            out, self.pos = out + chunk, self.pos + len(chunk)
-        return out
-
-    def state_dict(self) -> dict:
-        return {"n": self.n, "seed": self.seed, "epoch": self.epoch, "pos": self.pos}
 
 
 def load_reward_fn(spec: str) -> Callable:

@@ -27,8 +27,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import common
 import hf
 from common import UserError, print0
-from data import PROBE_KINDS, build_task, gold_reward, load_tokenizer, pad_right, probe_texts, read_jsonl
-from model import lm_loss
+from data import (
+    PROBE_KINDS,
+    build_task,
+    calibration_error,
+    encode_prefs,
+    gold_reward,
+    load_tokenizer,
+    pad_right,
+    probe_texts,
+    read_jsonl,
+    responses_of,
+)
+from model import lm_loss, score_seqs, sequence_scores
 
 
 @dataclass
@@ -90,54 +101,6 @@ def preference_loss(
     return (w * nll).sum() / (w.sum() if denom is None else denom)
 
 
-def sequence_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """scores, mask (B, T) -> (B,): the score at the last real token of each row (the EOS), wherever the padding is
-    (left-padded prompts, right-padded responses)."""
-    T = scores.size(1)
-    last = (mask.bool() * torch.arange(1, T + 1, device=mask.device)).argmax(-1)  # (B,) last index with mask 1
-    return scores.gather(1, last[:, None]).squeeze(1)
-
-
-def ranking_pairs(ranking: list[int]) -> list[tuple[int, int, float]]:
-    """A ranking (permutation of response indices, best first) -> all K(K-1)/2 (better, worse, weight) pairs,
-    weights summing to 1 so every prompt counts once whatever its K (InstructGPT)."""
-    K = len(ranking)
-    return [(ranking[a], ranking[b], 2 / (K * (K - 1))) for a in range(K) for b in range(a + 1, K)]
-
-
-def calibration_error(gaps: torch.Tensor, n_bins: int = 10) -> float:
-    """Expected calibration error of P(chosen ≻ rejected) = σ(gap), gaps (N,) = r_chosen - r_rejected on held-out
-    pairs. Each pair enters in both orders, (σ(gap), 1) and (σ(-gap), 0), so the observed frequency is defined;
-    ECE = Σ_b n_b/N |observed_b - predicted_b| over n_bins equal bins of [0, 1] (Guo et al. 2017)."""
-    probs = torch.cat([torch.sigmoid(gaps.double()), torch.sigmoid(-gaps.double())])
-    outcome = torch.cat([torch.ones_like(gaps, dtype=torch.double), torch.zeros_like(gaps, dtype=torch.double)])
-    bins = (probs * n_bins).long().clamp(max=n_bins - 1)
-    n = torch.bincount(bins, minlength=n_bins).double()
-    gap_sum = torch.bincount(bins, weights=outcome - probs, minlength=n_bins)
-    return (gap_sum.abs().sum() / n.sum()).item()
-
-
-def responses_of(row: dict) -> list[str]:
-    """A preference record's responses: [chosen, rejected], or the K-wise "responses"."""
-    return row["responses"] if "responses" in row else [row["chosen"], row["rejected"]]
-
-
-def encode_prefs(tok, rows: list[dict], block_size: int) -> tuple[list, int]:
-    """([(seqs, n_prompt, pairs, best, row), ...], n_skipped): seqs[k] = prompt + response k + EOS (pairs: chosen 0,
-    rejected 1), pairs from ranking_pairs, best = the top response (its tokens get the LM loss). Records with any
-    sequence longer than block_size are skipped and counted."""
-    examples, skipped = [], 0
-    for row in rows:
-        prompt_ids = tok.encode(row["prompt"])
-        ranking = row.get("ranking", [0, 1])
-        seqs = [prompt_ids + tok.encode(r) + [tok.eos_id] for r in responses_of(row)]
-        if max(len(s) for s in seqs) > block_size:
-            skipped += 1
-            continue
-        examples.append((seqs, len(prompt_ids), ranking_pairs(ranking), ranking[0], row))
-    return examples, skipped
-
-
 def collate(examples: list, pad_id: int):
     """Every response of every example as one right-padded batch: ids, mask (N, T); chosen and rejected row indices
     and weights (P,) of every pair; lm_mask (N, T), 1 on the best responses' own tokens (response + EOS)."""
@@ -159,22 +122,6 @@ def collate(examples: list, pad_id: int):
 def fold_score_offset(model, offset: float) -> None:
     """Subtract offset from every score the model gives by folding it into the scalar head's bias."""
     model.score_head.bias -= offset
-
-
-@torch.no_grad()
-def score_seqs(model, seqs: list[list[int]], pad_id: int, batch_size: int, device, dtype) -> torch.Tensor:
-    """Scores (N,) of token sequences at their last token (the EOS; the last response token for a no-EOS text).
-    Sorted by length to waste little on padding; right padding needs no attention mask (causal attention never
-    looks ahead at the pads)."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    out = torch.zeros(len(seqs))
-    for k in range(0, len(seqs), batch_size):
-        idx = order[k : k + batch_size]
-        ids, mask = pad_right([seqs[i] for i in idx], pad_id)
-        with common.autocast(device, dtype):
-            _, scores = model(ids.to(device), logits=False)
-        out[idx] = sequence_scores(scores.float(), mask.to(device)).cpu()
-    return out
 
 
 # -----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The actor's training step with the lm head on every position against the lm head on the response only
-(`logits_to_keep`, what train_ppo.response_forward does), alternated in one process on the same weights and batch.
+(`logits_to_keep`, what model.response_forward does), alternated in one process on the same weights and batch.
 
 PPO needs logits only where response tokens are predicted (positions P-1 .. P+R-2); with real prompts much longer
 than responses, the lm head over the prompt is a large share of the FLOPs and the (B, T, V) logits of the memory.

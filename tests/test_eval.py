@@ -8,7 +8,7 @@ import torch
 
 import eval as ev
 from data import build_task, load_tokenizer
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, sequence_scores
 
 
 def test_distinct_2_by_hand():
@@ -24,7 +24,7 @@ def test_win_rate_ties_count_half():
 def test_last_token_scores_with_ragged_padding():
     scores = torch.arange(12.0).view(2, 6)
     mask = torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
-    assert ev.sequence_scores(scores, mask).tolist() == [3.0, 11.0]
+    assert sequence_scores(scores, mask).tolist() == [3.0, 11.0]
 
 
 def test_policy_metrics_hand_made():

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import train_ppo
 from data import build_task
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, response_forward
 from train_ppo import (
     CollapseDetector,
     KLController,
@@ -238,8 +238,8 @@ def fake_experience(B: int = 8, seed: int = 0):
     query = torch.randint(0, 50, (B, 4)).masked_fill(query_mask == 0, 50)
     response = torch.randint(0, 50, (B, 6)).masked_fill(mask == 0, 50)
     with torch.no_grad():
-        logits, _ = train_ppo.response_forward(actor, query, query_mask, response, mask, 1.0)
-        _, values = train_ppo.response_forward(critic, query, query_mask, response, mask, 1.0)
+        logits, _ = response_forward(actor, query, query_mask, response, mask, 1.0)
+        _, values = response_forward(critic, query, query_mask, response, mask, 1.0)
     exp = dict(
         query=query,
         query_mask=query_mask,
@@ -397,8 +397,8 @@ def test_padding_never_changes_logprobs_or_values(tok):
     r, rm = pad_right(responses, tok.pad_id)
     r = torch.cat([r, torch.full((2, 3), tok.pad_id)], 1)  # extra right padding
     rm = torch.cat([rm, torch.zeros(2, 3)], 1)
-    logits, _ = train_ppo.response_forward(actor, q, qm, r, rm, 0.7)
-    _, values = train_ppo.response_forward(critic, q, qm, r, rm, 0.7)
+    logits, _ = response_forward(actor, q, qm, r, rm, 0.7)
+    _, values = response_forward(critic, q, qm, r, rm, 0.7)
     lp = train_ppo.logprobs_from_logits(logits, r)
     with torch.no_grad():  # the lm head on the response positions only: the full forward's logits there
         full = actor(torch.cat([q, r], 1), torch.cat([qm, rm], 1))[0][:, q.size(1) - 1 : -1] / 0.7
@@ -406,8 +406,8 @@ def test_padding_never_changes_logprobs_or_values(tok):
     for b in range(2):
         n = len(responses[b])
         q1, r1 = torch.tensor([queries[b]]), torch.tensor([responses[b]])
-        l1, _ = train_ppo.response_forward(actor, q1, torch.ones_like(q1), r1, torch.ones_like(r1), 0.7)
-        _, v1 = train_ppo.response_forward(critic, q1, torch.ones_like(q1), r1, torch.ones_like(r1), 0.7)
+        l1, _ = response_forward(actor, q1, torch.ones_like(q1), r1, torch.ones_like(r1), 0.7)
+        _, v1 = response_forward(critic, q1, torch.ones_like(q1), r1, torch.ones_like(r1), 0.7)
         assert torch.allclose(lp[b, :n], train_ppo.logprobs_from_logits(l1, r1)[0], atol=1e-5)
         assert torch.allclose(values[b, :n], v1[0], atol=1e-5)
 

@@ -18,7 +18,7 @@ import common
 import data
 import hf
 import train_rm
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, score_seqs, sequence_scores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RM_TAGS = [
@@ -142,28 +142,28 @@ def test_sequence_scores_ignore_padding():
         dtype=torch.float,
     )
     with torch.no_grad():
-        padded = train_rm.sequence_scores(model(ids, mask)[1], mask)
+        padded = sequence_scores(model(ids, mask)[1], mask)
         single = [model(torch.tensor([p + r]))[1][0, -1].item() for p, r in zip(prompts, responses)]
         # right padding alone needs no attention mask (what training and score_seqs do)
-        right = train_rm.score_seqs(model, [p + r for p, r in zip(prompts, responses)], pad, 2, "cpu", torch.float32)
+        right = score_seqs(model, [p + r for p, r in zip(prompts, responses)], pad, 2, "cpu", torch.float32)
     assert padded.tolist() == pytest.approx(single, abs=1e-5)
     assert right.tolist() == pytest.approx(single, abs=1e-5)
 
 
 def test_ranking_pairs_and_kwise_batch(tok):
-    assert train_rm.ranking_pairs([0, 1]) == [(0, 1, 1.0)]
-    assert train_rm.ranking_pairs([1, 0]) == [(1, 0, 1.0)]
-    pairs = train_rm.ranking_pairs([2, 0, 3, 1])
+    assert data.ranking_pairs([0, 1]) == [(0, 1, 1.0)]
+    assert data.ranking_pairs([1, 0]) == [(1, 0, 1.0)]
+    pairs = data.ranking_pairs([2, 0, 3, 1])
     assert [(i, j) for i, j, _ in pairs] == [(2, 0), (2, 3), (2, 1), (0, 3), (0, 1), (3, 1)]
     assert all(w == pytest.approx(1 / 6) for *_, w in pairs)
     rows = [
         {"prompt": "Review of", "chosen": " the plot", "rejected": " i hated"},
         {"prompt": "Review of The", "responses": [" a", " b b", " c c c"], "ranking": [1, 2, 0]},
     ]
-    examples, skipped = train_rm.encode_prefs(tok, rows, 64)
-    assert skipped == 0 and len(train_rm.encode_prefs(tok, rows, 4)[0]) == 0  # too long for 4 tokens: skipped
+    examples, skipped = data.encode_prefs(tok, rows, 64)
+    assert skipped == 0 and len(data.encode_prefs(tok, rows, 4)[0]) == 0  # too long for 4 tokens: skipped
     ids, mask, ci, ri, w, lm_mask = train_rm.collate(examples, tok.pad_id)
-    seqs = [tok.encode(r["prompt"]) + tok.encode(x) + [tok.eos_id] for r in rows for x in train_rm.responses_of(r)]
+    seqs = [tok.encode(r["prompt"]) + tok.encode(x) + [tok.eos_id] for r in rows for x in data.responses_of(r)]
     assert ids.shape[0] == 5 and all(ids[n, : len(s)].tolist() == s for n, s in enumerate(seqs))
     assert mask.sum(1).tolist() == [len(s) for s in seqs]
     # pairs point at the right rows: record 0 → rows 0, 1; record 1 → rows 2..4, best = response 1 (row 3)
@@ -186,8 +186,8 @@ def test_calibration_error_known_answers():
     for p, want in [(0.75, 0.0), (0.9, 0.15), (0.6, 0.15)]:
         g = math.log(p / (1 - p))
         gaps = torch.tensor([g] * 300 + [-g] * 100)
-        assert train_rm.calibration_error(gaps) == pytest.approx(want, abs=1e-6)
-    assert train_rm.calibration_error(torch.zeros(10)) == pytest.approx(0.0)  # p = 0.5, half the outcomes 1
+        assert data.calibration_error(gaps) == pytest.approx(want, abs=1e-6)
+    assert data.calibration_error(torch.zeros(10)) == pytest.approx(0.0)  # p = 0.5, half the outcomes 1
 
 
 def test_fold_score_offset_known_answer():
@@ -196,17 +196,17 @@ def test_fold_score_offset_known_answer():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=32, block_size=32, score_head=True)).eval()
     seqs = [torch.randint(0, 49, (n,)).tolist() + [49] for n in (3, 9, 5, 12)]
-    before = train_rm.score_seqs(model, seqs, 51, 3, "cpu", torch.float32)
+    before = score_seqs(model, seqs, 51, 3, "cpu", torch.float32)
     offset = before.mean().item()
     train_rm.fold_score_offset(model, offset)
-    after = train_rm.score_seqs(model, seqs, 51, 3, "cpu", torch.float32)
+    after = score_seqs(model, seqs, 51, 3, "cpu", torch.float32)
     assert after.tolist() == pytest.approx((before - offset).tolist(), abs=1e-6)
     assert after.mean().item() == pytest.approx(0.0, abs=1e-6)
     with torch.no_grad():
         model.score_head.weight.zero_(), model.score_head.bias.fill_(3.0)
-    assert train_rm.score_seqs(model, seqs, 51, 3, "cpu", torch.float32).mean().item() == pytest.approx(3.0)
+    assert score_seqs(model, seqs, 51, 3, "cpu", torch.float32).mean().item() == pytest.approx(3.0)
     train_rm.fold_score_offset(model, 3.0)
-    assert train_rm.score_seqs(model, seqs, 51, 3, "cpu", torch.float32).abs().max().item() == 0.0
+    assert score_seqs(model, seqs, 51, 3, "cpu", torch.float32).abs().max().item() == 0.0
 
 
 def test_load_init_adds_fresh_score_head(sft_ckpt):
@@ -291,9 +291,7 @@ def test_rm_smoke(tmp_path, task_dir, sft_ckpt, tok):
         tok.encode(r["prompt"]) + tok.encode(r["response"]) + [tok.eos_id]
         for r in data.read_jsonl(data.build_task(task_dir, 1337)["sft"], "sft")[:128]
     ]
-    assert train_rm.score_seqs(model, calib, tok.pad_id, 64, "cpu", torch.float32).mean().item() == pytest.approx(
-        0.0, abs=1e-4
-    )
+    assert score_seqs(model, calib, tok.pad_id, 64, "cpu", torch.float32).mean().item() == pytest.approx(0.0, abs=1e-4)
     scalars, histograms = read_events(out)
     for tag in RM_TAGS:
         assert tag in scalars and all(math.isfinite(v) for v in scalars[tag]), tag
