@@ -4,18 +4,20 @@ Nothing algorithmic lives here; each stage's algorithm is inline in its own trai
 """
 
 import hashlib
+import json
 import math
 import os
 import random
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 class UserError(Exception):
@@ -47,6 +49,8 @@ class CommonArgs:
     """save ckpt.pt every N steps (0: only at the end)"""
     resume: bool = False
     """continue from out_dir/ckpt.pt (same world size)"""
+    overwrite: bool = False
+    """start over in an --out-dir that holds a checkpoint, clearing its old event files and samples"""
     log_every: int = 10
     """print and log training metrics every N steps"""
     peak_flops: Optional[float] = None
@@ -100,6 +104,22 @@ def run_main(main: Callable, args) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
+
+
+def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
+    """Called by every stage before any work: a fresh run (no --resume) refuses an out_dir that holds ckpt.pt, unless
+    --overwrite, which deletes its ckpt.pt, samples.jsonl and old TensorBoard event files (rank 0; before any process
+    group, so the other ranks only check)."""
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    if resume or not os.path.exists(ckpt_path):
+        return
+    if not overwrite:
+        raise UserError(f"{ckpt_path} exists: pass --resume to continue that run, or --overwrite to start over")
+    if not is_master():
+        return
+    for name in os.listdir(out_dir):
+        if name.startswith("events.out.tfevents.") or name in ("samples.jsonl", "ckpt.pt"):
+            os.remove(os.path.join(out_dir, name))
 
 
 # -----------------------------------------------------------------------------
@@ -171,6 +191,16 @@ def setup_dist(device: str = "auto") -> Dist:
     return Dist(rank, local_rank, world_size, dev, ddp)
 
 
+def wrap_model(model: torch.nn.Module, d: Dist, compile: bool) -> torch.nn.Module:
+    """The training forward: torch.compile on CUDA (with --compile), then DDP under torchrun. Generation, evaluation
+    and saving use the raw module."""
+    if d.device.type == "cuda" and compile:
+        model = torch.compile(model)
+    if d.ddp:
+        model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    return model
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -191,6 +221,14 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x
+
+
+def all_reduce_dict(sums: dict[str, torch.Tensor | float], device) -> dict[str, float]:
+    """Named sums over ranks in one all-reduce (float64, stacked in key order on device; identity without DDP)."""
+    stacked = torch.stack(
+        [torch.as_tensor(value, dtype=torch.float64, device=device).detach() for value in sums.values()]
+    )
+    return dict(zip(sums, all_reduce_sum(stacked).tolist()))
 
 
 def barrier() -> None:
@@ -245,6 +283,17 @@ def set_rng_state(state: dict, generator: Optional[torch.Generator] = None) -> N
 # checkpoints
 
 
+def resume(path: str, kind: str, d: Dist, max_steps: int, inputs: dict, model, optimizer, generator=None) -> dict:
+    """--resume: the checkpoint (load_resume's checks) restored into the model, the optimizer and this rank's RNG
+    states; returns it for the stage's own keys (step, seconds, data_state, ...)."""
+    ckpt = load_resume(path, kind, d.world_size, max_steps, inputs)
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    set_rng_state(ckpt["rng"][d.rank], generator)
+    print0(f"resumed from {path} at step {ckpt['step']}")
+    return ckpt
+
+
 def save_checkpoint(obj: dict, path: str) -> None:
     """Atomic save: write a temp file, fsync it, os.replace; a kill at any moment leaves the old file or the new one."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -278,29 +327,87 @@ def load_checkpoint(path: str, kind: Optional[str | tuple] = None, flag: str = "
 
 
 # -----------------------------------------------------------------------------
+# the optimizer step and its NaN guard
+
+
+@dataclass
+class Skips:
+    """Optimizer steps skipped for a non-finite gradient: in all (train/skipped_steps, saved) and in a row."""
+
+    total: int = 0
+    in_row: int = 0
+
+
+def clip_and_step(optimizer, parameters, grad_clip: float, skips: Skips, step: int) -> tuple[float, bool]:
+    """Clip the global grad norm (grad_clip 0: no clip), step if it is finite, else count the skip; zero the grads.
+    The norm is taken after DDP's all-reduce, so every rank decides the same (one host sync). Returns (grad norm,
+    stepped); 10 skips in a row stop the run (DESIGN §8)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip or float("inf")).item()
+    stepped = math.isfinite(grad_norm)
+    if stepped:
+        optimizer.step()
+        skips.in_row = 0
+    else:
+        skips.total += 1
+        skips.in_row += 1
+        print0(f"step {step}: non-finite grad norm ({grad_norm}), step skipped")
+        if skips.in_row >= 10:
+            raise RuntimeError(f"{skips.in_row} non-finite steps in a row: lower --lr or check the data")
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, stepped
+
+
+# -----------------------------------------------------------------------------
 # logging
 
 
 class Logger:
-    """TensorBoard scalars (rank 0 only) plus the console line `step 00042/00500 | loss 1.23 | ...`."""
+    """TensorBoard scalars, the console line `step 00042/00500 | loss 1.23 | ...` and out_dir/samples.jsonl, all
+    written by rank 0 only. It owns samples.jsonl: a fresh run starts it empty; a resumed run keeps the records of
+    steps <= resume_step (TensorBoard's purge_step drops the later scalars the same way), so no step appears twice."""
 
-    def __init__(self, out_dir: str, master: bool, purge_step: Optional[int] = None):
+    def __init__(
+        self,
+        out_dir: str,
+        master: bool,
+        resume_step: Optional[int] = None,
+        console_keys: Optional[tuple[str, ...]] = None,
+    ):
         self.writer = None
-        if master:
-            from torch.utils.tensorboard import SummaryWriter
+        self.console_keys = console_keys
+        self.samples_path = os.path.join(out_dir, "samples.jsonl")
+        if not master:
+            return
+        from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(out_dir, purge_step=purge_step)
+        from data import write_atomic  # data imports common: a local import
+
+        self.writer = SummaryWriter(out_dir, purge_step=resume_step)  # creates out_dir
+        kept = [] if resume_step is None else _records_up_to(self.samples_path, resume_step)
+        write_atomic(self.samples_path, "".join(kept))
 
     def log(self, step: int, metrics: dict, max_steps: Optional[int] = None, console: bool = True) -> None:
+        """Every metric to TensorBoard; the console line shows console_keys (those present, in that order) or all."""
         if self.writer is None:
             return
-        for tag, v in metrics.items():
-            self.writer.add_scalar(tag, float(v), step)
-        if console:  # keys are the tags' last parts, the whole tag where a last part repeats (policy/loss, value/loss)
-            head = f"step {step:05d}" + (f"/{max_steps:05d}" if max_steps else "")
-            last = [t.split("/")[-1] for t in metrics]
-            keys = [k if last.count(k) == 1 else t for k, t in zip(last, metrics)]
-            print(" | ".join([head] + [f"{k} {_fmt(v)}" for k, v in zip(keys, metrics.values())]), flush=True)
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, float(value), step)
+        if not console:
+            return
+        shown = list(metrics) if self.console_keys is None else [tag for tag in self.console_keys if tag in metrics]
+        # keys are the tags' last parts, the whole tag where a last part repeats (policy/loss, value/loss)
+        last_parts = [tag.split("/")[-1] for tag in shown]
+        keys = [part if last_parts.count(part) == 1 else tag for part, tag in zip(last_parts, shown)]
+        head = f"step {step:05d}" + (f"/{max_steps:05d}" if max_steps else "")
+        fields = [f"{key} {_fmt(metrics[tag])}" for key, tag in zip(keys, shown)]
+        print(" | ".join([head] + fields), flush=True)
+
+    def samples(self, step: int, records: list[dict]) -> None:
+        """Append {"step": step, **record} to samples.jsonl, one JSON line per record."""
+        if self.writer is None:
+            return
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps({"step": step, **record}) + "\n" for record in records)
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:
@@ -309,6 +416,20 @@ class Logger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _records_up_to(path: str, step: int) -> list[str]:
+    """The lines of a samples.jsonl whose record has step <= step (a partial last line, from a kill, is dropped)."""
+    if not os.path.exists(path):
+        return []
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+    return kept
 
 
 def _fmt(v: float) -> str:
@@ -326,6 +447,34 @@ def lr_at(step: int, max_steps: int, lr: float, warmup_steps: int, min_lr_ratio:
         return lr * (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Throughput:
+    """perf/tokens_per_sec and perf/mfu over the training time since the last read; time inside
+    `with throughput.paused():` (evaluation, saving) is left out."""
+
+    def __init__(self, flops_per_token: float, peak_flops: float, world_size: int):
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.world_size = world_size
+        self.seconds = 0.0
+        self.started = time.time()
+
+    @contextmanager
+    def paused(self):
+        self.seconds += time.time() - self.started
+        try:
+            yield
+        finally:
+            self.started = time.time()
+
+    def read(self, tokens: float) -> dict[str, float]:
+        """The rates of `tokens` (summed over ranks) trained since the last read; starts the next interval."""
+        now = time.time()
+        tokens_per_sec = tokens / (self.seconds + now - self.started)
+        self.seconds, self.started = 0.0, now
+        mfu = tokens_per_sec * self.flops_per_token / (self.peak_flops * self.world_size)
+        return {"perf/tokens_per_sec": tokens_per_sec, "perf/mfu": mfu}
 
 
 # dense bf16 peak FLOP/s of known GPUs (per device)

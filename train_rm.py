@@ -11,7 +11,6 @@ python train_rm.py --init out/sft_gpt2/ckpt.pt --data my_pairs.jsonl --lr 1e-5 -
 torchrun --standalone --nproc_per_node 8 train_rm.py --init out/sft_gpt2/ckpt.pt --data my_pairs.jsonl
 """
 
-import json
 import os
 import time
 from contextlib import nullcontext
@@ -130,6 +129,7 @@ def fold_score_offset(model, offset: float) -> None:
 
 def main(args: Args) -> None:
     t_start = time.time()
+    common.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
     common.seed_everything(args.seed)  # before the model: the fresh score head's init
     # 1. data, tokenizer and model (user mistakes surface here, before any process group)
     builtin = args.data is None
@@ -211,7 +211,7 @@ def main(args: Args) -> None:
         model = torch.compile(model)
     if d.ddp:
         model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
-    logger = common.Logger(args.out_dir, d.master, purge_step=step if args.resume else None)
+    logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None)
     peak = common.peak_flops(d.device, args.peak_flops)
     flops_per_token = raw_model.flops_per_token(
         sum(len(s) for ex in train for s in ex[0]) // sum(len(ex[0]) for ex in train)
@@ -289,7 +289,6 @@ def main(args: Args) -> None:
             row, texts = evals[e][4], responses_of(evals[e][4])
             scored.append(
                 {
-                    "step": step,
                     "prompt": row["prompt"],
                     "chosen": texts[i],
                     "rejected": texts[j],
@@ -381,9 +380,8 @@ def main(args: Args) -> None:
             logger.log(step, metrics, max_steps)
             if logger.writer is not None:
                 logger.writer.add_histogram("val/score_gap", gaps, step)
-            if final and d.master:
-                with open(os.path.join(args.out_dir, "samples.jsonl"), "w") as f:
-                    f.writelines(json.dumps(rec) + "\n" for rec in scored)
+            if final:
+                logger.samples(step, scored)
         t_last += time.time() - t_pause  # perf/tokens_per_sec counts training time only
 
     # 4. the numbers that matter

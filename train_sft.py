@@ -8,7 +8,6 @@ python train_sft.py --init gpt2 --data my_sft.jsonl --out-dir out/sft_gpt2
 torchrun --standalone --nproc_per_node 8 train_sft.py --init gpt2 --data my_sft.jsonl
 """
 
-import json
 import os
 import time
 from contextlib import nullcontext
@@ -111,6 +110,7 @@ def sample_responses(model, tok, prompts: list, temperature: float, max_new_toke
 
 def main(args: Args) -> None:
     t_start = time.time()
+    common.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
     common.seed_everything(args.seed)
     # 1. data, tokenizer and model (user mistakes surface here, before any process group)
     builtin = args.data is None
@@ -170,7 +170,7 @@ def main(args: Args) -> None:
         model = torch.compile(model)
     if d.ddp:
         model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
-    logger = common.Logger(args.out_dir, d.master, purge_step=step if args.resume else None)
+    logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None)
     peak = common.peak_flops(d.device, args.peak_flops)
     flops_per_token = raw_model.flops_per_token(sum(len(e[0]) for e in train) // len(train))
 
@@ -279,21 +279,12 @@ def main(args: Args) -> None:
             metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
             logger.log(step, metrics, max_steps)
             logger.text("samples", "\n\n".join(f"{p}{r}{'' if e else ' [no EOS]'}" for p, r, e in samples[:8]), step)
-            if final and d.master:
-                with open(os.path.join(args.out_dir, "samples.jsonl"), "w") as f:
-                    for p, r, e in samples:
-                        f.write(
-                            json.dumps(
-                                {
-                                    "step": step,
-                                    "prompt": p,
-                                    "response": r,
-                                    "ended": e,
-                                    "valid": is_valid(r, e) if builtin else None,
-                                }
-                            )
-                            + "\n"
-                        )
+            if final:
+                records = [
+                    {"prompt": p, "response": r, "ended": e, "valid": is_valid(r, e) if builtin else None}
+                    for p, r, e in samples
+                ]
+                logger.samples(step, records)
         if (args.save_every and step % args.save_every == 0) or final:
             save(step)
 

@@ -1,8 +1,11 @@
+import json
 import math
 import os
+import socket
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import common
 import hf
@@ -56,3 +59,113 @@ def test_init_grammar_rejects_unknown():
 def test_peak_flops_measured_on_cpu():
     assert common.peak_flops(torch.device("cpu"), 123.0) == 123.0
     assert common.peak_flops(torch.device("cpu")) > 1e8
+
+
+def test_all_reduce_dict_one_process():
+    sums = {"loss": torch.tensor(1.5), "tokens": 7, "accuracy": torch.tensor(0.25, dtype=torch.float64)}
+    assert common.all_reduce_dict(sums, torch.device("cpu")) == {"loss": 1.5, "tokens": 7.0, "accuracy": 0.25}
+
+
+def _all_reduce_dict_worker(rank: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    sums = {"b": torch.tensor(float(rank + 1)), "a": 10.0 * (rank + 1)}
+    queue.put(common.all_reduce_dict(sums, torch.device("cpu")))
+    dist.destroy_process_group()
+
+
+def test_all_reduce_dict_two_gloo_ranks():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_all_reduce_dict_worker, args=(rank, port, queue)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get() for _ in procs]
+    for p in procs:
+        p.join(60)
+    assert results == [{"b": 3.0, "a": 30.0}] * 2
+    assert all(list(result) == ["b", "a"] for result in results)  # the caller's key order
+
+
+def test_logger_owns_samples_jsonl(tmp_path, capsys):
+    out = str(tmp_path)
+    logger = common.Logger(out, master=True)
+    logger.samples(1, [{"text": "a"}, {"text": "b"}])
+    logger.samples(2, [{"text": "c"}])
+    logger.samples(3, [{"text": "d"}])
+    logger.close()
+    path = tmp_path / "samples.jsonl"
+    with open(path, "a") as f:
+        f.write('{"step": 4, "te')  # a kill in the middle of a line
+    assert [json.loads(line)["step"] for line in open(path).read().splitlines()[:-1]] == [1, 1, 2, 3]
+    common.Logger(out, master=True, resume_step=2).close()  # resumed from step 2: later records go
+    assert [json.loads(line) for line in open(path)] == [
+        {"step": 1, "text": "a"},
+        {"step": 1, "text": "b"},
+        {"step": 2, "text": "c"},
+    ]
+    common.Logger(out, master=True).close()  # a fresh run starts it empty
+    assert path.read_text() == ""
+    common.Logger(str(tmp_path / "other"), master=False).samples(1, [{"text": "a"}])  # not rank 0: writes nothing
+    assert not (tmp_path / "other").exists()
+
+
+def test_logger_console_keys(tmp_path, capsys):
+    metrics = {"policy/loss": 0.5, "value/loss": 2.0, "objective/kl": 0.125, "perf/mfu": 0.25}
+    logger = common.Logger(str(tmp_path / "all"), master=True)
+    logger.log(3, metrics, max_steps=10)
+    assert capsys.readouterr().out == "step 00003/00010 | policy/loss 0.5 | value/loss 2 | kl 0.125 | mfu 0.25\n"
+    logger.close()
+    logger = common.Logger(str(tmp_path / "some"), master=True, console_keys=("objective/kl", "nope", "policy/loss"))
+    logger.log(3, metrics)
+    assert capsys.readouterr().out == "step 00003 | kl 0.125 | loss 0.5\n"
+    logger.close()
+
+
+def test_prepare_out_dir(tmp_path):
+    out = str(tmp_path)
+    common.prepare_out_dir(out, resume=False, overwrite=False)  # nothing there: fine
+    for name in ("ckpt.pt", "samples.jsonl", "events.out.tfevents.1.host", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    with pytest.raises(UserError, match=r"ckpt\.pt exists: pass --resume to continue that run, or --overwrite to"):
+        common.prepare_out_dir(out, resume=False, overwrite=False)
+    common.prepare_out_dir(out, resume=True, overwrite=False)  # --resume: left for load_resume
+    assert len(os.listdir(out)) == 4
+    common.prepare_out_dir(out, resume=False, overwrite=True)
+    assert os.listdir(out) == ["notes.txt"]
+
+
+def test_clip_and_step_skips_non_finite_steps():
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    skips = common.Skips()
+    (weight * torch.tensor([3.0, 4.0])).sum().backward()
+    assert common.clip_and_step(optimizer, [weight], 1.0, skips, step=0) == (5.0, True)
+    assert torch.allclose(weight.detach(), torch.tensor([0.94, 0.92])) and weight.grad is None  # clipped to norm 1
+    for step in range(1, 10):
+        (weight * float("nan")).sum().backward()
+        grad_norm, stepped = common.clip_and_step(optimizer, [weight], 1.0, skips, step=step)
+        assert math.isnan(grad_norm) and not stepped
+    assert skips == common.Skips(total=9, in_row=9) and torch.allclose(weight.detach(), torch.tensor([0.94, 0.92]))
+    (weight * float("inf")).sum().backward()
+    with pytest.raises(RuntimeError, match="10 non-finite steps in a row"):
+        common.clip_and_step(optimizer, [weight], 1.0, skips, step=10)
+
+
+def test_throughput_leaves_pauses_out(monkeypatch):
+    clock = {"now": 100.0}
+    monkeypatch.setattr(common.time, "time", lambda: clock["now"])
+    throughput = common.Throughput(flops_per_token=10.0, peak_flops=1000.0, world_size=2)
+    clock["now"] += 2.0  # training
+    with throughput.paused():
+        clock["now"] += 50.0  # evaluation
+    clock["now"] += 2.0
+    assert throughput.read(tokens=400) == {"perf/tokens_per_sec": 100.0, "perf/mfu": 0.5}
+    with throughput.paused():  # a pause right after a read (the old bookkeeping made the next interval negative)
+        clock["now"] += 50.0
+    clock["now"] += 1.0
+    assert throughput.read(tokens=100)["perf/tokens_per_sec"] == 100.0
