@@ -1,12 +1,23 @@
 """Evaluate policies (and a reward model) on held-out prompts, measured against the built-in task's gold reward.
 
-Policy mode: each --policy samples one response per held-out prompt (fixed seed, temperature 1 by default); we report
-the gold reward, the RM score, the KL to the reference, length, perplexity, EOS and grammatical fractions, distinct-2
-and the gold-judged win rate against the reference answering the same prompts.
+Policy mode: each --policy samples one response per held-out prompt and seed (seeds --seed ... --seed + --seeds - 1,
+temperature 1 by default); we report the gold reward, the RM score, the KL to the reference, length, perplexity, EOS
+and grammatical fractions, distinct-2 and the gold-judged win rate against the reference, which answers the same
+prompts with the same seeds. Every number comes with its standard error (`<metric>_se` in the JSON, `mean ± se` in the
+table), clustered by prompt: the samples of one prompt (one per seed) count as one draw, so the error covers the
+choice of prompts and the sampling noise together.
+- means (gold, score, kl, response_len, eos_frac, valid_frac, win_rate_vs_ref): the cluster-robust standard error of
+  a mean (`ratio_mean`); with --seeds 1 it is std(ddof=1)/sqrt(n), with N seeds the same over the per-prompt means.
+- perplexity = exp(Σ nll / Σ tokens): the same formula for the ratio (linearisation), then the delta method,
+  se(exp R) = exp(R)·se(R).
+- distinct_2 (unique / all bigrams, not a mean of per-sample values): the delete-one-prompt jackknife, conservative in
+  expectation (Efron-Stein).
+- --pairs: accuracy, margin and the Bayes ceiling are weighted means over pairs, clustered by record (the pairs of a
+  K-wise record share their responses).
 
 python eval.py                                                          # SFT vs PPO, defaults of the earlier stages
 python eval.py --policy out/sft/ckpt.pt out/ppo/ckpt.pt --names sft ppo --ref out/sft/ckpt.pt --rm out/rm/ckpt.pt \
-    --json out/results.json
+    --json out/results.json --seeds 4
 python eval.py --pairs                                                  # reward-model mode: accuracy, calibration
 """
 
@@ -14,6 +25,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,7 +35,17 @@ import tyro
 import common
 import hf
 from common import UserError
-from data import build_task, calibration_error, encode_prefs, gold_reward, is_valid, pad_left, read_jsonl, responses_of
+from data import (
+    build_task,
+    calibration_error,
+    encode_prefs,
+    gold_reward,
+    is_valid,
+    pad_left,
+    read_jsonl,
+    responses_of,
+    write_atomic,
+)
 from model import logprobs_from_logits, response_forward, score_seqs, sequence_scores
 
 
@@ -46,15 +68,17 @@ class Args:
     """prompt JSONL ({"prompt": str}) to sample on (None: the built-in task's held-out prompts; gold needs those)"""
     # --- sampling
     num_samples: int = 512
-    """prompts sampled (one response each)"""
+    """prompts sampled (one response each per seed; the JSON's num_samples is this times --seeds)"""
+    seeds: int = 1
+    """samples per prompt, drawn with seeds --seed, --seed + 1, ... (the same for every policy and the reference)"""
     temperature: float = 1.0
-    """sampling temperature (kl and perplexity are measured at it)"""
+    """sampling temperature, > 0 (kl and perplexity are measured at it)"""
     max_new_tokens: int = 64
     """longest response"""
     batch_size: int = 128
     """prompts per generation batch"""
     seed: int = 1234
-    """sampling seed (the same for every policy)"""
+    """first sampling seed (the same for every policy)"""
     task_seed: int = 1337
     """seed of the built-in task"""
     task_dir: str = "out/data"
@@ -68,7 +92,43 @@ class Args:
 
 
 # -----------------------------------------------------------------------------
-# metrics on samples: pure functions, imported by tests
+# statistics: a number and its standard error, as a {"value", "se"} dict; pure functions, imported by tests
+
+
+def ratio_mean(numerator: list, denominator: list, cluster: list) -> dict:
+    """R = Σ numerator / Σ denominator and its cluster-robust standard error (linearisation): with the clusters' totals
+    A_c, B_c, se² = C/(C-1) · Σ_c (A_c - R·B_c)² / (Σ B)² over the C clusters. A plain mean has denominator 1: one
+    sample per cluster gives std(ddof=1)/sqrt(n), equal cluster sizes the same over the cluster means. value is None
+    when Σ denominator is 0, se when there are fewer than two clusters."""
+    numerator_totals = Counter()
+    denominator_totals = Counter()
+    for top, bottom, key in zip(numerator, denominator, cluster):
+        numerator_totals[key] += top
+        denominator_totals[key] += bottom
+    denominator_sum = sum(denominator_totals.values())
+    if denominator_sum == 0:
+        return {"value": None, "se": None}
+    ratio = sum(numerator_totals.values()) / denominator_sum
+    num_clusters = len(numerator_totals)
+    if num_clusters < 2:
+        return {"value": ratio, "se": None}
+    residuals = [numerator_totals[key] - ratio * denominator_totals[key] for key in numerator_totals]
+    variance = num_clusters / (num_clusters - 1) * sum(r * r for r in residuals) / denominator_sum**2
+    return {"value": ratio, "se": math.sqrt(variance)}
+
+
+def mean_se(values: list, cluster: list) -> dict:
+    """The mean of per-sample values and its standard error, clustered (ratio_mean with denominator 1)."""
+    return ratio_mean(values, [1] * len(values), cluster)
+
+
+def perplexity_se(logprob_sums: list, lengths: list, cluster: list) -> dict:
+    """exp(Σ nll / Σ tokens) over all responses; se by the delta method on the clustered ratio's se."""
+    nll = ratio_mean([-x for x in logprob_sums], lengths, cluster)
+    if nll["value"] is None:
+        return nll
+    perplexity = math.exp(nll["value"])
+    return {"value": perplexity, "se": None if nll["se"] is None else perplexity * nll["se"]}
 
 
 def distinct_n(responses: list, n: int = 2) -> float:
@@ -77,64 +137,125 @@ def distinct_n(responses: list, n: int = 2) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
+def distinct_n_se(responses: list, cluster: list, n: int = 2) -> dict:
+    """distinct_n and its delete-one-cluster jackknife standard error: leaving cluster c out removes its n-grams from
+    the total and, from the unique ones, those no other cluster has; se² = (C-1)/C · Σ_c (θ_-c - mean θ_-c)²."""
+    grams_of = {}
+    for response, key in zip(responses, cluster):
+        grams_of.setdefault(key, []).extend(tuple(response[i : i + n]) for i in range(len(response) - n + 1))
+    clusters_with = Counter(gram for grams in grams_of.values() for gram in set(grams))
+    num_unique = len(clusters_with)
+    num_grams = sum(len(grams) for grams in grams_of.values())
+    value = num_unique / num_grams if num_grams else 0.0
+    num_clusters = len(grams_of)
+    if num_clusters < 2:
+        return {"value": value, "se": None}
+    leave_out = []
+    for grams in grams_of.values():
+        only_here = sum(1 for gram in set(grams) if clusters_with[gram] == 1)
+        grams_left = num_grams - len(grams)
+        leave_out.append((num_unique - only_here) / grams_left if grams_left else 0.0)
+    leave_out_mean = sum(leave_out) / num_clusters
+    variance = (num_clusters - 1) / num_clusters * sum((x - leave_out_mean) ** 2 for x in leave_out)
+    return {"value": value, "se": math.sqrt(variance)}
+
+
+def win_outcomes(gold: list, ref_gold: list) -> list:
+    """Per sample: 1 if the policy's gold beats the reference's on the same prompt and seed, 0.5 on a tie, else 0."""
+    return [1.0 if g > r else 0.5 if g == r else 0.0 for g, r in zip(gold, ref_gold)]
+
+
 def win_rate(gold: list, ref_gold: list) -> float:
-    """Share of prompts where the policy's gold beats the reference's; ties count half."""
-    return sum(1.0 if g > r else 0.5 if g == r else 0.0 for g, r in zip(gold, ref_gold)) / len(gold)
+    """Share of samples where the policy's gold beats the reference's; ties count half."""
+    return sum(win_outcomes(gold, ref_gold)) / len(gold)
+
+
+# -----------------------------------------------------------------------------
+# sampling and the policy metrics
+
+
+@torch.no_grad()
+def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=None, rm=None) -> dict:
+    """One response per prompt of one generation batch; per-sample lists (see sample_policy)."""
+    query, query_mask = (t.to(device) for t in pad_left([tok.encode(p) for p in prompts], tok.pad_id))
+    max_new = min(args.max_new_tokens, model.config.block_size - query.size(1))
+    response, response_mask, logprobs = model.generate(
+        query, query_mask, max_new, tok.eos_id, tok.pad_id, temperature=args.temperature, generator=generator
+    )
+    lengths = response_mask.sum(1).long()
+    last_token = response.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+    ended = (last_token == tok.eos_id) & (lengths > 0)
+    kl = torch.zeros(len(prompts), device=device)
+    if ref is not None:  # k1 summed over the sequence, at the sampling temperature
+        ref_logits = response_forward(ref, query, query_mask, response, response_mask, args.temperature)[0]
+        ref_logprobs = logprobs_from_logits(ref_logits, response)
+        kl = ((logprobs - ref_logprobs) * response_mask).sum(1)
+    score = torch.full((len(prompts),), float("nan"), device=device)
+    if rm is not None:
+        mask = torch.cat([query_mask, response_mask], 1)
+        _, token_scores = rm(torch.cat([query, response], 1), mask, logits=False)
+        score = sequence_scores(token_scores, mask)
+    tokens = [response[row, : lengths[row]].tolist() for row in range(len(prompts))]
+    bodies = [ids[:-1] if end else ids for ids, end in zip(tokens, ended.tolist())]
+    return {
+        "prompt": list(prompts),
+        "response": [tok.decode(body) for body in bodies],
+        "tokens": tokens,
+        "ended": ended.tolist(),
+        "logprob_sum": logprobs.sum(1).tolist(),
+        "n": lengths.tolist(),
+        "kl": kl.tolist(),
+        "score": score.tolist(),
+    }
 
 
 @torch.no_grad()
 def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rm=None) -> dict:
-    """One response per prompt; per-sample lists of everything the metrics need."""
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    out = {k: [] for k in ("prompt", "response", "tokens", "ended", "logprob_sum", "n", "kl", "score")}
-    for i in range(0, len(prompts), args.batch_size):
-        chunk = prompts[i : i + args.batch_size]
-        query, qmask = (t.to(device) for t in pad_left([tok.encode(p) for p in chunk], tok.pad_id))
-        max_new = min(args.max_new_tokens, model.config.block_size - query.size(1))
-        response, rmask, logprobs = model.generate(
-            query, qmask, max_new, tok.eos_id, tok.pad_id, temperature=args.temperature, generator=g
-        )
-        n = rmask.sum(1).long()
-        ended = (response.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1) == tok.eos_id) & (n > 0)
-        kl = torch.zeros(len(chunk), device=device)
-        if ref is not None:  # k1 summed over the sequence, at the sampling temperature
-            ref_logits = response_forward(ref, query, qmask, response, rmask, args.temperature)[0]
-            ref_logprobs = logprobs_from_logits(ref_logits, response)
-            kl = ((logprobs - ref_logprobs) * rmask).sum(1)
-        score = torch.full((len(chunk),), float("nan"), device=device)
-        if rm is not None:
-            _, s = rm(torch.cat([query, response], 1), torch.cat([qmask, rmask], 1), logits=False)
-            score = sequence_scores(s, torch.cat([qmask, rmask], 1))
-        for b, p in enumerate(chunk):
-            ids = response[b, : n[b]].tolist()
-            body = ids[:-1] if ended[b] else ids
-            out["prompt"].append(p)
-            out["response"].append(tok.decode(body))
-            out["tokens"].append(ids)
-        out["ended"] += ended.tolist()
-        out["logprob_sum"] += logprobs.sum(1).tolist()
-        out["n"] += n.tolist()
-        out["kl"] += kl.tolist()
-        out["score"] += score.tolist()
-    return out
+    """One response per prompt and seed, seed-major; per-sample lists of everything the metrics need (the single
+    source of every metric): prompt, response (text without EOS), tokens (with EOS), ended, logprob_sum, n (tokens),
+    kl (to ref, 0 without), score (RM, NaN without), prompt_index (the cluster of the standard errors), seed. Each
+    seed gets a fresh generator, so seed s draws the same samples whatever --seeds is."""
+    samples = {}
+    for seed in range(args.seed, args.seed + args.seeds):
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for start in range(0, len(prompts), args.batch_size):
+            batch_prompts = prompts[start : start + args.batch_size]
+            batch = sample_batch(model, tok, batch_prompts, args, device, generator, ref, rm)
+            batch["prompt_index"] = list(range(start, start + len(batch_prompts)))
+            batch["seed"] = [seed] * len(batch_prompts)
+            for key, values in batch.items():
+                samples.setdefault(key, []).extend(values)
+    return samples
 
 
-def policy_metrics(s: dict, builtin: bool, ref_gold: Optional[list]) -> dict:
-    """The table's numbers from sample_policy's lists (gold/valid_frac None off the built-in task)."""
-    N = len(s["prompt"])
-    gold = [gold_reward(p, r, e) for p, r, e in zip(s["prompt"], s["response"], s["ended"])] if builtin else None
-    scores = [x for x in s["score"] if not math.isnan(x)]
-    return {
-        "gold": sum(gold) / N if builtin else None,
-        "score": sum(scores) / len(scores) if scores else None,
-        "kl": sum(s["kl"]) / N,
-        "response_len": sum(s["n"]) / N,
-        "perplexity": math.exp(-sum(s["logprob_sum"]) / max(1, sum(s["n"]))),
-        "eos_frac": sum(s["ended"]) / N,
-        "valid_frac": sum(is_valid(r, e) for r, e in zip(s["response"], s["ended"])) / N if builtin else None,
-        "distinct_2": distinct_n(s["tokens"], 2),
-        "win_rate_vs_ref": win_rate(gold, ref_gold) if builtin and ref_gold is not None else None,
-    }, gold
+def policy_metrics(samples: dict, builtin: bool, ref_gold: Optional[list]) -> tuple[dict, Optional[list]]:
+    """(metrics, gold): the table's numbers from sample_policy's lists, each `<metric>` with its `<metric>_se`, then
+    num_samples and seeds; gold (per sample) and the gold-based metrics are None off the built-in task. ref_gold is
+    the reference's per-sample gold on the same prompts and seeds, in the same order."""
+    cluster = samples["prompt_index"]
+    responses = samples["response"]
+    ended = samples["ended"]
+    gold = [gold_reward(p, r, e) for p, r, e in zip(samples["prompt"], responses, ended)] if builtin else None
+    valid = [float(is_valid(r, e)) for r, e in zip(responses, ended)] if builtin else None
+    scored = [(x, c) for x, c in zip(samples["score"], cluster) if not math.isnan(x)]
+    stats = {
+        "gold": mean_se(gold, cluster) if builtin else None,
+        "score": mean_se([x for x, _ in scored], [c for _, c in scored]) if scored else None,
+        "kl": mean_se(samples["kl"], cluster),
+        "response_len": mean_se(samples["n"], cluster),
+        "perplexity": perplexity_se(samples["logprob_sum"], samples["n"], cluster),
+        "eos_frac": mean_se([float(e) for e in ended], cluster),
+        "valid_frac": mean_se(valid, cluster) if builtin else None,
+        "distinct_2": distinct_n_se(samples["tokens"], cluster, 2),
+        "win_rate_vs_ref": mean_se(win_outcomes(gold, ref_gold), cluster) if builtin and ref_gold else None,
+    }
+    metrics = {}
+    for name, stat in stats.items():
+        metrics[name] = None if stat is None else stat["value"]
+        metrics[f"{name}_se"] = None if stat is None else stat["se"]
+    metrics["num_samples"] = len(cluster)
+    metrics["seeds"] = sorted(set(samples["seed"]))
+    return metrics, gold
 
 
 def load_model(path: str, flag: str, device, want: str = "lm"):
@@ -147,7 +268,19 @@ def load_model(path: str, flag: str, device, want: str = "lm"):
     return model.to(device).eval(), tok, ckpt
 
 
+def format_value(entry: dict, key: str) -> str:
+    """One cell: `mean ± se` where entry has `<key>_se`, `-` for None, 3 decimals for floats."""
+    value = entry.get(key)
+    se = entry.get(f"{key}_se")
+    if value is None:
+        return "-"
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:.3f}" if se is None else f"{value:.3f} ± {se:.3f}"
+
+
 def print_table(results: dict) -> None:
+    """The policies as a markdown table, every metric as mean ± standard error."""
     cols = [
         "gold",
         "score",
@@ -158,13 +291,13 @@ def print_table(results: dict) -> None:
         "valid_frac",
         "distinct_2",
         "win_rate_vs_ref",
+        "num_samples",
         "seconds",
     ]
-    rows = {k: v for k, v in results.items() if k != "rm"}
-    fmt = lambda v: "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
     print("| policy | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
-    for name, r in rows.items():
-        print(f"| {name} | " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
+    for name, entry in results.items():
+        if name != "rm":
+            print(f"| {name} | " + " | ".join(format_value(entry, c) for c in cols) + " |")
 
 
 # -----------------------------------------------------------------------------
@@ -173,6 +306,14 @@ def print_table(results: dict) -> None:
 
 def main(args: Args) -> dict:
     t0 = time.time()
+    # 0. settings no run can measure
+    if not args.temperature > 0:
+        raise UserError(
+            f"--temperature {args.temperature:g}: kl and perplexity are measured at the sampling temperature; "
+            "use > 0 (e.g. 1.0)"
+        )
+    if args.seeds < 1:
+        raise UserError(f"--seeds {args.seeds}: samples per prompt, use >= 1")
     common.seed_everything(args.seed)
     device = torch.device(
         "cuda"
@@ -186,7 +327,9 @@ def main(args: Args) -> dict:
     results = {}
     if args.pairs:
         results["rm"] = rm_metrics(args, task, device)
-        print("| rm | " + " | ".join(f"{k} {v:.3f}" for k, v in results["rm"].items() if v is not None) + " |")
+        cells = [f"{key} {format_value(results['rm'], key)}" for key in ("accuracy", "margin", "bayes_ceiling")]
+        cells += [f"ece {results['rm']['ece']:.3f}", f"pairs {results['rm']['pairs']}"]
+        print("| rm | " + " | ".join(cells) + " |")
         return write_json(args.json, results)
     # 1. prompts, reference and reward model
     rows = read_jsonl(args.prompts or task["eval_prompts"], "prompts")
@@ -200,7 +343,7 @@ def main(args: Args) -> dict:
         rm, rm_tok, _ = load_model(args.rm, "--rm", device, want="score")
         if rm_tok.state() != ref_tok.state():
             raise UserError(f"--rm {args.rm}: its tokenizer differs from the reference's ({args.ref})")
-    # 2. the reference answers the same prompts (win rate), then each policy
+    # 2. the reference answers the same prompts with the same seeds (win rate), then each policy
     ref_samples = sample_policy(ref, ref_tok, prompts, args, device)
     _, ref_gold = policy_metrics(ref_samples, builtin, None)
     for name, path in zip(names, args.policy):
@@ -213,46 +356,67 @@ def main(args: Args) -> dict:
         for p, r, e in list(zip(samples["prompt"], samples["response"], samples["ended"]))[: args.show]:
             print(f"[{name}] {p}{r}{'' if e else ' [no EOS]'}")
     print_table(results)
-    print(f"eval: {len(prompts)} prompts x {len(args.policy)} policies in {time.time() - t0:.0f}s")
+    print(
+        f"eval: {len(prompts)} prompts x {args.seeds} seeds x {len(args.policy)} policies in {time.time() - t0:.0f}s; "
+        "± is one standard error over prompts (samples of a prompt clustered)"
+    )
     return write_json(args.json, results)
 
 
 def write_json(path: Optional[str], results: dict) -> dict:
     """Merge results into the JSON file at path (atomically); returns results."""
     if path:
-        merged = json.load(open(path)) if os.path.exists(path) else {}
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({**merged, **results}, f, indent=2)
-        os.replace(tmp, path)
+        merged = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                merged = json.load(f)
+        write_atomic(path, json.dumps({**merged, **results}, indent=2))
     return results
+
+
+def pair_outcomes(gaps: list) -> list:
+    """Per pair: 1 if the chosen response scores higher, 0.5 on a tie, else 0."""
+    return [1.0 if gap > 0 else 0.5 if gap == 0 else 0.0 for gap in gaps]
+
+
+def weighted_mean_se(values: list, weights: list, cluster: list) -> dict:
+    """Σ w·x / Σ w with its standard error clustered by record (ratio_mean)."""
+    return ratio_mean([w * x for w, x in zip(weights, values)], weights, cluster)
 
 
 @torch.no_grad()
 def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
     """Reward-model mode: accuracy (pair weights of K-wise records, ties 1/2), mean margin, ECE and, on the built-in
-    task, the empirical Bayes ceiling (the gold reward's own accuracy on the drawn labels) on the same pairs."""
+    task, the empirical Bayes ceiling (the gold reward's own accuracy on the drawn labels) on the same pairs; the
+    means with their standard errors clustered by record."""
     if not args.rm or args.rm == "none":
         raise UserError("--pairs needs --rm")
     rm, tok, ckpt = load_model(args.rm, "--rm", device, want="score")
     rows = read_jsonl(args.pairs_data or task["pairs_eval"], "pairs")
     examples, _ = encode_prefs(tok, rows, rm.config.block_size)
     scores = score_seqs(rm, [s for ex in examples for s in ex[0]], tok.pad_id, args.batch_size, device, torch.float32)
-    gaps, g_gaps, weights, start = [], [], [], 0
-    for seqs, _, pairs, _, row in examples:
+    scores = scores.tolist()
+    gaps, gold_gaps, weights, record = [], [], [], []
+    start = 0
+    for record_index, (seqs, _, pairs, _, row) in enumerate(examples):
         gold = [gold_reward(row["prompt"], r, True) for r in responses_of(row)] if args.pairs_data is None else None
-        for i, j, w in pairs:
-            gaps.append(scores[start + i] - scores[start + j])
-            g_gaps.append(gold[i] - gold[j] if gold else 0.0)
-            weights.append(w)
+        for chosen, rejected, weight in pairs:
+            gaps.append(scores[start + chosen] - scores[start + rejected])
+            gold_gaps.append(gold[chosen] - gold[rejected] if gold else 0.0)
+            weights.append(weight)
+            record.append(record_index)
         start += len(seqs)
-    gaps, g_gaps, w = torch.tensor(gaps), torch.tensor(g_gaps), torch.tensor(weights, dtype=torch.double)
-    acc = lambda g: ((w * ((g > 0).double() + 0.5 * (g == 0).double())).sum() / w.sum()).item()  # noqa: E731
+    accuracy = weighted_mean_se(pair_outcomes(gaps), weights, record)
+    margin = weighted_mean_se(gaps, weights, record)
+    ceiling = weighted_mean_se(pair_outcomes(gold_gaps), weights, record) if args.pairs_data is None else None
     return {
-        "accuracy": acc(gaps),
-        "margin": ((w * gaps).sum() / w.sum()).item(),
-        "ece": calibration_error(gaps),
-        "bayes_ceiling": acc(g_gaps) if args.pairs_data is None else None,
+        "accuracy": accuracy["value"],
+        "accuracy_se": accuracy["se"],
+        "margin": margin["value"],
+        "margin_se": margin["se"],
+        "ece": calibration_error(torch.tensor(gaps)),
+        "bayes_ceiling": None if ceiling is None else ceiling["value"],
+        "bayes_ceiling_se": None if ceiling is None else ceiling["se"],
         "pairs": len(gaps),
         "seconds": round(ckpt.get("seconds", 0.0), 1),
     }

@@ -1,14 +1,34 @@
-"""eval.py: metrics on hand-made samples with known answers, KL of a policy against itself, the JSON layout."""
+"""eval.py: metrics and their standard errors on hand-made samples with known answers, KL of a policy against itself,
+seeds pooled, the JSON layout, a temperature that cannot be measured."""
 
 import json
 import math
+import os
+import random
+import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
 
+import common
 import eval as ev
 from data import build_task, load_tokenizer
 from model import GPT, GPTConfig, sequence_scores
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+POLICY_KEYS = [
+    "gold",
+    "score",
+    "kl",
+    "response_len",
+    "perplexity",
+    "eos_frac",
+    "valid_frac",
+    "distinct_2",
+    "win_rate_vs_ref",
+]
 
 
 def test_distinct_2_by_hand():
@@ -19,6 +39,56 @@ def test_distinct_2_by_hand():
 
 def test_win_rate_ties_count_half():
     assert ev.win_rate([1.0, 0.0, -1.0, 0.5], [0.0, 0.0, 1.0, 0.5]) == pytest.approx((1 + 0.5 + 0 + 0.5) / 4)
+
+
+def test_mean_se_by_hand():
+    """One sample per prompt: std(ddof=1)/sqrt(n); two seeds per prompt: the same over the per-prompt means."""
+    gold = [1.0, 0.0, 1.0, 1.0]
+    stat = ev.mean_se(gold, [0, 1, 2, 3])
+    assert stat["value"] == 0.75
+    assert stat["se"] == pytest.approx(statistics.stdev(gold) / math.sqrt(4))
+    # prompts 0, 1, 2 sampled with two seeds each, seed-major as sample_policy lays them out
+    values = [1.0, 0.0, 3.0, 2.0, 0.5, 4.0]
+    prompt_index = [0, 1, 2, 0, 1, 2]
+    prompt_means = [1.5, 0.25, 3.5]
+    stat = ev.mean_se(values, prompt_index)
+    assert stat["value"] == pytest.approx(statistics.mean(values))
+    assert stat["se"] == pytest.approx(statistics.stdev(prompt_means) / math.sqrt(3))
+    assert ev.mean_se([2.0, 4.0], [0, 0])["se"] is None  # one cluster: no spread to measure
+
+
+def jackknife_se(statistic, samples: list, cluster: list) -> float:
+    """Delete-one-cluster jackknife, the naive way: recompute the statistic without each cluster."""
+    keys = sorted(set(cluster))
+    leave_out = [statistic([x for x, c in zip(samples, cluster) if c != key]) for key in keys]
+    mean = sum(leave_out) / len(leave_out)
+    return math.sqrt((len(keys) - 1) / len(keys) * sum((x - mean) ** 2 for x in leave_out))
+
+
+def test_perplexity_se_matches_the_jackknife():
+    """The delta method on the clustered ratio agrees with a brute-force jackknife of exp(Σ nll / Σ tokens)."""
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 30) for _ in range(600)]
+    logprob_sums = [-n * rng.uniform(0.5, 1.5) for n in lengths]
+    cluster = [i % 300 for i in range(600)]  # 300 prompts x 2 seeds
+    stat = ev.perplexity_se(logprob_sums, lengths, cluster)
+    assert stat["value"] == pytest.approx(math.exp(-sum(logprob_sums) / sum(lengths)))
+
+    def perplexity(pairs):
+        return math.exp(-sum(lp for lp, _ in pairs) / sum(n for _, n in pairs))
+
+    reference = jackknife_se(perplexity, list(zip(logprob_sums, lengths)), cluster)
+    assert stat["se"] == pytest.approx(reference, rel=0.02)
+
+
+def test_distinct_2_se_is_the_jackknife():
+    rng = random.Random(1)
+    responses = [[rng.randint(0, 6) for _ in range(rng.randint(0, 8))] for _ in range(40)]
+    cluster = [i % 20 for i in range(40)]
+    stat = ev.distinct_n_se(responses, cluster, 2)
+    assert stat["value"] == pytest.approx(ev.distinct_n(responses, 2))
+    reference = jackknife_se(lambda rs: ev.distinct_n(rs, 2), responses, cluster)
+    assert stat["se"] == pytest.approx(reference)
 
 
 def test_last_token_scores_with_ragged_padding():
@@ -38,69 +108,93 @@ def test_policy_metrics_hand_made():
         "n": [3, 2],
         "kl": [0.5, 1.5],
         "score": [1.0, float("nan")],
+        "prompt_index": [0, 1],
+        "seed": [7, 7],
     }
     m, gold = ev.policy_metrics(s, True, [0.0, -1.0])
     assert gold[1] == -1.0 and m["valid_frac"] == 0.5 and m["eos_frac"] == 0.5 and m["kl"] == 1.0
     assert m["perplexity"] == pytest.approx(math.exp(4 / 5)) and m["response_len"] == 2.5
     assert m["win_rate_vs_ref"] == pytest.approx((1 + 0.5) / 2) and m["score"] == 1.0
+    assert m["kl_se"] == pytest.approx(statistics.stdev([0.5, 1.5]) / math.sqrt(2))
+    assert m["eos_frac_se"] == pytest.approx(0.5) and m["win_rate_vs_ref_se"] == pytest.approx(0.25)
+    assert m["score_se"] is None  # one scored sample
+    assert m["num_samples"] == 2 and m["seeds"] == [7]
     m, _ = ev.policy_metrics(s, False, None)
     assert m["gold"] is None and m["valid_frac"] is None and m["win_rate_vs_ref"] is None
+    assert m["gold_se"] is None and m["win_rate_vs_ref_se"] is None
 
 
-def test_kl_of_policy_against_itself_is_zero(task_dir):
+def test_kl_of_policy_against_itself_is_zero_and_seeds_extend(task_dir):
+    """KL of a policy to itself is 0; --seeds 2 keeps seed s's samples and adds seed s + 1's after them."""
     torch.manual_seed(0)
     tok = load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32)).eval()
-    args = ev.Args(max_new_tokens=20, batch_size=8)
     prompts = ["Review of The Silent River (music):", "Review of The Iron Tower (plot, ending):"] * 6
+    one_seed = ev.sample_policy(model, tok, prompts, ev.Args(max_new_tokens=20, batch_size=8), torch.device("cpu"))
+    args = ev.Args(max_new_tokens=20, batch_size=8, seeds=2)
     s = ev.sample_policy(model, tok, prompts, args, torch.device("cpu"), ref=model)
     assert max(abs(k) for k in s["kl"]) < 1e-4 and min(s["n"]) >= 1
+    assert s["tokens"][: len(prompts)] == one_seed["tokens"]
+    assert s["seed"] == [1234] * 12 + [1235] * 12 and s["prompt_index"] == list(range(12)) * 2
 
 
-def test_results_json_layout(tmp_path, task_dir):
-    """eval.main writes one entry per policy with exactly the DESIGN §4 keys, merged into an existing file."""
-    import common
-
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory, task_dir):
     torch.manual_seed(0)
     tok = load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32))
-    path = str(tmp_path / "ckpt.pt")
-    common.save_checkpoint(
-        {
-            "kind": "sft",
-            "model": model.state_dict(),
-            "model_config": model.config.__dict__,
-            "tokenizer": tok.state(),
-            "seconds": 12.0,
-        },
-        path,
-    )
+    path = str(tmp_path_factory.mktemp("policy") / "ckpt.pt")
+    ckpt = {
+        "kind": "sft",
+        "model": model.state_dict(),
+        "model_config": model.config.__dict__,
+        "tokenizer": tok.state(),
+        "seconds": 12.0,
+    }
+    common.save_checkpoint(ckpt, path)
+    return path
+
+
+def reject_nan(name):
+    raise ValueError(f"{name} in results.json")
+
+
+def test_results_json_layout(tmp_path, task_dir, tiny_policy):
+    """eval.main writes one entry per policy with exactly the DESIGN §4 keys (each metric with its _se, num_samples,
+    seeds), strict JSON, merged into an existing file; --seeds 2 pools both seeds' samples."""
     out = tmp_path / "results.json"
     out.write_text(json.dumps({"rm": {"accuracy": 0.8}}))
-    ev.main(
-        ev.Args(
-            policy=[path],
-            names=["sft"],
-            ref=path,
-            rm="none",
-            num_samples=16,
-            task_dir=task_dir,
-            json=str(out),
-            max_new_tokens=16,
-        )
+    args = ev.Args(
+        policy=[tiny_policy],
+        names=["sft"],
+        ref=tiny_policy,
+        rm="none",
+        num_samples=8,
+        seeds=2,
+        seed=5,
+        task_dir=task_dir,
+        json=str(out),
+        max_new_tokens=16,
     )
-    res = json.loads(out.read_text())
+    ev.main(args)
+    res = json.loads(out.read_text(), parse_constant=reject_nan)
     assert set(res) == {"rm", "sft"}
-    assert set(res["sft"]) == {
-        "gold",
-        "score",
-        "kl",
-        "response_len",
-        "perplexity",
-        "eos_frac",
-        "valid_frac",
-        "distinct_2",
-        "win_rate_vs_ref",
-        "seconds",
-    }
+    se_keys = [f"{key}_se" for key in POLICY_KEYS]
+    assert set(res["sft"]) == {*POLICY_KEYS, *se_keys, "num_samples", "seeds", "seconds"}
+    assert res["sft"]["num_samples"] == 16 and res["sft"]["seeds"] == [5, 6]
     assert res["sft"]["seconds"] == 12.0 and res["sft"]["win_rate_vs_ref"] == 0.5 and abs(res["sft"]["kl"]) < 1e-4
+    assert res["sft"]["win_rate_vs_ref_se"] == 0.0  # the reference against itself: every sample a tie
+    assert res["sft"]["score"] is None and res["sft"]["score_se"] is None
+    for key in ("gold", "kl", "response_len", "perplexity", "eos_frac", "valid_frac", "distinct_2"):
+        assert res["sft"][f"{key}_se"] >= 0.0, key
+
+
+def test_temperature_zero_is_rejected(tmp_path, tiny_policy):
+    with pytest.raises(common.UserError, match="--temperature 0: kl and perplexity"):
+        ev.main(ev.Args(policy=[tiny_policy], ref=tiny_policy, rm="none", temperature=0))
+    cli = [sys.executable, os.path.join(ROOT, "eval.py"), "--temperature", "0", "--task-dir", str(tmp_path)]
+    run = subprocess.run(cli, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "error: --temperature 0: kl and perplexity are measured at the sampling temperature; use > 0 (e.g. 1.0)"
+    ]
