@@ -29,17 +29,26 @@ EOT = "<|endoftext|>"
 
 
 class Tokenizer:
-    """One small interface over a tiktoken.Encoding (task BPE, GPT-2) or a Hugging Face tokenizer."""
+    """One small interface over a tiktoken.Encoding (task BPE, GPT-2) or a Hugging Face tokenizer.
 
-    def __init__(self, backend, name: str, eos_id: int, pad_id: int, vocab_size: int, source: dict):
+    bos_id: the id a sequence starts with, or None. A Hugging Face tokenizer whose own encode adds a BOS (Llama) gets
+    one; the task BPE and GPT-2 have none. encode(text, bos=True) prepends it: pass bos=True for what starts a sequence
+    (a prompt, a {"text"} row) and never for a response that follows a prompt, so the BOS appears once, first."""
+
+    def __init__(
+        self, backend, name: str, eos_id: int, pad_id: int, vocab_size: int, source: dict, bos_id: int | None = None
+    ):
         assert pad_id != eos_id, f"pad_id {pad_id} must differ from eos_id {eos_id}"
         self.backend, self.name, self.eos_id, self.pad_id, self.vocab_size = backend, name, eos_id, pad_id, vocab_size
+        self.bos_id = bos_id
         self._source = source  # what state() needs beyond the ids to rebuild the backend
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, bos: bool = False) -> list[int]:
+        """text -> ids, special tokens never parsed from it; bos=True (a sequence start): bos_id first, if any."""
+        start = [self.bos_id] if bos and self.bos_id is not None else []
         if isinstance(self.backend, tiktoken.Encoding):
-            return self.backend.encode_ordinary(text)  # special tokens are never parsed from text
-        return self.backend(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            return start + self.backend.encode_ordinary(text)
+        return start + self.backend(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def decode(self, ids) -> str:
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
@@ -47,6 +56,7 @@ class Tokenizer:
         return self.backend.decode(ids)
 
     def state(self) -> dict:
+        """The ids and what rebuilds the backend; a Hugging Face tokenizer's also says bos_id (its BOS decision)."""
         return {
             "name": self.name,
             "eos_id": self.eos_id,
@@ -57,14 +67,19 @@ class Tokenizer:
 
     @classmethod
     def from_state(cls, d: dict) -> "Tokenizer":
+        """Rebuild a saved tokenizer; a state without bos_id (the task BPE, GPT-2, or one saved before the BOS was
+        decided per tokenizer) adds none, as the stages that trained on it did."""
         if "ranks" in d:  # a BPE stored in full (the task tokenizer)
             tok = _bpe_tokenizer(d["name"], [base64.b64decode(r) for r in d["ranks"]], d["pat_str"])
         else:
             tok = load_tokenizer(d["spec"])
-        got = (tok.eos_id, tok.pad_id, tok.vocab_size)
-        want = (d["eos_id"], d["pad_id"], d["vocab_size"])
+        if "bos_id" not in d:
+            tok.bos_id = None
+            tok._source.pop("bos_id", None)
+        got = (tok.eos_id, tok.pad_id, tok.vocab_size, tok.bos_id)
+        want = (d["eos_id"], d["pad_id"], d["vocab_size"], d.get("bos_id"))
         if got != want:
-            raise UserError(f"tokenizer {d['name']!r} changed: (eos, pad, vocab) is {got} now, {want} when saved")
+            raise UserError(f"tokenizer {d['name']!r} changed: (eos, pad, vocab, bos) is {got} now, {want} when saved")
         return tok
 
 
@@ -78,6 +93,17 @@ def _bpe_tokenizer(name: str, ranks: list[bytes], pat_str: str) -> Tokenizer:
     )
     source = {"pat_str": pat_str, "ranks": [base64.b64encode(b).decode("ascii") for b in ranks]}
     return Tokenizer(enc, name, eos_id=len(ranks), pad_id=len(ranks) + 1, vocab_size=len(ranks) + 1, source=source)
+
+
+def _hf_bos_id(hf_tokenizer) -> int | None:
+    """The BOS id when this Hugging Face tokenizer defines one and its own encode starts a text with it (Llama), else
+    None (GPT-2, Qwen: a bos token that encode never adds)."""
+    bos_id = hf_tokenizer.bos_token_id
+    if bos_id is None:
+        return None
+    with_special = hf_tokenizer("x", add_special_tokens=True)["input_ids"]
+    without = hf_tokenizer("x", add_special_tokens=False)["input_ids"]
+    return bos_id if with_special[:1] == [bos_id] and without[:1] != [bos_id] else None
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -99,13 +125,20 @@ def load_tokenizer(spec: str) -> Tokenizer:
         try:
             hf = AutoTokenizer.from_pretrained(spec[3:])
         except Exception as e:
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UserError(f"could not load tokenizer {spec!r}: {msg}") from None
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(
+                f"could not load tokenizer {spec!r} (offline? pass a local folder saved with save_pretrained, "
+                f"or set HF_HOME to a cache that has them): {msg}"
+            ) from None
         if hf.eos_token_id is None:
             raise UserError(f"tokenizer {spec!r} has no eos token")
         vocab_size = len(hf)
         pad_id = hf.pad_token_id if hf.pad_token_id is not None and hf.pad_token_id != hf.eos_token_id else vocab_size
-        return Tokenizer(hf, spec, eos_id=hf.eos_token_id, pad_id=pad_id, vocab_size=vocab_size, source={"spec": spec})
+        bos_id = _hf_bos_id(hf)
+        source = {"spec": spec, "bos_id": bos_id}
+        return Tokenizer(
+            hf, spec, eos_id=hf.eos_token_id, pad_id=pad_id, vocab_size=vocab_size, source=source, bos_id=bos_id
+        )
     if not os.path.isfile(spec):
         raise UserError(f"{spec}: no such tokenizer file (expected 'gpt2', 'hf:<name-or-path>' or a tokenizer.json)")
     try:
@@ -447,6 +480,8 @@ def _check_fields(obj: dict, kind: str) -> str | None:
             return f"missing field {k!r} (a {kind} record needs {', '.join(fields)})"
         if k not in ("responses", "ranking") and not isinstance(obj[k], str):
             return f"field {k!r} must be a string, got {type(obj[k]).__name__}"
+    if "prompt" in fields and not obj["prompt"]:  # an all-empty batch has nothing to generate from
+        return "field 'prompt' is empty (a prompt needs at least one token)"
     if "responses" in fields:
         resp, ranking = obj["responses"], obj["ranking"]
         if not isinstance(resp, list) or len(resp) < 2 or not all(isinstance(r, str) for r in resp):
@@ -565,14 +600,15 @@ class Order:
 
 
 def encode_sft(tok: Tokenizer, rows: list[dict], block_size: int, mask_prompt: bool) -> tuple[list, int]:
-    """([(ids, loss_mask), ...], n_skipped): ids = prompt + response + EOS, loss_mask[t] = 1 if token t is a target.
+    """([(ids, loss_mask), ...], n_skipped): ids = [BOS] + prompt + response + EOS (the BOS if the tokenizer has one),
+    loss_mask[t] = 1 if token t is a target.
 
     The first token is never a target; with mask_prompt no prompt token is. A {"text"} row is an empty prompt
     followed by the text. Rows longer than block_size tokens are skipped and counted.
     """
     examples, skipped = [], 0
     for row in rows:
-        prompt_ids = tok.encode(row.get("prompt", ""))
+        prompt_ids = tok.encode(row.get("prompt", ""), bos=True)
         ids = prompt_ids + tok.encode(row["response"] if "response" in row else row["text"]) + [tok.eos_id]
         if len(ids) > block_size:
             skipped += 1
@@ -595,12 +631,13 @@ def ranking_pairs(ranking: list[int]) -> list[tuple[int, int, float]]:
 
 
 def encode_prefs(tok, rows: list[dict], block_size: int) -> tuple[list, int]:
-    """([(seqs, n_prompt, pairs, best, row), ...], n_skipped): seqs[k] = prompt + response k + EOS (pairs: chosen 0,
-    rejected 1), pairs from ranking_pairs, best = the top response (its tokens get the LM loss). Records with any
-    sequence longer than block_size are skipped and counted."""
+    """([(seqs, n_prompt, pairs, best, row), ...], n_skipped): seqs[k] = [BOS] + prompt + response k + EOS (pairs:
+    chosen 0, rejected 1; the BOS if the tokenizer has one, counted in n_prompt), pairs from ranking_pairs, best = the
+    top response (its tokens get the LM loss). Records with any sequence longer than block_size are skipped and
+    counted."""
     examples, skipped = [], 0
     for row in rows:
-        prompt_ids = tok.encode(row["prompt"])
+        prompt_ids = tok.encode(row["prompt"], bos=True)
         ranking = row.get("ranking", [0, 1])
         seqs = [prompt_ids + tok.encode(r) + [tok.eos_id] for r in responses_of(row)]
         if max(len(s) for s in seqs) > block_size:

@@ -3,9 +3,10 @@ unchanged: forward -> (logits, scores) with padding handled the same way, an opt
 generation, parameter and FLOP counts, optimizer groups, our checkpoints and `export_hf`.
 
 `--init hf:<name-or-path>` builds one; a checkpoint whose model_config holds `hf_config` rebuilds one from that config
-alone (no hub access). transformers is imported inside the functions, like in model.py. `load_init` (the end of this
-file) reads every `--init` spec: our checkpoints, GPT-2 weights as a native `model.GPT`, any other causal LM as an
-`HFCausalLM`, or a model from scratch.
+alone (no hub access). transformers is imported inside the functions, like in model.py. At the end of this file,
+`model_from_checkpoint`, the one loader of our checkpoints (a native `model.GPT` or an `HFCausalLM`), and `load_init`,
+which reads every `--init` spec: our checkpoints, GPT-2 weights as a native `model.GPT`, any other causal LM as an
+`HFCausalLM`, or a model from scratch; a model or tokenizer that cannot be loaded is one line naming the flag.
 """
 
 import inspect
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from common import UserError, load_checkpoint
 from data import Tokenizer, load_tokenizer
-from model import GPT, GPTConfig, logprobs_from_logits, sample_tokens
+from model import GPT, GPTConfig, logprobs_from_logits, sample_tokens, strip_wrapper_prefixes
 
 
 @dataclass
@@ -101,32 +102,26 @@ class HFCausalLM(nn.Module):
         score_head: bool | None = None,
         map_location: str | torch.device = "cpu",
     ) -> "HFCausalLM":
-        """Rebuild from one of our checkpoints: architecture from model_config["hf_config"] (AutoModelForCausalLM
-        .from_config, nothing downloaded), weights from ckpt[key]. Heads default to what was saved; a score head asked
-        for but absent from the checkpoint starts fresh (an RM from an SFT model), one not asked for is dropped."""
+        """The adapter half of model_from_checkpoint (which dispatches on the checkpoint's kind): architecture from
+        model_config["hf_config"] (AutoModelForCausalLM.from_config, nothing downloaded), weights from ckpt[key].
+        Heads default to what was saved (the lm head as ckpt[f"{key}_config"] says: PPO saves critic_config, else
+        model_config); a score head asked for but absent starts fresh (an RM from an SFT model), one not asked for is
+        dropped."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if not isinstance(ckpt, dict):
             ckpt = torch.load(ckpt, map_location=map_location, weights_only=False)  # our own files hold RNG states
-        mc = ckpt["model_config"]
-        sd = {}
-        for k, v in ckpt[key].items():
-            for prefix in ("_orig_mod.", "module.", "_orig_mod."):  # torch.compile and DDP, either wrapping order
-                k = k.removeprefix(prefix)
-            sd[k] = v
-        lm_head = mc["lm_head"] if lm_head is None else lm_head
-        score_head = "score_head.weight" in sd if score_head is None else score_head
-        hf_config = AutoConfig.for_model(**mc["hf_config"])
+        saved_config = ckpt.get(f"{key}_config", ckpt["model_config"])
+        state_dict = strip_wrapper_prefixes(ckpt[key])
+        lm_head = saved_config["lm_head"] if lm_head is None else lm_head
+        score_head = "score_head.weight" in state_dict if score_head is None else score_head
+        hf_config = AutoConfig.for_model(**saved_config["hf_config"])
         _no_dropout(hf_config)
-        model = cls(
-            AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32),
-            lm_head,
-            score_head,
-            mc.get("hf_name_or_path", ""),
-        )
+        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        model = cls(hf_model, lm_head, score_head, saved_config.get("hf_name_or_path", ""))
         own = model.state_dict()
-        fresh = {k: own[k] for k in own if k.startswith("score_head.") and k not in sd}
-        model.load_state_dict({k: v for k, v in sd.items() if k in own} | fresh)
+        fresh = {k: own[k] for k in own if k.startswith("score_head.") and k not in state_dict}
+        model.load_state_dict({k: v for k, v in state_dict.items() if k in own} | fresh)
         return model.to(map_location)
 
     def export_hf(self, out_dir: str, eos_id: int | None = None, pad_id: int | None = None) -> None:
@@ -285,7 +280,26 @@ class HFCausalLM(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# the --init grammar (DESIGN §2), shared by every stage that builds a model
+# the one checkpoint loader, and the --init grammar (DESIGN §2), shared by every stage that builds a model
+
+
+def model_from_checkpoint(
+    ckpt: dict | str | os.PathLike,
+    key: str = "model",
+    lm_head: bool | None = None,
+    score_head: bool | None = None,
+) -> GPT | HFCausalLM:
+    """Rebuild either kind of model from one of our checkpoints (the loaded dict or a path), on the CPU: an
+    HFCausalLM when model_config holds hf_config (written by the adapter; nothing is downloaded), else a native GPT.
+    Weights from ckpt[key] (key="critic": PPO saves `critic` and `critic_config`). Heads default to what the
+    checkpoint holds; True adds one that is absent (a fresh score head, initialised from the global torch seed: an RM
+    from an SFT model), False drops one (a critic from an RM)."""
+    if not isinstance(ckpt, dict):
+        ckpt = torch.load(ckpt, map_location="cpu", weights_only=False)  # our own files hold RNG states
+    if "hf_config" in ckpt["model_config"]:  # written by the adapter: rebuilt from the config alone
+        return HFCausalLM.from_checkpoint(ckpt, key=key, lm_head=lm_head, score_head=score_head)
+    return GPT.from_checkpoint(ckpt, key=key, lm_head=lm_head, score_head=score_head)
+
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
@@ -297,6 +311,25 @@ def _model_type(path: str) -> str | None:
             return json.load(f).get("model_type", "?")
     except (OSError, ValueError):
         return None
+
+
+def _load_error(flag: str, spec: str, what: str, error: Exception) -> UserError:
+    """A failed download or read as one line that names the flag (transformers' own message is many lines)."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return UserError(
+        f"{flag} {spec}: could not load {what} (offline? pass a local folder saved with save_pretrained, "
+        f"or set HF_HOME to a cache that has them): {first_line}"
+    )
+
+
+def _tokenizer(flag: str, spec: str, tokenizer_spec: str | dict) -> Tokenizer:
+    """load_tokenizer (a spec) or Tokenizer.from_state (a saved state), its UserError prefixed with the flag."""
+    try:
+        if isinstance(tokenizer_spec, dict):
+            return Tokenizer.from_state(tokenizer_spec)
+        return load_tokenizer(tokenizer_spec)
+    except UserError as e:
+        raise UserError(f"{flag} {spec}: {e}") from None
 
 
 def load_init(
@@ -315,33 +348,24 @@ def load_init(
     ckpt = None
     if spec.endswith(".pt"):
         ckpt = load_checkpoint(spec, kind=kind, flag=flag)
-        if "hf_config" in ckpt["model_config"]:  # written by the adapter: rebuild it from the config alone
-            model = HFCausalLM.from_checkpoint(ckpt, lm_head=lm_head, score_head=score_head)
-        else:
-            cfg = GPTConfig(**{**ckpt["model_config"], "lm_head": lm_head, "score_head": score_head})
-            model = GPT(cfg)
-            sd = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in ckpt["model"].items()}
-            own = model.state_dict()
-            fresh = [k for k in own if k.startswith("score_head.") and k not in sd]
-            model.load_state_dict({k: v for k, v in sd.items() if k in own} | {k: own[k] for k in fresh})
-        tokenizer = Tokenizer.from_state(ckpt["tokenizer"])
+        model = model_from_checkpoint(ckpt, lm_head=lm_head, score_head=score_head)
+        tokenizer = _tokenizer(flag, spec, ckpt["tokenizer"])
     elif spec in GPT2_NAMES or _model_type(spec) == "gpt2":
-        model = GPT.from_pretrained(spec, score_head=score_head)
+        try:
+            model = GPT.from_pretrained(spec, score_head=score_head)
+        except (OSError, ValueError, KeyError) as e:  # not found, offline
+            raise _load_error(flag, spec, "GPT-2 weights", e) from None
         has_tok = os.path.isdir(spec) and any(
             os.path.exists(os.path.join(spec, f)) for f in ("tokenizer.json", "vocab.json")
         )
-        tokenizer = load_tokenizer(f"hf:{spec}" if has_tok else "gpt2")
+        tokenizer = _tokenizer(flag, spec, f"hf:{spec}" if has_tok else "gpt2")
     elif spec.startswith("hf:") or _model_type(spec):  # any other causal LM, through the adapter
         path = spec.removeprefix("hf:")
-        try:
-            tokenizer = load_tokenizer(f"hf:{path}")
-        except UserError as e:
-            raise UserError(f"{flag} {spec}: {e}") from None
+        tokenizer = _tokenizer(flag, spec, f"hf:{path}")
         try:
             model = HFCausalLM.from_pretrained(path, lm_head=lm_head, score_head=score_head)
         except (OSError, ValueError, KeyError) as e:  # not found, offline, not a causal LM
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UserError(f"{flag} {spec}: could not load a causal LM: {msg}") from None
+            raise _load_error(flag, spec, "a causal LM", e) from None
         if tokenizer.vocab_size > model.config.vocab_size:
             raise UserError(
                 f"{flag} {spec}: the tokenizer has {tokenizer.vocab_size} tokens, the model's embedding "

@@ -1,6 +1,7 @@
 """GPT language model, nanoGPT-shaped, for every RLHF role: policy and reference (LM head), critic (scalar head),
 reward model (both heads). Batched KV-cache generation over left-padded prompts, GPT-2 weights through transformers
-(`from_pretrained`, `export_hf`) and our own checkpoints (`from_checkpoint`).
+(`from_pretrained`, `export_hf`) and our native checkpoints (`from_checkpoint`; `hf.model_from_checkpoint` loads
+either kind). It imports nothing of this repo: the ground floor.
 
 References:
 1) OpenAI's GPT-2 TensorFlow implementation: https://github.com/openai/gpt-2/blob/master/src/model.py
@@ -18,6 +19,17 @@ from torch import Tensor
 
 # GPT-2 stores these as Conv1D (in, out); we use nn.Linear (out, in)
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def strip_wrapper_prefixes(state_dict: dict) -> dict:
+    """A state dict saved from a wrapped module -> the bare module's keys: the leading "_orig_mod." (torch.compile)
+    and "module." (DDP) are stripped, in either wrapping order. Every checkpoint loader (here and in hf.py) uses it."""
+    stripped = {}
+    for name, value in state_dict.items():
+        for prefix in ("_orig_mod.", "module.", "_orig_mod."):
+            name = name.removeprefix(prefix)
+        stripped[name] = value
+    return stripped
 
 
 @dataclass
@@ -300,7 +312,11 @@ class GPT(nn.Module):
         logprobs are log_softmax(logits / temperature) at the sampled token: the full tempered distribution, not the
         top-k/top-p truncated one; temperature 0 samples greedily and reports them at temperature 1. While EOS is
         suppressed (the first min_new_tokens tokens) they are under that distribution with the EOS logit at -inf,
-        the one actually sampled from. Rows are independent: a row's tokens do not depend on the batch.
+        the one actually sampled from. Reproducible per batch, not per row: each sampling step draws one uniform per
+        row from the shared generator, so the same generator state and the same batch (the same prompts in the same
+        order) give the same tokens, while a row moved to another position or into a batch of another size draws
+        other uniforms and samples other tokens.
+        Greedy (temperature 0) draws nothing: a row's tokens do not depend on the batch, up to floating-point ties.
         generator: a torch.Generator on the model's device (None = the global RNG)."""
         assert self.lm_head is not None, "generate needs a model with an lm head"
         B, P = idx.size()
@@ -448,27 +464,34 @@ class GPT(nn.Module):
 
     @classmethod
     def from_checkpoint(
-        cls, ckpt: str | os.PathLike | dict, map_location: str | torch.device = "cpu", key: str = "model"
+        cls,
+        ckpt: str | os.PathLike | dict,
+        map_location: str | torch.device = "cpu",
+        key: str = "model",
+        lm_head: bool | None = None,
+        score_head: bool | None = None,
     ) -> "GPT":
-        """A GPT from one of our checkpoints (a path or the loaded dict): config from ckpt["model_config"], weights
-        from ckpt[key], loaded strictly. Which heads exist is read from the state dict, so key="critic" works too.
-        A leading "_orig_mod." (torch.compile) or "module." (DDP) on the keys is stripped. A checkpoint of a model
-        built with `--init hf:...` (its model_config holds hf_config) comes back as an hf.HFCausalLM."""
+        """A native GPT from one of our checkpoints (a path or the loaded dict): config from ckpt["model_config"],
+        weights from ckpt[key] (key="critic" works too), "_orig_mod."/"module." prefixes stripped. Heads default to
+        what the state dict holds; True adds one that is absent (a fresh score head, initialised from the global torch
+        seed; an lm head is wte itself), False drops one. Everything else loads strictly. A checkpoint of a Hugging
+        Face model (its model_config holds hf_config) is a ValueError: hf.model_from_checkpoint loads both kinds."""
         if not isinstance(ckpt, dict):
             ckpt = torch.load(ckpt, map_location=map_location, weights_only=False)  # our own files hold RNG states
         if "hf_config" in ckpt["model_config"]:
-            from hf import HFCausalLM  # lazy: hf.py imports this module
-
-            lm_head = ckpt.get(f"{key}_config", ckpt["model_config"])["lm_head"]  # PPO saves critic_config
-            return HFCausalLM.from_checkpoint(ckpt, key=key, lm_head=lm_head, map_location=map_location)
-        sd = {}
-        for k, v in ckpt[key].items():
-            for prefix in ("_orig_mod.", "module.", "_orig_mod."):  # either wrapping order
-                k = k.removeprefix(prefix)
-            sd[k] = v
-        config = replace(
-            GPTConfig(**ckpt["model_config"]), lm_head="lm_head.weight" in sd, score_head="score_head.weight" in sd
-        )
-        model = cls(config)
-        model.load_state_dict(sd)
+            raise ValueError(
+                "this checkpoint holds a Hugging Face model (its model_config has hf_config): "
+                "load it with hf.model_from_checkpoint, which rebuilds either kind"
+            )
+        state_dict = strip_wrapper_prefixes(ckpt[key])
+        lm_head = "lm_head.weight" in state_dict if lm_head is None else lm_head
+        score_head = "score_head.weight" in state_dict if score_head is None else score_head
+        model = cls(replace(GPTConfig(**ckpt["model_config"]), lm_head=lm_head, score_head=score_head))
+        own = model.state_dict()
+        # a head not asked for is dropped; any other unexpected or missing key is still an error
+        kept = {k: v for k, v in state_dict.items() if k in own or not k.startswith(("lm_head.", "score_head."))}
+        if lm_head:
+            kept["lm_head.weight"] = kept["transformer.wte.weight"]  # tied: a critic's wte becomes the lm head
+        fresh = {k: own[k] for k in own if k.startswith("score_head.") and k not in kept}
+        model.load_state_dict(kept | fresh)
         return model.to(map_location) if isinstance(map_location, (str, torch.device)) else model

@@ -53,6 +53,8 @@ def test_task_tokenizer(task, tok):
     tok2 = data.Tokenizer.from_state(json.loads(json.dumps(tok.state())))
     assert tok2.state() == tok.state()
     assert (tok2.eos_id, tok2.pad_id, tok2.vocab_size) == (tok.eos_id, tok.pad_id, tok.vocab_size)
+    # no BOS: bos=True changes nothing and the state is what it always was
+    assert tok.bos_id is None and tok.encode(PROMPT, bos=True) == tok.encode(PROMPT) and "bos_id" not in tok.state()
     assert tok2.encode(rows[0]["prompt"] + rows[0]["response"]) == tok.encode(rows[0]["prompt"] + rows[0]["response"])
     bad = dict(tok.state(), vocab_size=tok.vocab_size + 1)
     with pytest.raises(UserError, match="changed"):
@@ -91,6 +93,7 @@ def test_gpt2_tokenizer(monkeypatch, tmp_path):
     assert tok.encode("Hello world") == [15496, 995]
     assert (tok.eos_id, tok.pad_id, tok.vocab_size) == (50256, 50257, 50257)
     assert tok.encode("<|endoftext|>") != [50256]
+    assert tok.bos_id is None and tok.encode("Hello", bos=True) == [15496] and "bos_id" not in tok.state()
     _roundtrip(tok, ["Hello world", " the music was very wonderful.", "naïve café ✓"])
     tok2 = data.Tokenizer.from_state(json.loads(json.dumps(tok.state())))
     assert tok2.encode("Hello world") == [15496, 995] and tok2.state() == tok.state()
@@ -125,6 +128,9 @@ def test_hf_tokenizer(tmp_path):
     _roundtrip(tok, ["hello world", "the world says hello", "naïve ✓"])
     tok2 = data.Tokenizer.from_state(json.loads(json.dumps(tok.state())))
     assert tok2.encode("hello world") == tok.encode("hello world") and tok2.state() == tok.state()
+    # no BOS token: bos=True changes nothing; a Hugging Face tokenizer's state records the decision
+    assert tok.bos_id is None and tok.encode("hello world", bos=True) == tok.encode("hello world")
+    assert tok.state()["bos_id"] is None
     _save_hf_tokenizer(tmp_path / "pad", pad=True)
     tok = data.load_tokenizer(f"hf:{tmp_path / 'pad'}")
     assert (tok.eos_id, tok.pad_id) == (0, 1) and tok.vocab_size > 256
@@ -281,6 +287,11 @@ def _write(path, content: bytes):
         ("pairs", b'{"prompt": "p", "responses": ["a", "b", "c"], "ranking": [0, 2, 2]}\n', 1, "permutation"),
         ("pairs", b'{"prompt": "p", "responses": ["a", "b"], "ranking": [0, 1, 2]}\n', 1, "permutation"),
         ("pairs", b'{"prompt": "p", "responses": ["a"], "ranking": [0]}\n', 1, "at least 2"),
+        # a prompt holds at least one token: an all-empty batch has nothing to generate from
+        ("prompts", b'{"prompt": "a"}\n{"prompt": ""}\n', 2, "field 'prompt' is empty"),
+        ("sft", b'{"prompt": "", "response": "b"}\n', 1, "field 'prompt' is empty"),
+        ("pairs", b'{"prompt": "", "chosen": "a", "rejected": "b"}\n', 1, "field 'prompt' is empty"),
+        ("pairs", b'{"prompt": "", "responses": ["a", "b"], "ranking": [1, 0]}\n', 1, "field 'prompt' is empty"),
     ],
 )
 def test_read_jsonl_errors(tmp_path, kind, content, lineno, what):

@@ -3,14 +3,22 @@ Tiny random Llama and GPT-2 folders written by the tests (weights widened to std
 peaked), a word-level tokenizer beside them, no network. Greedy comparisons stop at the first step whose top-two logit
 gap is ≤ 1e-4 (DESIGN §9): Llama's RMSNorm and rotary tables run in fp32 even in a float64 model."""
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import asdict
 
 import pytest
 import torch
 
 import common
-from hf import HFCausalLM, load_init
+import data
+import hf
+from hf import HFCausalLM, load_init, model_from_checkpoint
 from model import GPT, GPTConfig, logprobs_from_logits
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 V = 97  # embedding rows of every tiny model; the tokenizer has 83 tokens (ids 0..82)
 EOS, PAD = 1, 2  # the tokenizer's; PAD lies inside the vocab, the tests also pad with ids outside it
@@ -24,6 +32,21 @@ def write_tokenizer(path: str) -> None:
     tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    hf_tok.save_pretrained(path)
+
+
+def write_bos_tokenizer(path: str) -> None:
+    """A Llama-style tokenizer: its own encode starts every text with <s> (a post-processor), like Llama's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<eos>", "<pad>", "<s>"] + [f"w{i}" for i in range(80)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<s>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
     hf_tok.save_pretrained(path)
 
 
@@ -78,6 +101,13 @@ def gpt2_dir(tmp_path_factory) -> str:
             pad_token_id=PAD,
         ),
     )
+    return path
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("hf_bos_tokenizer"))
+    write_bos_tokenizer(path)
     return path
 
 
@@ -269,9 +299,84 @@ def test_checkpoint_round_trip(llama_dir, tmp_path, monkeypatch):
     critic = load_init(path, score_head=True, lm_head=False)[0]
     assert critic.score_head.bias.item() == pytest.approx(0.3) and not critic.config.lm_head
     sft_like = {**ckpt, "model": {k: v for k, v in ckpt["model"].items() if not k.startswith("score_head.")}}
-    rm = HFCausalLM.from_checkpoint(sft_like, score_head=True)
+    rm = model_from_checkpoint(sft_like, score_head=True)
     assert rm.score_head.bias.item() == 0.0
-    assert HFCausalLM.from_checkpoint(ckpt, score_head=False).score_head is None
+    assert model_from_checkpoint(ckpt, score_head=False).score_head is None
+
+
+def wrapped(state_dict: dict, prefix: str) -> dict:
+    return {prefix + k: v for k, v in state_dict.items()}
+
+
+def test_model_from_checkpoint_native(tmp_path):
+    """A native checkpoint (a path or the dict) comes back as a GPT, prefixed keys stripped, heads as saved or as
+    asked: an lm head dropped, a fresh score head whose init follows the global torch seed."""
+    torch.manual_seed(0)
+    policy = GPT(GPTConfig(block_size=64, vocab_size=V, n_layer=1, n_head=2, n_embd=32)).eval()
+    ckpt = {"model_config": asdict(policy.config), "model": wrapped(policy.state_dict(), "module._orig_mod.")}
+    path = str(tmp_path / "ckpt.pt")
+    torch.save(ckpt, path)
+    idx = torch.randint(3, V, (2, 9))
+    for loaded in (model_from_checkpoint(ckpt), model_from_checkpoint(path)):
+        assert type(loaded) is GPT and loaded.score_head is None
+        with torch.no_grad():
+            assert torch.equal(loaded.eval()(idx)[0], policy(idx)[0])
+    torch.manual_seed(7)
+    rm = model_from_checkpoint(ckpt, score_head=True)
+    torch.manual_seed(7)
+    again = model_from_checkpoint(path, score_head=True)
+    assert torch.equal(rm.score_head.weight, again.score_head.weight) and rm.score_head.bias.item() == 0.0
+    assert rm.score_head.weight.abs().sum() > 0
+    critic = model_from_checkpoint(ckpt, lm_head=False, score_head=True)
+    assert critic.lm_head is None and torch.equal(
+        critic.transformer.h[0].mlp.c_fc.weight, policy.transformer.h[0].mlp.c_fc.weight
+    )
+
+
+def test_model_from_checkpoint_adapter(llama_dir):
+    """An adapter checkpoint in PPO's layout (model + critic + critic_config, DDP/compile prefixes) comes back as
+    HFCausalLMs: the critic without an lm head as critic_config says, heads dropped or added on request."""
+    policy = load_init(f"hf:{llama_dir}")[0].eval()
+    critic = load_init(f"hf:{llama_dir}", lm_head=False, score_head=True)[0].eval()
+    with torch.no_grad():
+        critic.score_head.bias.fill_(0.25)
+    ckpt = dict(
+        model=wrapped(policy.state_dict(), "_orig_mod.module."),
+        model_config=asdict(policy.config),
+        critic=wrapped(critic.state_dict(), "module."),
+        critic_config=asdict(critic.config),
+    )
+    idx, mask = left_pad(prompts([4, 8]), PAD)
+    loaded_policy = model_from_checkpoint(ckpt).eval()
+    loaded_critic = model_from_checkpoint(ckpt, key="critic").eval()
+    assert isinstance(loaded_policy, HFCausalLM) and isinstance(loaded_critic, HFCausalLM)
+    assert loaded_policy.score_head is None and loaded_policy.config.lm_head
+    assert not loaded_critic.config.lm_head and loaded_critic.score_head.bias.item() == pytest.approx(0.25)
+    with torch.no_grad():
+        assert torch.equal(loaded_policy(idx, mask)[0], policy(idx, mask)[0])
+        assert torch.equal(loaded_critic(idx, mask)[1], critic(idx, mask)[1])
+    # an RM from the policy: a fresh score head from the global seed; a scorer without the lm head
+    torch.manual_seed(3)
+    rm = model_from_checkpoint(ckpt, score_head=True)
+    torch.manual_seed(3)
+    assert torch.equal(rm.score_head.weight, model_from_checkpoint(ckpt, score_head=True).score_head.weight)
+    assert rm.config.lm_head and rm.score_head.bias.item() == 0.0
+    dropped = model_from_checkpoint(ckpt, lm_head=False, score_head=True)
+    with torch.no_grad():
+        assert dropped(idx, mask)[0] is None and dropped(idx, mask)[1] is not None
+
+
+def test_load_init_reads_checkpoints_through_model_from_checkpoint(tiny_ckpts, monkeypatch):
+    calls = []
+    real = hf.model_from_checkpoint
+
+    def spy(ckpt, **kw):
+        calls.append(kw)
+        return real(ckpt, **kw)
+
+    monkeypatch.setattr(hf, "model_from_checkpoint", spy)
+    model, _, ckpt = load_init(tiny_ckpts[0], score_head=True)
+    assert calls == [dict(lm_head=True, score_head=True)] and type(model) is GPT and model.score_head is not None
 
 
 def test_hf_export_round_trip(llama_dir, tmp_path):
@@ -334,3 +439,93 @@ def test_reward_model_export(tmp_path, bias):
         theirs = hf(input_ids=idx).logits.squeeze(-1)
     assert (ours - theirs).abs().max() <= 1e-4
     assert ours.abs().min() > 1e-2  # not trivially zero
+
+
+# -----------------------------------------------------------------------------
+# BOS: decided per tokenizer, recorded in its state, once at the start of every sequence
+
+
+def test_bos_decided_per_tokenizer(bos_tokenizer_dir, llama_dir):
+    tok = data.load_tokenizer(f"hf:{bos_tokenizer_dir}")
+    assert tok.bos_id == 3 and tok.state()["bos_id"] == 3
+    assert tok.encode("w1 w2") == [5, 6] and tok.encode("w1 w2", bos=True) == [3, 5, 6]
+    again = data.Tokenizer.from_state(tok.state())
+    assert again.bos_id == 3 and again.state() == tok.state()
+    # a state saved before the decision existed: no BOS, as the stages that trained on it did, and it round-trips
+    old_state = {k: v for k, v in tok.state().items() if k != "bos_id"}
+    old = data.Tokenizer.from_state(old_state)
+    assert old.bos_id is None and old.encode("w1", bos=True) == [5] and old.state() == old_state
+    with pytest.raises(common.UserError, match="changed"):
+        data.Tokenizer.from_state({**tok.state(), "bos_id": 0})
+    # a tokenizer without a BOS token, and GPT-2's that defines one its encode never adds: none
+    plain = data.load_tokenizer(f"hf:{llama_dir}")
+    assert plain.bos_id is None and plain.state()["bos_id"] is None
+    assert plain.encode("w1", bos=True) == plain.encode("w1")
+
+
+def test_bos_once_at_the_start_of_every_sequence(bos_tokenizer_dir):
+    tok = data.load_tokenizer(f"hf:{bos_tokenizer_dir}")
+    prompt, response = tok.encode("w1 w2"), tok.encode("w3")
+    rows = [{"prompt": "w1 w2", "response": "w3"}, {"text": "w4 w5"}]
+    (sft_ids, sft_mask), (text_ids, text_mask) = data.encode_sft(tok, rows, 64, mask_prompt=True)[0]
+    assert sft_ids == [tok.bos_id] + prompt + response + [tok.eos_id] and sft_mask == [0, 0, 0, 1, 1]
+    assert text_ids == [tok.bos_id] + tok.encode("w4 w5") + [tok.eos_id] and text_mask == [0, 1, 1, 1]
+    pair = {"prompt": "w1 w2", "chosen": "w3", "rejected": "w4 w5"}
+    ((seqs, n_prompt, *_),) = data.encode_prefs(tok, [pair], 64)[0]
+    assert n_prompt == 3 and seqs[0] == [tok.bos_id] + prompt + response + [tok.eos_id]
+    assert all(seq.count(tok.bos_id) == 1 and seq[0] == tok.bos_id for seq in seqs)
+
+
+# -----------------------------------------------------------------------------
+# offline: every model and tokenizer load is one line that names the flag
+
+
+def offline(monkeypatch, tmp_path) -> dict:
+    """HF_HUB_OFFLINE=1 and an empty HF_HOME; huggingface_hub read both at import, so its constants follow."""
+    import huggingface_hub.constants as constants
+
+    home = tmp_path / "hf_home"
+    home.mkdir()
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(home), "TIKTOKEN_CACHE_DIR": str(tmp_path / "tiktoken")}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    return env
+
+
+@pytest.mark.parametrize("spec", ["gpt2", "hf:gpt2"])
+def test_offline_load_is_one_line(spec, monkeypatch, tmp_path):
+    offline(monkeypatch, tmp_path)
+    with pytest.raises(common.UserError) as e:
+        load_init(spec, flag="--init")
+    msg = str(e.value)
+    assert msg.startswith(f"--init {spec}: could not load") and "offline?" in msg and "\n" not in msg
+
+
+def test_tokenizer_load_failure_names_the_flag(monkeypatch):
+    """GPT-2 weights at hand but not the tiktoken ranks: still one line naming the flag."""
+    tiny = GPT(GPTConfig(block_size=64, vocab_size=V, n_layer=1, n_head=2, n_embd=32))
+    monkeypatch.setattr(GPT, "from_pretrained", classmethod(lambda cls, spec, score_head=False: tiny))
+
+    def no_ranks(name):
+        raise ValueError("could not fetch r50k_base\nsecond line")
+
+    monkeypatch.setattr(data.tiktoken, "get_encoding", no_ranks)
+    with pytest.raises(common.UserError) as e:
+        load_init("gpt2", flag="--init")
+    msg = str(e.value)
+    assert msg.startswith("--init gpt2: could not load the GPT-2 tokenizer") and "\n" not in msg
+
+
+def test_offline_train_sft_exits_2_without_traceback(monkeypatch, tmp_path):
+    env = offline(monkeypatch, tmp_path)
+    rows = [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = [sys.executable, "train_sft.py", "--init", "gpt2", "--data", str(path), "--max-steps", "1"]
+    cmd += ["--out-dir", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "--init gpt2: could not load GPT-2 weights" in proc.stderr

@@ -19,7 +19,7 @@ import data
 import train_ppo
 import train_rm
 import train_sft
-from hf import HFCausalLM
+from hf import HFCausalLM, model_from_checkpoint
 from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -234,14 +234,14 @@ def run_chain(tmp_path, init: str, user_data: dict) -> dict:
 
 
 def test_llama_chain_sft_rm_ppo(tmp_path, llama_dir, user_data):
-    """`--init hf:<llama>` through SFT, RM and PPO: every checkpoint rebuilds the adapter model (GPT.from_checkpoint
-    dispatches on model_config's hf_config), and the PPO policy is no longer the SFT one."""
+    """`--init hf:<llama>` through SFT, RM and PPO: every checkpoint rebuilds the adapter model
+    (hf.model_from_checkpoint dispatches on model_config's hf_config), and the PPO policy is no longer the SFT one."""
     ckpts = run_chain(tmp_path, f"hf:{llama_dir}", user_data)
     assert [ckpts[s]["kind"] for s in ("sft", "rm", "ppo")] == ["sft", "rm", "ppo"]
     for s in ("sft", "rm", "ppo"):
         assert ckpts[s]["model_config"]["hf_config"]["model_type"] == "llama", s
-    sft, rm, policy = (GPT.from_checkpoint(ckpts[s]).eval() for s in ("sft", "rm", "ppo"))
-    critic = GPT.from_checkpoint(ckpts["ppo"], key="critic").eval()
+    sft, rm, policy = (model_from_checkpoint(ckpts[s]).eval() for s in ("sft", "rm", "ppo"))
+    critic = model_from_checkpoint(ckpts["ppo"], key="critic").eval()
     assert all(isinstance(m, HFCausalLM) for m in (sft, rm, policy, critic))
     assert sft.score_head is None and rm.score_head is not None and rm.config.lm_head
     assert critic.score_head is not None and not critic.config.lm_head

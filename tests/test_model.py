@@ -2,6 +2,8 @@
 log-probs, stopping, sampling filters, checkpoints and optimizer groups. Tiny random models, no downloads.
 Greedy-equality tests run in float64 on models with wide random weights (no near-ties, varied greedy paths)."""
 
+import ast
+import os
 from dataclasses import asdict
 
 import pytest
@@ -212,6 +214,28 @@ def test_greedy_batched_equals_single_equals_naive():
         assert (slp[0, :n] - logprobs[i, :n]).abs().max() <= 1e-10
 
 
+def test_sampling_reproducible_per_batch_not_per_row():
+    """generate's contract: the same generator state and batch give the same tokens; a row moved elsewhere in the
+    batch draws other uniforms (one per row per step) and samples other tokens; greedy does not depend on the batch."""
+    model = wide_model()
+    prompts = random_prompts([5, 2, 7, 4])
+    swapped = [prompts[1], prompts[0]] + prompts[2:]
+
+    def sample(batch: list[list[int]], temperature: float) -> list[list[int]]:
+        idx, mask = left_pad(batch)
+        generator = torch.Generator().manual_seed(0)
+        response, rmask, _ = model.generate(idx, mask, 12, -1, PAD, temperature=temperature, generator=generator)
+        return [row(response, rmask, i) for i in range(len(batch))]
+
+    first = sample(prompts, 1.0)
+    assert sample(prompts, 1.0) == first
+    moved = sample(swapped, 1.0)
+    assert moved[1] != first[0] and moved[0] != first[1]  # prompts 0 and 1 swapped places: other tokens
+    greedy = sample(prompts, 0.0)
+    greedy_moved = sample(swapped, 0.0)
+    assert greedy_moved[1] == greedy[0] and greedy_moved[0] == greedy[1]
+
+
 def sample_and_rescore(model: GPT, temperature: float, **kw) -> tuple:
     idx, mask = left_pad(random_prompts([6, 1, 3, 8, 4, 2, 7, 5]))
     g = torch.Generator().manual_seed(0)
@@ -310,6 +334,48 @@ def test_from_checkpoint_roundtrip(tmp_path):
     ckpt["model"]["_orig_mod.transformer.h.0.attn.c_attn.bias"] = torch.zeros(3)  # strict loading
     with pytest.raises(RuntimeError):
         GPT.from_checkpoint(ckpt)
+
+
+def test_from_checkpoint_head_overrides():
+    """Heads default to the state dict's; False drops one, True adds one: a fresh score head from the global torch
+    seed (an RM from an SFT model), an lm head tied to the loaded wte (a policy from a critic's trunk)."""
+    torch.manual_seed(0)
+    policy = GPT(tiny_config()).eval()
+    critic = GPT(tiny_config(lm_head=False, score_head=True)).eval()
+    ckpt = {"model_config": asdict(policy.config), "model": policy.state_dict(), "critic": critic.state_dict()}
+    torch.manual_seed(5)
+    rm = GPT.from_checkpoint(ckpt, score_head=True)
+    torch.manual_seed(5)
+    fresh = GPT(tiny_config(score_head=True))
+    assert torch.equal(rm.score_head.weight, fresh.score_head.weight) and rm.score_head.bias.item() == 0.0
+    assert torch.equal(rm.transformer.wte.weight, policy.transformer.wte.weight)
+    trunk_only = GPT.from_checkpoint(ckpt, key="critic", score_head=False, lm_head=True).eval()
+    assert trunk_only.score_head is None and trunk_only.lm_head.weight is trunk_only.transformer.wte.weight
+    assert torch.equal(trunk_only.transformer.wte.weight, critic.transformer.wte.weight)
+    scorer = GPT.from_checkpoint(ckpt, key="critic", lm_head=False)
+    assert scorer.lm_head is None and scorer.score_head is not None
+    no_lm = GPT.from_checkpoint(ckpt, lm_head=False, score_head=True)  # the policy's trunk, a fresh head, no lm head
+    assert no_lm.lm_head is None and "lm_head.weight" not in no_lm.state_dict()
+    hf_ckpt = {**ckpt, "model_config": {**ckpt["model_config"], "hf_config": {"model_type": "llama"}}}
+    with pytest.raises(ValueError, match="hf.model_from_checkpoint"):
+        GPT.from_checkpoint(hf_ckpt)
+
+
+def test_model_imports_nothing_of_ours():
+    """model.py is the ground floor (DESIGN §1): no import of hf, data, common or any other module of this repo,
+    at the top or inside a function."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = {name.removesuffix(".py") for name in os.listdir(root) if name.endswith(".py")} | {"tests", "bench"}
+    with open(os.path.join(root, "model.py")) as f:
+        tree = ast.parse(f.read())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add("." if node.level else node.module.split(".")[0])
+    assert "hf" in ours and "data" in ours  # the scan sees the repo's modules
+    assert not imported & (ours | {"."}), f"model.py imports {sorted(imported & (ours | {'.'}))}"
 
 
 def test_configure_optimizers_and_flops():
