@@ -177,7 +177,7 @@ def win_rate(gold: list, ref_gold: list) -> float:
 @torch.no_grad()
 def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=None, rm=None) -> dict:
     """One response per prompt of one generation batch; per-sample lists (see sample_policy)."""
-    query, query_mask = (t.to(device) for t in pad_left([tok.encode(p) for p in prompts], tok.pad_id))
+    query, query_mask = (t.to(device) for t in pad_left([tok.encode(p, bos=True) for p in prompts], tok.pad_id))
     max_new = min(args.max_new_tokens, model.config.block_size - query.size(1))
     response, response_mask, logprobs = model.generate(
         query, query_mask, max_new, tok.eos_id, tok.pad_id, temperature=args.temperature, generator=generator

@@ -14,7 +14,6 @@ torchrun --standalone --nproc_per_node 8 train_ppo.py --sft-ckpt sft/ckpt.pt --r
 """
 
 import importlib
-import json
 import math
 import os
 import time
@@ -30,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import common
 import hf
 from common import UserError, exact_div, print0
-from data import Order, Tokenizer, build_task, encode_sft, gold_reward, pad_left, pad_right, read_jsonl, write_atomic
-from model import GPT, entropy_from_logits, lm_loss, logprobs_from_logits, response_forward
+from data import Order, Tokenizer, build_task, encode_sft, gold_reward, pad_left, pad_right, read_jsonl
+from model import entropy_from_logits, lm_loss, logprobs_from_logits, response_forward
 
 
 @dataclass
@@ -160,6 +159,22 @@ def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, kl_estim
     last = (mask.sum(1).long() - 1).clamp(min=0)  # (B,) index of the last real token
     rewards = rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
     return rewards * mask, kl
+
+
+def normalize_scores(scores, mean: float, std: float, mode: str, clip: Optional[float]) -> torch.Tensor:
+    """PPO-max §3.2: scores (B,) normalised with running moments, then clipped to +-clip (None: no clip). mode none |
+    scale = s/std | norm = (s - mean)/std. A std under 1e-6 (every score seen so far equal: all responses missing EOS,
+    an all-invalid batch under --reward-fn) gives no scale to divide by and counts as 1, never s/1e-8."""
+    scale = std + 1e-8 if std > 1e-6 else 1.0
+    if mode == "norm":
+        scores = (scores - mean) / scale
+    elif mode == "scale":
+        scores = scores / scale
+    elif mode != "none":
+        raise ValueError(f"unknown reward normalisation {mode!r}")
+    if clip is not None:
+        scores = scores.clamp(-clip, clip)
+    return scores
 
 
 def compute_gae(rewards, values, mask, gamma: float, lam: float):
@@ -311,6 +326,11 @@ class CollapseDetector:
 
 # -----------------------------------------------------------------------------
 # one iteration: rollout (steps 1-5) and update (step 6)
+#
+# How the two orchestration functions get their settings: the run's `Args`, passed whole and only read, so a new PPO
+# flag is a two-place edit (its field in Args, and the line that uses it). What changes while the run goes (models,
+# optimizers, the KL coefficient, the reward moments, the sampling generator) and sizes derived from the flags
+# (micro_batch_size) are explicit arguments. The math above stays pure: tensors and numbers in, never `args`.
 
 
 @torch.no_grad()
@@ -321,117 +341,131 @@ def rollout(
     reward_model,
     tok: Tokenizer,
     prompts: list[str],
+    args: Args,
     *,
-    max_new_tokens: int,
-    temperature: float,
+    micro_batch_size: int,
     generator: torch.Generator,
     kl_coef: float,
-    kl_estimator: str,
     reward_moments: RunningMoments,
-    reward_norm: str,
-    reward_clip: Optional[float],
-    missing_eos_penalty: float,
-    gamma: float,
-    lam: float,
-    micro_batch_size: int,
     reward_fn: Optional[Callable] = None,
-    reward_fn_coef: float = 1.0,
     gold_fn: Optional[Callable] = None,
-    dtype=torch.float32,
-):
+    dtype: torch.dtype = torch.float32,
+) -> tuple[dict, dict, list]:
     """Steps 1-5 on this rank's prompts. policy, ref_policy: GPTs with an LM head; critic: scalar head; reward_model:
-    scalar head, or None (reward_fn alone). Returns (experience: dict of (B, ...) tensors, stats: global means keyed
-    by DESIGN §6 tags plus logprob_err (generation vs training forward), samples: this rank's texts as dicts)."""
+    scalar head, or None (reward_fn alone). Settings are read from args (see above).
+    Returns (experience: dict of (B, ...) tensors, metrics: global means keyed by DESIGN §6 tags, samples: this
+    rank's texts as dicts)."""
     device = next(policy.parameters()).device
     amp = common.autocast(device, dtype)
     # 1. generate with the KV cache from the tempered distribution (no top-k/top-p: the ratio must be on-policy)
-    query, query_mask = (t.to(device) for t in pad_left([tok.encode(p) for p in prompts], tok.pad_id))
+    query, query_mask = pad_left([tok.encode(prompt, bos=True) for prompt in prompts], tok.pad_id)
+    query = query.to(device)
+    query_mask = query_mask.to(device)
     with amp:
-        response, mask, gen_logprobs = policy.generate(
-            query, query_mask, max_new_tokens, tok.eos_id, tok.pad_id, temperature=temperature, generator=generator
+        response, mask, generation_logprobs = policy.generate(
+            query,
+            query_mask,
+            args.max_new_tokens,
+            tok.eos_id,
+            tok.pad_id,
+            temperature=args.temperature,
+            generator=generator,
         )
-    B, P = query.shape
+    batch_size, prompt_len = query.shape
     # 2. generation stops each row at its first EOS and pads after it (mask includes the EOS); which rows ended
     last = mask.sum(1).long() - 1  # (B,) index of the last real response token
     ended = response.gather(1, last[:, None]).squeeze(1) == tok.eos_id
     # 3. no-grad passes of the training forward per micro-batch: old and reference log-probs, values, RM scores
     logprobs, ref_logprobs, values, entropy, rm_scores = [], [], [], [], []
-    for i in range(0, B, micro_batch_size):
-        q, qm, r, m = (t[i : i + micro_batch_size] for t in (query, query_mask, response, mask))
+    for start in range(0, batch_size, micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        micro_batch = (query[rows], query_mask[rows], response[rows], mask[rows])
         with amp:
-            logits, _ = response_forward(policy, q, qm, r, m, temperature)
-            ref_logits, _ = response_forward(ref_policy, q, qm, r, m, temperature)
-            values.append(response_forward(critic, q, qm, r, m, temperature)[1])
+            logits, _ = response_forward(policy, *micro_batch, args.temperature)
+            ref_logits, _ = response_forward(ref_policy, *micro_batch, args.temperature)
+            _, micro_values = response_forward(critic, *micro_batch, args.temperature)
             if reward_model is not None:  # the RM reads its score at the last real token (the EOS)
-                _, s = reward_model(torch.cat([q, r], 1), torch.cat([qm, m], 1), logits=False)
-                rm_scores.append(s.float().gather(1, P + last[i : i + micro_batch_size, None]).squeeze(1))
-        logprobs.append(logprobs_from_logits(logits, r))
-        ref_logprobs.append(logprobs_from_logits(ref_logits, r))
+                sequence = torch.cat([query[rows], response[rows]], 1)
+                sequence_mask = torch.cat([query_mask[rows], mask[rows]], 1)
+                _, token_scores = reward_model(sequence, sequence_mask, logits=False)
+                eos_position = prompt_len + last[rows, None]
+                rm_scores.append(token_scores.float().gather(1, eos_position).squeeze(1))
+        values.append(micro_values)
+        logprobs.append(logprobs_from_logits(logits, response[rows]))
+        ref_logprobs.append(logprobs_from_logits(ref_logits, response[rows]))
         entropy.append(entropy_from_logits(logits))
-    logprobs, ref_logprobs, values, entropy = (torch.cat(x) * mask for x in (logprobs, ref_logprobs, values, entropy))
-    # the sampler's own log-probs must match the training forward's, or the first ratio is not 1
-    lp_err = ((gen_logprobs - logprobs).abs() * mask).max().item()
-    if dtype == torch.float32 and lp_err > 1e-4:
-        raise RuntimeError(f"generation log-probs differ from the training forward by {lp_err:.2e} > 1e-4 in fp32")
+    logprobs = torch.cat(logprobs) * mask
+    ref_logprobs = torch.cat(ref_logprobs) * mask
+    values = torch.cat(values) * mask
+    entropy = torch.cat(entropy) * mask
+    # the sampler's own log-probs must match the training forward's, or the first ratio is not 1; the max over ranks
+    # decides, so every rank raises together (one rank alone would leave the others waiting in the next collective)
+    logprob_error = ((generation_logprobs - logprobs).abs() * mask).max()
+    if dist.is_initialized():
+        dist.all_reduce(logprob_error, op=dist.ReduceOp.MAX)
+    logprob_error = logprob_error.item()
+    if dtype == torch.float32 and logprob_error > 1e-4:
+        raise RuntimeError(
+            f"generation log-probs differ from the training forward by {logprob_error:.2e} > 1e-4 in fp32"
+        )
     # score = RM (calibration folded into its head) + coef * reward_fn; a response without EOS gets the penalty instead
-    texts = [tok.decode(response[b, : last[b] + 1]) for b in range(B)]
-    scores = torch.cat(rm_scores) if rm_scores else torch.zeros(B, device=device)
+    texts = [tok.decode(response[row, : last[row] + 1]) for row in range(batch_size)]
+    scores = torch.cat(rm_scores) if rm_scores else torch.zeros(batch_size, device=device)
     if reward_fn is not None:
-        fn = [float(reward_fn(p, t, e)) for p, t, e in zip(prompts, texts, ended.tolist())]
-        scores = scores + reward_fn_coef * torch.tensor(fn, device=device)
-    scores = torch.where(ended, scores, torch.full_like(scores, missing_eos_penalty))
+        extra = [float(reward_fn(p, t, e)) for p, t, e in zip(prompts, texts, ended.tolist())]
+        scores = scores + args.reward_fn_coef * torch.tensor(extra, device=device)
+    scores = torch.where(ended, scores, torch.full_like(scores, args.missing_eos_penalty))
     # 4. rewards: running moments over all history and ranks, normalise, clip (PPO-max §3.2); KL penalty per token
     reward_moments.update(scores)
-    score_norm = scores
-    if reward_norm == "norm":
-        score_norm = (scores - reward_moments.mean) / (reward_moments.std + 1e-8)
-    elif reward_norm == "scale":
-        score_norm = scores / (reward_moments.std + 1e-8)
-    if reward_clip is not None:
-        score_norm = score_norm.clamp(-reward_clip, reward_clip)
-    rewards, _ = shape_rewards(score_norm, logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
+    score_norm = normalize_scores(scores, reward_moments.mean, reward_moments.std, args.reward_norm, args.reward_clip)
+    rewards, _ = shape_rewards(score_norm, logprobs, ref_logprobs, mask, kl_coef, args.kl_estimator)
     # 5. GAE; returns = raw advantages + values
-    advantages, returns = compute_gae(rewards, values, mask, gamma, lam)
+    advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
 
-    # global statistics: one all-reduce of sums
-    gold = [gold_fn(p, t, e) for p, t, e in zip(prompts, texts, ended.tolist())] if gold_fn else [0.0] * B
-    kl_seq = ((logprobs - ref_logprobs) * mask).sum(1)  # objective/kl is always the per-sequence sum of k1
-    err = (returns - values) * mask
-    sums = torch.stack(
-        [
-            torch.tensor(float(B), device=device),
-            scores.sum(),
-            score_norm.sum(),
-            kl_seq.sum(),
-            rewards.sum(),
-            entropy.sum(),
-            mask.sum(),
-            -logprobs.sum(),
-            ended.float().sum(),
-            torch.tensor(float(sum(gold)), device=device),
-            returns.sum(),
-            (returns**2).sum(),
-            err.sum(),
-            (err**2).sum(),
-        ]
-    ).double()
-    n, score, norm, kl, rlhf, ent, n_tok, nll, eos, gld, r1, r2, e1, e2 = common.all_reduce_sum(sums).tolist()
-    var_r, var_err = r2 / n_tok - (r1 / n_tok) ** 2, e2 / n_tok - (e1 / n_tok) ** 2
-    stats = {
-        "objective/score": score / n,
-        "objective/score_norm": norm / n,
-        "objective/kl": kl / n,
-        "objective/rlhf_reward": rlhf / n,
-        "objective/entropy": ent / n_tok,
-        "rollout/response_len": n_tok / n,
-        "rollout/perplexity": math.exp(nll / n_tok),
-        "rollout/eos_frac": eos / n,
-        "value/explained_variance": 1 - var_err / max(var_r, 1e-12),
-        "logprob_err": lp_err,
+    # global statistics: one all-reduce of named sums
+    gold = [0.0] * batch_size
+    if gold_fn is not None:
+        gold = [gold_fn(p, t, e) for p, t, e in zip(prompts, texts, ended.tolist())]
+    kl_per_sequence = ((logprobs - ref_logprobs) * mask).sum(1)  # objective/kl is always the summed k1
+    value_error = (returns - values) * mask
+    sums = common.all_reduce_dict(
+        {
+            "sequences": float(batch_size),
+            "score": scores.sum(),
+            "score_norm": score_norm.sum(),
+            "kl": kl_per_sequence.sum(),
+            "rlhf_reward": rewards.sum(),
+            "entropy": entropy.sum(),
+            "tokens": mask.sum(),
+            "nll": -logprobs.sum(),
+            "ended": ended.float().sum(),
+            "gold": float(sum(gold)),
+            "returns": returns.sum(),
+            "returns_squared": (returns**2).sum(),
+            "value_error": value_error.sum(),
+            "value_error_squared": (value_error**2).sum(),
+        },
+        device,
+    )
+    sequences = sums["sequences"]
+    tokens = sums["tokens"]
+    returns_variance = sums["returns_squared"] / tokens - (sums["returns"] / tokens) ** 2
+    error_variance = sums["value_error_squared"] / tokens - (sums["value_error"] / tokens) ** 2
+    metrics = {
+        "objective/score": sums["score"] / sequences,
+        "objective/score_norm": sums["score_norm"] / sequences,
+        "objective/kl": sums["kl"] / sequences,
+        "objective/rlhf_reward": sums["rlhf_reward"] / sequences,
+        "objective/entropy": sums["entropy"] / tokens,
+        "rollout/response_len": tokens / sequences,
+        "rollout/perplexity": math.exp(sums["nll"] / tokens),
+        "rollout/eos_frac": sums["ended"] / sequences,
+        "rollout/logprob_err": logprob_error,
+        "value/explained_variance": 1 - error_variance / max(returns_variance, 1e-12),
     }
     if gold_fn is not None:
-        stats["objective/gold"] = gld / n
-    exp = dict(
+        metrics["objective/gold"] = sums["gold"] / sequences
+    experience = dict(
         query=query,
         query_mask=query_mask,
         response=response,
@@ -444,11 +478,12 @@ def rollout(
         returns=returns,
         scores=scores,
     )
-    samples = [
-        {"prompt": p, "response": t, "ended": e, "score": s, "gold": g if gold_fn else None}
-        for p, t, e, s, g in zip(prompts, texts, ended.tolist(), scores.tolist(), gold)
-    ]
-    return exp, stats, samples
+    samples = []
+    for prompt, text, is_ended, score, gold_value in zip(prompts, texts, ended.tolist(), scores.tolist(), gold):
+        sample = {"prompt": prompt, "response": text, "ended": is_ended, "score": score}
+        sample["gold"] = gold_value if gold_fn else None
+        samples.append(sample)
+    return experience, metrics, samples
 
 
 def _sync(model, sync: bool):
@@ -461,131 +496,205 @@ def ppo_update(
     critic,
     actor_optimizer,
     critic_optimizer,
-    exp: dict,
+    experience: dict,
+    args: Args,
     *,
-    ppo_epochs: int,
-    num_minibatches: int,
     micro_batch_size: int,
-    cliprange: float,
-    cliprange_value: Optional[float],
-    temperature: float,
-    adv_whiten: str = "minibatch",
-    entropy_coef: float = 0.0,
-    ptx_coef: float = 0.0,
-    ptx_sampler: Optional[Callable] = None,
-    grad_clip: float = 0.0,
-    critic_grad_clip: float = 0.0,
     train_actor: bool = True,
     generator: Optional[torch.Generator] = None,
-    dtype=torch.float32,
-) -> dict:
+    ptx_sampler: Optional[Callable] = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[dict, dict]:
     """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one optimizer step per
     minibatch for the critic and (unless train_actor is False: critic warm-up) the actor. actor and critic may be DDP
-    or compiled modules. ptx_sampler() -> (inputs, targets, mask) of one micro-batch of pre-training text.
-    Returns global means keyed by DESIGN §6 tags, plus `updates`, `skipped` and the first minibatch's `first/*`."""
-    B, device, mask = exp["mask"].size(0), exp["mask"].device, exp["mask"]
-    mb_rows = exact_div(B, num_minibatches, "rollout rows per rank over --num-minibatches")
-    accum = exact_div(mb_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
+    or compiled modules. ptx_sampler() -> (inputs, targets, mask) of one micro-batch of pre-training text (None: no
+    ptx loss). Settings are read from args (see above).
+    A model whose global grad norm is not finite skips that step (the other still steps); the step counts once.
+    Returns (metrics: global means keyed by DESIGN §6 tags over the steps each model took (policy/* only when the
+    actor trained), diagnostics: {"updates": steps every model took, "skipped": steps some model skipped, "first":
+    ratio_err, approx_kl and clipfrac of the first micro-batch, which must read 0, 0, 0})."""
+    mask = experience["mask"]
+    rows_per_rank = mask.size(0)
+    device = mask.device
+    minibatch_rows = exact_div(rows_per_rank, args.num_minibatches, "rollout rows per rank over --num-minibatches")
+    grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
     amp = common.autocast(device, dtype)
-    world = dist.get_world_size() if dist.is_initialized() else 1  # DDP averages gradients; the losses are global sums
-    use_ptx = train_actor and ptx_coef > 0 and ptx_sampler is not None
-    advantages = exp["advantages"]
-    if adv_whiten == "rollout":  # once over the whole rollout with global statistics (TRL)
-        n, s1, s2 = common.all_reduce_sum(torch.stack([mask.sum(), advantages.sum(), (advantages**2).sum()]).double())
-        advantages = masked_whiten(advantages, mask, mean=(s1 / n).float(), var=(s2 / n - (s1 / n) ** 2).float())
-    keys = ("pg_loss", "vf_loss", "ptx_loss", "approx_kl", "clipfrac", "ratio", "vf_clipfrac", "tokens")
-    acc = {k: torch.zeros((), dtype=torch.float64, device=device) for k in keys}  # this rank's sums
-    norms = {k: torch.zeros((), dtype=torch.float64, device=device) for k in ("actor", "critic")}
-    first, n_steps, skipped = {}, 0, 0
+    # DDP averages gradients over ranks; the losses below are global sums, so each backward scales by the world size
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    use_ptx = train_actor and args.ptx_coef > 0 and ptx_sampler is not None
+    advantages = experience["advantages"]
+    if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (TRL)
+        moments = common.all_reduce_dict(
+            {"tokens": mask.sum(), "sum": advantages.sum(), "sum_squared": (advantages**2).sum()}, device
+        )
+        mean = moments["sum"] / moments["tokens"]
+        variance = moments["sum_squared"] / moments["tokens"] - mean**2
+        advantages = masked_whiten(
+            advantages,
+            mask,
+            mean=torch.tensor(mean, dtype=torch.float32, device=device),
+            var=torch.tensor(variance, dtype=torch.float32, device=device),
+        )
+    # this rank's sums over the steps taken, per model; a step's own sums join them only when that model steps
+    totals = {}
+    model_steps = {"actor": 0, "critic": 0}
+    first = {}
+    updates = 0  # optimizer steps every model took
+    skipped = 0  # optimizer steps some model skipped (non-finite grad norm), counted once
     lengths = mask.sum(1).long().tolist()  # one host sync: each micro-batch trims its right padding to its longest row
-    for epoch in range(ppo_epochs):
-        perm = torch.randperm(B, generator=generator, device=generator.device if generator else "cpu")
-        perm_list, perm = perm.tolist(), perm.to(device)
-        for mb in range(num_minibatches):
-            rows = perm[mb * mb_rows : (mb + 1) * mb_rows]
-            ptx = [ptx_sampler() for _ in range(accum)] if use_ptx else []
+    for _ in range(args.ppo_epochs):
+        permutation = torch.randperm(
+            rows_per_rank, generator=generator, device=generator.device if generator else "cpu"
+        )
+        order = permutation.tolist()
+        permutation = permutation.to(device)
+        for minibatch in range(args.num_minibatches):
+            minibatch_index = permutation[minibatch * minibatch_rows : (minibatch + 1) * minibatch_rows]
+            ptx_batches = [ptx_sampler() for _ in range(grad_accum_steps)] if use_ptx else []
             # the step's global token counts (loss denominators) and whitening statistics: one all-reduce per step
-            m, a = mask[rows], advantages[rows]
-            ptx_tokens = sum((p[2].sum() for p in ptx), torch.zeros((), device=device))
-            n_tok, s1, s2, n_ptx = common.all_reduce_sum(
-                torch.stack([m.sum(), a.sum(), (a**2).sum(), ptx_tokens]).double()
+            minibatch_mask = mask[minibatch_index]
+            minibatch_advantages = advantages[minibatch_index]
+            ptx_tokens = sum((batch[2].sum() for batch in ptx_batches), torch.zeros((), device=device))
+            counts = common.all_reduce_dict(
+                {
+                    "tokens": minibatch_mask.sum(),
+                    "advantages": minibatch_advantages.sum(),
+                    "advantages_squared": (minibatch_advantages**2).sum(),
+                    "ptx_tokens": ptx_tokens,
+                },
+                device,
             )
-            adv_mean, adv_var = (s1 / n_tok).float(), (s2 / n_tok - (s1 / n_tok) ** 2).float()
-            n_tok, n_ptx = n_tok.float(), n_ptx.float()
-            for j in range(accum):
-                idx, sync = rows[j * micro_batch_size : (j + 1) * micro_batch_size], j == accum - 1
-                at = mb * mb_rows + j * micro_batch_size
-                T = max(lengths[i] for i in perm_list[at : at + micro_batch_size])  # no host sync
-                q, qm, r, m = exp["query"][idx], exp["query_mask"][idx], exp["response"][idx, :T], mask[idx, :T]
-                old_logprobs, adv = exp["logprobs"][idx, :T], advantages[idx, :T]
-                if adv_whiten == "minibatch":  # PPO-max: global statistics over the whole minibatch
-                    adv = masked_whiten(adv, m, mean=adv_mean, var=adv_var)
+            advantage_mean = counts["advantages"] / counts["tokens"]
+            advantage_variance = counts["advantages_squared"] / counts["tokens"] - advantage_mean**2
+            advantage_mean = torch.tensor(advantage_mean, dtype=torch.float32, device=device)
+            advantage_variance = torch.tensor(advantage_variance, dtype=torch.float32, device=device)
+            token_count = torch.tensor(counts["tokens"], dtype=torch.float32, device=device)
+            ptx_token_count = torch.tensor(counts["ptx_tokens"], dtype=torch.float32, device=device)
+            step_sums = {"actor": {}, "critic": {}}  # this step's sums per model, kept if that model steps
+            for micro in range(grad_accum_steps):
+                micro_index = minibatch_index[micro * micro_batch_size : (micro + 1) * micro_batch_size]
+                start = minibatch * minibatch_rows + micro * micro_batch_size
+                longest = max(lengths[row] for row in order[start : start + micro_batch_size])  # no host sync
+                query = experience["query"][micro_index]
+                query_mask = experience["query_mask"][micro_index]
+                response = experience["response"][micro_index, :longest]
+                micro_mask = mask[micro_index, :longest]
+                micro_tokens = micro_mask.sum()
+                old_logprobs = experience["logprobs"][micro_index, :longest]
+                micro_advantages = advantages[micro_index, :longest]
+                if args.adv_whiten == "minibatch":  # PPO-max: global statistics over the whole minibatch
+                    micro_advantages = masked_whiten(
+                        micro_advantages, micro_mask, mean=advantage_mean, var=advantage_variance
+                    )
+                sync = micro == grad_accum_steps - 1
                 if train_actor:
                     if use_ptx:  # LM loss on pre-training text (InstructGPT's PPO-ptx); never the syncing backward
+                        ptx_inputs, ptx_targets, ptx_mask = ptx_batches[micro]
                         with _sync(actor, False), amp:
-                            ptx_loss = lm_loss(actor(ptx[j][0])[0], ptx[j][1], ptx[j][2], denom=n_ptx)
-                        (ptx_coef * ptx_loss * world).backward()
-                        acc["ptx_loss"] += ptx_loss.detach()
+                            ptx_logits, _ = actor(ptx_inputs)
+                            ptx_loss = lm_loss(ptx_logits, ptx_targets, ptx_mask, denom=ptx_token_count)
+                        (args.ptx_coef * ptx_loss * world_size).backward()
+                        _add(step_sums["actor"], "ptx_loss", ptx_loss.detach())
                     with _sync(actor, sync), amp:
-                        logits, _ = response_forward(actor, q, qm, r, m, temperature)
-                        logprobs = logprobs_from_logits(logits, r)
-                        pg_loss, st = ppo_policy_loss(logprobs, old_logprobs, adv, m, cliprange, denom=n_tok)
-                        loss = (
-                            pg_loss - entropy_coef * (entropy_from_logits(logits) * m).sum() / n_tok
-                            if entropy_coef > 0
-                            else pg_loss
+                        logits, _ = response_forward(actor, query, query_mask, response, micro_mask, args.temperature)
+                        logprobs = logprobs_from_logits(logits, response)
+                        pg_loss, pg_stats = ppo_policy_loss(
+                            logprobs, old_logprobs, micro_advantages, micro_mask, args.cliprange, denom=token_count
                         )
-                    (loss * world).backward()
-                    acc["pg_loss"] += pg_loss.detach()
-                    for k, key in (("approx_kl", "approx_kl"), ("clipfrac", "clipfrac"), ("ratio", "ratio_mean")):
-                        acc[k] += st[key] * m.sum()
-                    if epoch == 0 and mb == 0 and j == 0:  # must be ratio 1, approx_kl 0, clipfrac 0 (DESIGN §5)
+                        loss = pg_loss
+                        if args.entropy_coef > 0:
+                            entropy = entropy_from_logits(logits)
+                            loss = loss - args.entropy_coef * (entropy * micro_mask).sum() / token_count
+                    (loss * world_size).backward()
+                    _add(step_sums["actor"], "pg_loss", pg_loss.detach())
+                    _add(step_sums["actor"], "approx_kl", pg_stats["approx_kl"] * micro_tokens)
+                    _add(step_sums["actor"], "clipfrac", pg_stats["clipfrac"] * micro_tokens)
+                    _add(step_sums["actor"], "ratio", pg_stats["ratio_mean"] * micro_tokens)
+                    _add(step_sums["actor"], "tokens", micro_tokens)
+                    if not first:  # must be ratio 1, approx_kl 0, clipfrac 0 (DESIGN §5)
+                        ratio_error = ((logprobs - old_logprobs).exp().sub(1).abs() * micro_mask).max()
                         first = {
-                            "first/ratio_err": ((logprobs - old_logprobs).exp().sub(1).abs() * m).max().item(),
-                            "first/approx_kl": st["approx_kl"].item(),
-                            "first/clipfrac": st["clipfrac"].item(),
+                            "ratio_err": ratio_error.item(),
+                            "approx_kl": pg_stats["approx_kl"].item(),
+                            "clipfrac": pg_stats["clipfrac"].item(),
                         }
                 with _sync(critic, sync), amp:
-                    _, v = response_forward(critic, q, qm, r, m, temperature)
-                    vf_loss, vst = ppo_value_loss(
-                        v, exp["values"][idx, :T], exp["returns"][idx, :T], m, cliprange_value, denom=n_tok
+                    _, new_values = response_forward(critic, query, query_mask, response, micro_mask, args.temperature)
+                    vf_loss, vf_stats = ppo_value_loss(
+                        new_values,
+                        experience["values"][micro_index, :longest],
+                        experience["returns"][micro_index, :longest],
+                        micro_mask,
+                        args.cliprange_value,
+                        denom=token_count,
                     )
-                (vf_loss * world).backward()
-                acc["vf_loss"] += vf_loss.detach()
-                acc["vf_clipfrac"] += vst["clipfrac"] * m.sum()
-                acc["tokens"] += m.sum()
-            # separate optimizers and clips; a non-finite norm (the same on every rank after the all-reduce) skips
-            for name, model, opt, clip in (
-                ("actor", actor, actor_optimizer, grad_clip),
-                ("critic", critic, critic_optimizer, critic_grad_clip),
+                (vf_loss * world_size).backward()
+                _add(step_sums["critic"], "vf_loss", vf_loss.detach())
+                _add(step_sums["critic"], "vf_clipfrac", vf_stats["clipfrac"] * micro_tokens)
+                _add(step_sums["critic"], "tokens", micro_tokens)
+            # separate optimizers and clips; each norm is global after DDP's all-reduce, so every rank takes the
+            # same decision; a model whose norm is not finite skips this step (the step is counted once as skipped)
+            step_ok = True
+            for name, model, optimizer, clip in (
+                ("actor", actor, actor_optimizer, args.grad_clip),
+                ("critic", critic, critic_optimizer, args.critic_grad_clip),
             ):
-                if name == "critic" or train_actor:
-                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
-                    if torch.isfinite(norm):  # the step's one host sync
-                        opt.step()
-                        norms[name] += norm
-                    else:  # name the bad quantity (the loss sums are this rank's)
-                        skipped += 1
-                        losses = ", ".join(f"{k} {acc[k].item():.3g}" for k in ("pg_loss", "vf_loss", "ptx_loss"))
-                        common.print0(f"non-finite {name} grad norm ({norm.item()}; {losses}): step skipped")
-                opt.zero_grad(set_to_none=True)
-            n_steps += 1
-    g = dict(zip(keys, common.all_reduce_sum(torch.stack([acc[k] for k in keys])).tolist()))
-    tokens = max(g["tokens"], 1.0)
-    return {
-        "policy/loss": g["pg_loss"] / n_steps,
-        "value/loss": g["vf_loss"] / n_steps,
-        "ptx/loss": g["ptx_loss"] / n_steps,
-        "policy/approx_kl": g["approx_kl"] / tokens,
-        "policy/clipfrac": g["clipfrac"] / tokens,
-        "policy/ratio_mean": g["ratio"] / tokens if train_actor else 1.0,
-        "value/clipfrac": g["vf_clipfrac"] / tokens,
-        "train/grad_norm": norms["actor"].item() / n_steps,
-        "value/grad_norm": norms["critic"].item() / n_steps,
-        "updates": n_steps,
-        "skipped": skipped,
-        **first,
-    }
+                if name == "actor" and not train_actor:
+                    continue
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
+                if torch.isfinite(norm):  # the model's one host sync per step
+                    optimizer.step()
+                    model_steps[name] += 1
+                    _add(totals, f"{name}/grad_norm", norm)
+                    for key, value in step_sums[name].items():
+                        _add(totals, f"{name}/{key}", value)
+                else:  # name the bad quantity (the loss sums are this rank's)
+                    step_ok = False
+                    losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums[name].items())
+                    common.print0(f"non-finite {name} grad norm ({norm.item()}; {losses}): step skipped")
+                optimizer.zero_grad(set_to_none=True)
+            updates += step_ok
+            skipped += not step_ok
+    # global means over the steps each model took; the grad norms are already global (the same on every rank)
+    summed = {}
+    if totals:  # empty when every step was skipped: the same on every rank, so no rank waits in a lone collective
+        summed = common.all_reduce_dict({key: totals[key] for key in sorted(totals)}, device)
+    metrics = {}
+    if model_steps["critic"]:
+        critic_steps = model_steps["critic"]
+        metrics["value/loss"] = summed["critic/vf_loss"] / critic_steps
+        metrics["value/clipfrac"] = summed["critic/vf_clipfrac"] / summed["critic/tokens"]
+        metrics["value/grad_norm"] = summed["critic/grad_norm"] / (critic_steps * world_size)
+    if model_steps["actor"]:
+        actor_steps = model_steps["actor"]
+        metrics["policy/loss"] = summed["actor/pg_loss"] / actor_steps
+        metrics["policy/approx_kl"] = summed["actor/approx_kl"] / summed["actor/tokens"]
+        metrics["policy/clipfrac"] = summed["actor/clipfrac"] / summed["actor/tokens"]
+        metrics["policy/ratio_mean"] = summed["actor/ratio"] / summed["actor/tokens"]
+        metrics["train/grad_norm"] = summed["actor/grad_norm"] / (actor_steps * world_size)
+        if use_ptx:
+            metrics["ptx/loss"] = summed["actor/ptx_loss"] / actor_steps
+    diagnostics = {"updates": updates, "skipped": skipped, "first": first}
+    return metrics, diagnostics
+
+
+def _add(sums: dict, key: str, value: torch.Tensor) -> None:
+    """sums[key] += value, starting from 0 (a running sum that stays on the device: no host sync)."""
+    sums[key] = sums[key] + value if key in sums else value
+
+
+def iteration_flops(actor, critic, reward_model, sequence_len: int, sequences: int, ppo_epochs: int) -> float:
+    """Training-equivalent FLOPs of one PPO iteration for perf/mfu (flops_per_token counts a forward and a backward,
+    a forward is a third of it): generation, old and reference log-probs (three actor-sized forwards), the values and
+    the RM score (two forwards), then ppo_epochs forward-backward passes of the actor and the critic over the rollout.
+    sequence_len = prompt + response positions; sequences summed over ranks."""
+    actor_flops = actor.flops_per_token(sequence_len)
+    critic_flops = critic.flops_per_token(sequence_len)
+    # the RM's forward reads its scalar head only (logits=False), like the critic's: critic-sized
+    reward_flops = critic_flops if reward_model is not None else 0
+    rollout_flops = (3 * actor_flops + critic_flops + reward_flops) / 3
+    update_flops = ppo_epochs * (actor_flops + critic_flops)
+    return sequences * sequence_len * (rollout_flops + update_flops)
 
 
 # -----------------------------------------------------------------------------
@@ -602,6 +711,11 @@ def load_reward_fn(spec: str) -> Callable:
     if not callable(fn):
         raise UserError(f"--reward-fn {spec}: expected module:function, e.g. data:gold_reward")
     return fn
+
+
+def format_sample(sample: dict) -> str:
+    """prompt + response, marked when the response has no EOS."""
+    return f"{sample['prompt']}{sample['response']}{'' if sample['ended'] else ' [no EOS]'}"
 
 
 CONSOLE = (
@@ -622,13 +736,16 @@ CONSOLE = (
 
 def main(args: Args) -> None:
     t_start = time.time()
+    common.seed_everything(args.seed)  # before any model is built: a fresh critic head follows --seed
     # 1. checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
     if args.temperature <= 0:
         raise UserError(f"--temperature {args.temperature}: PPO samples from the tempered distribution; use > 0")
     if args.rm_ckpt == "none" and args.reward_fn is None:
         raise UserError("--rm-ckpt none needs --reward-fn module:function (e.g. data:gold_reward)")
     sft = common.load_checkpoint(args.sft_ckpt, kind=("sft", "ppo"), flag="--sft-ckpt")
-    rm = None if args.rm_ckpt == "none" else common.load_checkpoint(args.rm_ckpt, kind="rm", flag="--rm-ckpt")
+    rm = None
+    if args.rm_ckpt != "none":
+        rm = common.load_checkpoint(args.rm_ckpt, kind="rm", flag="--rm-ckpt")
     if rm is not None and rm["tokenizer"] != sft["tokenizer"]:
         raise UserError(
             f"--rm-ckpt {args.rm_ckpt}: its tokenizer differs from --sft-ckpt {args.sft_ckpt}'s "
@@ -636,57 +753,71 @@ def main(args: Args) -> None:
         )
     tok = Tokenizer.from_state(sft["tokenizer"])
     reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
-    actor, ref_policy = GPT.from_checkpoint(sft), GPT.from_checkpoint(sft)
-    reward_model = None if rm is None else GPT.from_checkpoint(rm)
-    # PPO-max: the critic starts from the RM (or, with no RM, from the SFT trunk with a fresh head)
-    critic, _, _ = hf.load_init(args.rm_ckpt if rm else args.sft_ckpt, score_head=True, lm_head=False)
-    builtin, block = args.prompts is None, actor.config.block_size
+    # every model from the checkpoints already in memory; PPO-max: the critic starts from the RM (or, with no RM,
+    # from the SFT trunk with a fresh head)
+    actor = hf.model_from_checkpoint(sft)
+    ref_policy = hf.model_from_checkpoint(sft)
+    reward_model = None if rm is None else hf.model_from_checkpoint(rm)
+    critic = hf.model_from_checkpoint(rm if rm is not None else sft, lm_head=False, score_head=True)
+    builtin = args.prompts is None
+    block_size = actor.config.block_size
     task = build_task(args.task_dir, args.task_seed) if builtin else None
-    prompts = [r["prompt"] for r in read_jsonl(task["prompts"] if builtin else args.prompts, "prompts")]
-    n_all, prompts = len(prompts), [p for p in prompts if len(tok.encode(p)) + args.max_new_tokens <= block]
+    prompts = [row["prompt"] for row in read_jsonl(task["prompts"] if builtin else args.prompts, "prompts")]
+    prompts_read = len(prompts)
+    prompts = [prompt for prompt in prompts if len(tok.encode(prompt, bos=True)) + args.max_new_tokens <= block_size]
     if not prompts:
         raise UserError(
-            f"every prompt is longer than the context minus --max-new-tokens ({block} - {args.max_new_tokens} tokens)"
+            f"every prompt is longer than the context minus --max-new-tokens ({block_size} - {args.max_new_tokens} "
+            "tokens)"
         )
     ptx_path = args.ptx_data or (task["pretrain"] if builtin else None)
-    ptx = encode_sft(tok, read_jsonl(ptx_path, "text"), block, mask_prompt=False)[0] if ptx_path else []
+    ptx = []
+    if ptx_path:
+        ptx, _ = encode_sft(tok, read_jsonl(ptx_path, "text"), block_size, mask_prompt=False)
     gold_fn = gold_reward if builtin else None
 
     # 2. distributed set-up, sizes, optimizers, state
     # sizes first, against the launched world size: a mistake ends here, before any process group
-    world = common.launched_world_size()
-    per_rank = exact_div(args.rollout_batch_size, world, "--rollout-batch-size over the world size")
-    mb_rows = exact_div(per_rank, args.num_minibatches, "--rollout-batch-size/world_size over --num-minibatches")
-    mbs = min(args.micro_batch_size, mb_rows)  # a micro-batch never exceeds a rank's share of the minibatch
-    accum = exact_div(mb_rows, mbs, "minibatch rows per rank over --micro-batch-size")
-    ptx_micro = (
-        exact_div(args.ptx_batch_size, world * accum, "--ptx-batch-size over world_size * accum steps")
-        if ptx and args.ptx_coef > 0
-        else 0
-    )  # checked only when there is a ptx loss to compute
+    launched = common.launched_world_size()
+    rows_per_rank = exact_div(args.rollout_batch_size, launched, "--rollout-batch-size over the world size")
+    minibatch_rows = exact_div(
+        rows_per_rank, args.num_minibatches, "--rollout-batch-size/world_size over --num-minibatches"
+    )
+    micro_batch_size = min(args.micro_batch_size, minibatch_rows)  # never more than a rank's share of a minibatch
+    grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
+    ptx_micro_batch_size = 0
+    if ptx and args.ptx_coef > 0:  # checked only when there is a ptx loss to compute
+        ptx_micro_batch_size = exact_div(
+            args.ptx_batch_size, launched * grad_accum_steps, "--ptx-batch-size over world_size * accum steps"
+        )
+    common.prepare_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses to replace a run silently
     d = common.setup_dist(args.device)
     dtype = common.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
     print0(
-        f"ppo: {len(prompts)} prompts ({n_all - len(prompts)} too long, skipped) | {len(ptx)} ptx texts | actor "
-        f"{actor.num_params() / 1e6:.2f} M, critic {critic.num_params() / 1e6:.2f} M | rollout "
-        f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x {accum} accum x "
-        f"{mbs} | {max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}"
+        f"ppo: {len(prompts)} prompts ({prompts_read - len(prompts)} too long, skipped) | {len(ptx)} ptx texts | "
+        f"actor {actor.num_params() / 1e6:.2f} M, critic {critic.num_params() / 1e6:.2f} M | rollout "
+        f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x {grad_accum_steps} "
+        f"accum x {micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}"
     )
-    common.seed_everything(args.seed)
-    for m in (actor, ref_policy, critic, reward_model):
-        if m is not None:
-            m.to(d.device).eval()  # eval mode always: dropout off in all four models
-    for m in (ref_policy, reward_model):
-        if m is not None:
-            m.requires_grad_(False)
-    actor_opt = actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
-    critic_opt = critic.configure_optimizers(args.weight_decay, args.critic_lr, (0.9, 0.95), d.device.type)
+    for model in (actor, ref_policy, critic, reward_model):
+        if model is not None:
+            model.to(d.device).eval()  # eval mode always: dropout off in all four models
+    for model in (ref_policy, reward_model):
+        if model is not None:
+            model.requires_grad_(False)
+    actor_optimizer = actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
+    critic_optimizer = critic.configure_optimizers(args.weight_decay, args.critic_lr, (0.9, 0.95), d.device.type)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
-    kl_ctl = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
-    moments, detector = RunningMoments(), CollapseDetector(args.collapse_window, args.collapse_z, args.collapse_lag)
-    prompt_order, ptx_order = Order(len(prompts), args.seed), Order(max(1, len(ptx)), args.seed + 1)
-    step, seconds, updates, skipped = 0, 0.0, 0, 0
+    kl_controller = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
+    reward_moments = RunningMoments()
+    detector = CollapseDetector(args.collapse_window, args.collapse_z, args.collapse_lag)
+    prompt_order = Order(len(prompts), args.seed)
+    ptx_order = Order(max(1, len(ptx)), args.seed + 1)
+    step = 0
+    seconds = 0.0  # wall time of earlier runs of this checkpoint
+    updates = 0  # optimizer steps taken
+    skipped = 0  # optimizer steps skipped (non-finite gradients)
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     hashes = {
         "sft_hash": common.file_sha256(args.sft_ckpt),
@@ -694,195 +825,174 @@ def main(args: Args) -> None:
     }
     if args.resume:
         inputs = {"sft_hash": ("--sft-ckpt", hashes["sft_hash"]), "rm_hash": ("--rm-ckpt", hashes["rm_hash"])}
-        ck = common.load_resume(ckpt_path, "ppo", d.world_size, max_steps, inputs)
-        for obj, key in (
-            (actor, "model"),
-            (critic, "critic"),
-            (actor_opt, "optimizer"),
-            (critic_opt, "critic_optimizer"),
-            (moments, "reward_moments"),
-            (kl_ctl, "kl_ctl"),
-        ):
-            obj.load_state_dict(ck[key])
-        ds = ck["data_state"]
-        detector.load_state_dict(ds["collapse"])
-        prompt_order, ptx_order = Order(**ds["prompts"]), Order(**ds["ptx"])
-        step, seconds, updates, skipped = ck["step"], ck["seconds"], ds["updates"], ds["skipped"]
-        common.set_rng_state(ck["rng"][d.rank], sampler)
+        ckpt = common.load_resume(ckpt_path, "ppo", d.world_size, max_steps, inputs)
+        actor.load_state_dict(ckpt["model"])
+        critic.load_state_dict(ckpt["critic"])
+        actor_optimizer.load_state_dict(ckpt["optimizer"])
+        critic_optimizer.load_state_dict(ckpt["critic_optimizer"])
+        reward_moments.load_state_dict(ckpt["reward_moments"])
+        kl_controller.load_state_dict(ckpt["kl_ctl"])
+        data_state = ckpt["data_state"]
+        detector.load_state_dict(data_state["collapse"])
+        prompt_order = Order(**data_state["prompts"])
+        ptx_order = Order(**data_state["ptx"])
+        updates = data_state["updates"]
+        skipped = data_state["skipped"]
+        step = ckpt["step"]
+        seconds = ckpt["seconds"]
+        common.set_rng_state(ckpt["rng"][d.rank], sampler)
         print0(f"resumed from {ckpt_path} at step {step}")
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     compiled = d.device.type == "cuda" and args.compile
-    actor_fwd, critic_fwd, ref_fwd, rm_fwd = (
-        torch.compile(m) if compiled and m is not None else m for m in (actor, critic, ref_policy, reward_model)
-    )
-    ids = [d.local_rank] if d.device.type == "cuda" else None
-    actor_ddp, critic_ddp = (DDP(m, device_ids=ids) if d.ddp else m for m in (actor_fwd, critic_fwd))
-    logger = common.Logger(args.out_dir, d.master, purge_step=step if args.resume else None)
+    actor_forward = torch.compile(actor) if compiled else actor
+    critic_forward = torch.compile(critic) if compiled else critic
+    ref_forward = torch.compile(ref_policy) if compiled else ref_policy
+    rm_forward = torch.compile(reward_model) if compiled and reward_model is not None else reward_model
+    device_ids = [d.local_rank] if d.device.type == "cuda" else None
+    actor_trained = DDP(actor_forward, device_ids=device_ids) if d.ddp else actor_forward
+    critic_trained = DDP(critic_forward, device_ids=device_ids) if d.ddp else critic_forward
+    logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
 
     def ptx_sampler():
         """This rank's slice of the next global ptx micro-batch: (inputs, targets, target mask)."""
-        rows = ptx_order.take(ptx_micro * d.world_size)[d.rank * ptx_micro : (d.rank + 1) * ptx_micro]
-        x, _ = pad_right([ptx[i][0] for i in rows], tok.pad_id)
-        y, _ = pad_right([ptx[i][1] for i in rows], 0)
-        return x[:, :-1].to(d.device), x[:, 1:].to(d.device), y[:, 1:].float().to(d.device)
+        global_rows = ptx_order.take(ptx_micro_batch_size * d.world_size)
+        rows = global_rows[d.rank * ptx_micro_batch_size : (d.rank + 1) * ptx_micro_batch_size]
+        ids, _ = pad_right([ptx[row][0] for row in rows], tok.pad_id)
+        loss_mask, _ = pad_right([ptx[row][1] for row in rows], 0)
+        return ids[:, :-1].to(d.device), ids[:, 1:].to(d.device), loss_mask[:, 1:].float().to(d.device)
 
     def save(step: int) -> None:
-        rngs = common.all_rng_states(sampler)
-        if d.master:
-            sched = dict(warmup_steps=args.warmup_steps, max_steps=max_steps, delay=args.critic_warmup_steps)
-            common.save_checkpoint(
-                dict(
-                    kind="ppo",
-                    model=actor.state_dict(),
-                    model_config=asdict(actor.config),
-                    tokenizer=tok.state(),
-                    args=asdict(args),
-                    step=step,
-                    optimizer=actor_opt.state_dict(),
-                    scheduler=sched | {"lr": args.lr},
-                    rng=rngs,
-                    data_state=dict(
-                        prompts=prompt_order.state_dict(),
-                        ptx=ptx_order.state_dict(),
-                        collapse=detector.state_dict(),
-                        updates=updates,
-                        skipped=skipped,
-                    ),
-                    world_size=d.world_size,
-                    seconds=seconds + time.time() - t_start,
-                    critic=critic.state_dict(),
-                    critic_config=asdict(critic.config),
-                    critic_optimizer=critic_opt.state_dict(),
-                    critic_scheduler=sched | {"lr": args.critic_lr, "delay": 0},
-                    reward_moments=moments.state_dict(),
-                    kl_ctl=kl_ctl.state_dict(),
-                    **hashes,
-                ),
-                ckpt_path,
-            )
+        rng_states = common.all_rng_states(sampler)
+        if not d.master:
+            return
+        schedule = dict(warmup_steps=args.warmup_steps, max_steps=max_steps, delay=args.critic_warmup_steps)
+        data_state = dict(
+            prompts=prompt_order.state_dict(),
+            ptx=ptx_order.state_dict(),
+            collapse=detector.state_dict(),
+            updates=updates,
+            skipped=skipped,
+        )
+        checkpoint = dict(
+            kind="ppo",
+            model=actor.state_dict(),
+            model_config=asdict(actor.config),
+            tokenizer=tok.state(),
+            args=asdict(args),
+            step=step,
+            optimizer=actor_optimizer.state_dict(),
+            scheduler=schedule | {"lr": args.lr},
+            rng=rng_states,
+            data_state=data_state,
+            world_size=d.world_size,
+            seconds=seconds + time.time() - t_start,
+            critic=critic.state_dict(),
+            critic_config=asdict(critic.config),
+            critic_optimizer=critic_optimizer.state_dict(),
+            critic_scheduler=schedule | {"lr": args.critic_lr, "delay": 0},
+            reward_moments=reward_moments.state_dict(),
+            kl_ctl=kl_controller.state_dict(),
+            **hashes,
+        )
+        common.save_checkpoint(checkpoint, ckpt_path)
 
     # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
-    first, start_step, samples, bad_in_row = {}, step, [], 0
-    show = lambda s: f"{s['prompt']}{s['response']}{'' if s['ended'] else ' [no EOS]'}"  # noqa: E731
-    samples_path = os.path.join(args.out_dir, "samples.jsonl")
-    if d.master:  # a fresh run starts a fresh sample file; a resumed one drops what came after its checkpoint
-        os.makedirs(args.out_dir, exist_ok=True)
-        kept = []
-        if args.resume and os.path.exists(samples_path):
-            with open(samples_path) as f:
-                kept = [x for x in f if x.endswith("\n") and json.loads(x)["step"] <= step]
-        write_atomic(samples_path, "".join(kept))
+    first = {}  # the first minibatch of this process's first update
+    start_step = step
+    samples = []
+    skipped_in_row = 0
     while step < max_steps:
-        t0 = time.time()
-        rows = prompt_order.take(args.rollout_batch_size)[d.rank * per_rank : (d.rank + 1) * per_rank]
-        exp, stats, samples = rollout(
-            actor_fwd,
-            ref_fwd,
-            critic_fwd,
-            rm_fwd,
+        t_rollout = time.time()
+        global_rows = prompt_order.take(args.rollout_batch_size)
+        rows = global_rows[d.rank * rows_per_rank : (d.rank + 1) * rows_per_rank]
+        kl_coef = kl_controller.value
+        experience, metrics, samples = rollout(
+            actor_forward,
+            ref_forward,
+            critic_forward,
+            rm_forward,
             tok,
-            [prompts[i] for i in rows],
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
+            [prompts[row] for row in rows],
+            args,
+            micro_batch_size=micro_batch_size,
             generator=sampler,
-            kl_coef=kl_ctl.value,
-            kl_estimator=args.kl_estimator,
-            reward_moments=moments,
-            reward_norm=args.reward_norm,
-            reward_clip=args.reward_clip,
-            missing_eos_penalty=args.missing_eos_penalty,
-            gamma=args.gamma,
-            lam=args.lam,
-            micro_batch_size=mbs,
+            kl_coef=kl_coef,
+            reward_moments=reward_moments,
             reward_fn=reward_fn,
-            reward_fn_coef=args.reward_fn_coef,
             gold_fn=gold_fn,
             dtype=dtype,
         )
-        kl_coef = kl_ctl.value
-        kl_ctl.update(stats["objective/kl"], args.rollout_batch_size)
-        t1 = time.time()
+        kl_controller.update(metrics["objective/kl"], args.rollout_batch_size)
+        t_update = time.time()
         # the actor's schedule starts when it starts moving, after the critic warm-up
-        lr = common.lr_at(
-            max(0, step - args.critic_warmup_steps), max_steps - args.critic_warmup_steps, args.lr, args.warmup_steps
-        )
+        actor_step = max(0, step - args.critic_warmup_steps)
+        actor_steps = max_steps - args.critic_warmup_steps
+        lr = common.lr_at(actor_step, actor_steps, args.lr, args.warmup_steps)
         critic_lr = common.lr_at(step, max_steps, args.critic_lr, args.warmup_steps)
-        for opt, value in ((actor_opt, lr), (critic_opt, critic_lr)):
-            for group in opt.param_groups:
-                group["lr"] = value
-        upd = ppo_update(
-            actor_ddp,
-            critic_ddp,
-            actor_opt,
-            critic_opt,
-            exp,
-            ppo_epochs=args.ppo_epochs,
-            num_minibatches=args.num_minibatches,
-            micro_batch_size=mbs,
-            cliprange=args.cliprange,
-            cliprange_value=args.cliprange_value,
-            temperature=args.temperature,
-            adv_whiten=args.adv_whiten,
-            entropy_coef=args.entropy_coef,
-            ptx_coef=args.ptx_coef if ptx else 0.0,
-            ptx_sampler=ptx_sampler,
-            grad_clip=args.grad_clip,
-            critic_grad_clip=args.critic_grad_clip,
+        for group in actor_optimizer.param_groups:
+            group["lr"] = lr
+        for group in critic_optimizer.param_groups:
+            group["lr"] = critic_lr
+        update_metrics, diagnostics = ppo_update(
+            actor_trained,
+            critic_trained,
+            actor_optimizer,
+            critic_optimizer,
+            experience,
+            args,
+            micro_batch_size=micro_batch_size,
             train_actor=step >= args.critic_warmup_steps,
             generator=sampler,
+            ptx_sampler=ptx_sampler if ptx_micro_batch_size else None,
             dtype=dtype,
         )
-        first = first or {k: v for k, v in upd.items() if k.startswith("first/")}
-        step, updates, skipped = step + 1, updates + upd["updates"], skipped + upd["skipped"]
-        bad_in_row = bad_in_row + 1 if upd["skipped"] else 0
-        if bad_in_row >= 10:  # the checkpoint saved before these stays the last good one
+        first = first or diagnostics["first"]
+        step += 1
+        updates += diagnostics["updates"]
+        skipped += diagnostics["skipped"]
+        skipped_in_row = skipped_in_row + 1 if diagnostics["skipped"] else 0
+        if skipped_in_row >= 10:  # the checkpoint saved before these stays the last good one
             raise RuntimeError(
-                f"non-finite gradients in {bad_in_row} iterations in a row: lower --lr/--critic-lr or check the reward"
+                f"non-finite gradients in {skipped_in_row} iterations in a row: lower --lr/--critic-lr or check the "
+                "reward"
             )
-        t2 = time.time()
+        t_end = time.time()
 
         # 7. monitoring; the collapse detector watches the actor's moves only (after the critic warm-up)
         alarm = step > args.critic_warmup_steps and detector.update(
-            stats["objective/kl"], stats["rollout/response_len"], stats["rollout/perplexity"]
+            metrics["objective/kl"], metrics["rollout/response_len"], metrics["rollout/perplexity"]
         )
-        # FLOPs: a forward is ~1/3 of training; generation + old + ref (actor-sized), critic + RM, then the epochs
-        L = exp["query"].size(1) + exp["mask"].size(1)
-        fa, fc = actor.flops_per_token(L), critic.flops_per_token(L)
-        flops = exp["mask"].size(0) * L * d.world_size * ((3 * fa + 2 * fc) / 3 + args.ppo_epochs * (fa + fc))
-        metrics = {k: v for k, v in (stats | upd).items() if "/" in k and not k.startswith("first/")} | {
+        sequence_len = experience["query"].size(1) + experience["mask"].size(1)
+        sequences = experience["mask"].size(0) * d.world_size
+        flops = iteration_flops(actor, critic, reward_model, sequence_len, sequences, args.ppo_epochs)
+        metrics |= update_metrics
+        metrics |= {
             "train/lr": lr,
             "train/critic_lr": critic_lr,
             "train/kl_coef": kl_coef,
             "train/updates": updates,
             "train/skipped_steps": skipped,
             "collapse/alarm": float(alarm),
-            "perf/rollout_s": t1 - t0,
-            "perf/update_s": t2 - t1,
-            "perf/tokens_per_sec": exp["mask"].size(0) * L * d.world_size / (t2 - t0),
-            "perf/mfu": flops / (t2 - t0) / (peak * d.world_size),
+            "perf/rollout_s": t_update - t_rollout,
+            "perf/update_s": t_end - t_update,
+            "perf/tokens_per_sec": sequences * sequence_len / (t_end - t_rollout),
+            "perf/mfu": flops / (t_end - t_rollout) / (peak * d.world_size),
         }
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
-            print0(f"step {step}: generation vs training-forward log-probs, max |diff| {stats['logprob_err']:.1e}")
-        logger.log(step, metrics, console=False)
-        if step % args.log_every == 0 or step == max_steps or alarm:
-            print0(
-                " | ".join(
-                    [f"step {step:05d}/{max_steps:05d}"]
-                    + [f"{k.split('/')[-1]} {common._fmt(metrics[k])}" for k in CONSOLE if k in metrics]
-                )
-            )
-        if d.master and (step % args.sample_every == 0 or step == max_steps):
-            logger.text(
-                "samples",
-                "\n\n".join(
-                    f"{show(s)} | score {s['score']:.2f}" + (f" | gold {s['gold']:.2f}" if gold_fn else "")
-                    for s in samples[:8]
-                ),
-                step,
-            )
-            with open(samples_path, "a") as f:
-                f.writelines(json.dumps({"step": step, **s}) + "\n" for s in samples[:16])
+            logprob_error = metrics["rollout/logprob_err"]
+            print0(f"step {step}: generation vs training-forward log-probs, max |diff| {logprob_error:.1e}")
+        show = step % args.log_every == 0 or step == max_steps or alarm
+        logger.log(step, metrics, max_steps, console=show)
+        if step % args.sample_every == 0 or step == max_steps:
+            table = []
+            for sample in samples[:8]:
+                line = f"{format_sample(sample)} | score {sample['score']:.2f}"
+                if gold_fn:
+                    line += f" | gold {sample['gold']:.2f}"
+                table.append(line)
+            logger.text("samples", "\n\n".join(table), step)
+            logger.samples(step, samples[:16])
         if alarm and args.stop_on_collapse:
             print0(f"collapse alarm at step {step}: stopping (the last checkpoint saved before it is kept)")
             break
@@ -890,14 +1000,12 @@ def main(args: Args) -> None:
             save(step)
 
     # 4. a few samples to look at
-    for s in samples[:5]:
-        print0(f"  {show(s)}  (score {s['score']:.2f})")
+    for sample in samples[:5]:
+        print0(f"  {format_sample(sample)}  (score {sample['score']:.2f})")
     if args.export_hf and d.master:
         common.export_hf(actor, tok, args.export_hf)
-    print0(
-        f"ppo done in {time.time() - t_start:.0f}s: {ckpt_path} | first minibatch of the first update: "
-        + ", ".join(f"{k[6:]} {v:.1e}" for k, v in first.items())
-    )
+    first_line = ", ".join(f"{key} {value:.1e}" for key, value in first.items())
+    print0(f"ppo done in {time.time() - t_start:.0f}s: {ckpt_path} | first minibatch of the first update: {first_line}")
     logger.close()
     common.cleanup_dist()
 

@@ -28,6 +28,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from train_ppo import Args as PPOArgs  # noqa: E402
 from train_ppo import RunningMoments, ppo_update, rollout  # noqa: E402
 
 
@@ -84,9 +85,11 @@ class IdTokenizer:
     """Prompts are strings of token ids ("5 17 3"); EOS and pad lie outside the model's vocabulary."""
 
     def __init__(self, vocab: int):
-        self.eos_id, self.pad_id = vocab, vocab + 1
+        self.eos_id = vocab
+        self.pad_id = vocab + 1
+        self.bos_id = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, bos: bool = False) -> list[int]:
         return [int(t) for t in text.split()]
 
     def decode(self, ids) -> str:
@@ -212,6 +215,20 @@ def main(args: Args) -> None:
         f"ppo_epochs={args.ppo_epochs} mini_batches={args.mini_batches} (minibatch {mb}, micro-batch {micro})",
         flush=True,
     )
+    # train_ppo's own settings object, with the values this benchmark has always used
+    ppo_settings = PPOArgs(
+        max_new_tokens=R,
+        temperature=args.temperature,
+        kl_coef=0.1,
+        reward_norm="norm",
+        reward_clip=5.0,
+        missing_eos_penalty=-1.0,
+        ppo_epochs=args.ppo_epochs,
+        num_minibatches=args.mini_batches,
+        adv_whiten="minibatch",
+        grad_clip=1.0,
+        critic_grad_clip=1.0,
+    )
     rows = []
     # the warm-up iteration also records every linear layer's GEMM shape (the hooks cost a little Python time there)
     recorder = GemmRecorder([policy, ref, reward_model, critic]) if args.floor and device.type == "cpu" else None
@@ -227,18 +244,11 @@ def main(args: Args) -> None:
             fwd[reward_model],
             tok,
             prompts[it * B : (it + 1) * B],
-            max_new_tokens=R,
-            temperature=args.temperature,
+            ppo_settings,
+            micro_batch_size=B,
             generator=sampler,
             kl_coef=0.1,
-            kl_estimator="k1",
             reward_moments=moments,
-            reward_norm="norm",
-            reward_clip=5.0,
-            missing_eos_penalty=-1.0,
-            gamma=1.0,
-            lam=0.95,
-            micro_batch_size=B,
             dtype=dtype,
         )
         sync()
@@ -252,15 +262,8 @@ def main(args: Args) -> None:
             actor_opt,
             critic_opt,
             exp,
-            ppo_epochs=args.ppo_epochs,
-            num_minibatches=args.mini_batches,
+            ppo_settings,
             micro_batch_size=micro,
-            cliprange=0.2,
-            cliprange_value=0.2,
-            temperature=args.temperature,
-            adv_whiten="minibatch",
-            grad_clip=1.0,
-            critic_grad_clip=1.0,
             generator=sampler,
             dtype=dtype,
         )

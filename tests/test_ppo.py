@@ -36,6 +36,7 @@ PPO_TAGS = [
     "rollout/response_len",
     "rollout/perplexity",
     "rollout/eos_frac",
+    "rollout/logprob_err",
     "policy/loss",
     "policy/approx_kl",
     "policy/clipfrac",
@@ -57,6 +58,8 @@ PPO_TAGS = [
     "perf/tokens_per_sec",
     "perf/mfu",
 ]
+# logged only for iterations where the actor trains (not during the critic warm-up)
+ACTOR_TAGS = {"policy/loss", "policy/approx_kl", "policy/clipfrac", "policy/ratio_mean", "ptx/loss", "train/grad_norm"}
 CKPT_KEYS = {
     "kind",
     "model",
@@ -254,22 +257,19 @@ def fake_experience(B: int = 8, seed: int = 0):
 
 
 def update_once(actor, critic, exp, micro_batch_size):
+    """One PPO update over exp (one epoch, one minibatch) -> metrics | diagnostics."""
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (actor, critic)]
-    return train_ppo.ppo_update(
+    args = train_ppo.Args(ppo_epochs=1, num_minibatches=1, temperature=1.0, grad_clip=0.5, critic_grad_clip=0.5)
+    metrics, diagnostics = train_ppo.ppo_update(
         actor,
         critic,
         *opts,
         exp,
-        ppo_epochs=1,
-        num_minibatches=1,
+        args,
         micro_batch_size=micro_batch_size,
-        cliprange=0.2,
-        cliprange_value=0.2,
-        temperature=1.0,
-        grad_clip=0.5,
-        critic_grad_clip=0.5,
         generator=torch.Generator().manual_seed(0),
     )
+    return metrics | diagnostics
 
 
 def _two_rank_worker(rank: int, port: int, q) -> None:
@@ -412,23 +412,16 @@ def test_padding_never_changes_logprobs_or_values(tok):
         assert torch.allclose(values[b, :n], v1[0], atol=1e-5)
 
 
-def rollout_kwargs(**kw):
-    return (
-        dict(
-            max_new_tokens=12,
-            temperature=0.9,
-            generator=torch.Generator().manual_seed(0),
-            kl_coef=0.1,
-            kl_estimator="k1",
-            reward_moments=RunningMoments(),
-            reward_norm="norm",
-            reward_clip=5.0,
-            missing_eos_penalty=-3.0,
-            gamma=1.0,
-            lam=0.95,
-            micro_batch_size=4,
-        )
-        | kw
+def rollout_kwargs(reward_fn=None, **settings):
+    """rollout()'s arguments after the prompts: Args (settings overridden by keyword) and the run's state."""
+    defaults = dict(max_new_tokens=12, temperature=0.9, missing_eos_penalty=-3.0, gamma=1.0, lam=0.95)
+    return dict(
+        args=train_ppo.Args(**(defaults | settings)),
+        micro_batch_size=4,
+        generator=torch.Generator().manual_seed(0),
+        kl_coef=0.1,
+        reward_moments=RunningMoments(),
+        reward_fn=reward_fn,
     )
 
 
@@ -477,22 +470,13 @@ def test_rollout_kl_zero_score_on_eos_and_first_minibatch(tok):
     # the first minibatch of an update: ratio 1, approx_kl 0, clipfrac 0 (training shapes differ from scoring)
     opt_a = torch.optim.AdamW(actor.parameters(), lr=1e-2)
     opt_c = torch.optim.AdamW(critic.parameters(), lr=1e-2)
-    upd = train_ppo.ppo_update(
-        actor,
-        critic,
-        opt_a,
-        opt_c,
-        exp,
-        ppo_epochs=2,
-        num_minibatches=2,
-        micro_batch_size=2,
-        cliprange=0.2,
-        cliprange_value=0.2,
-        temperature=0.9,
-        generator=torch.Generator().manual_seed(0),
+    args = train_ppo.Args(ppo_epochs=2, num_minibatches=2, cliprange=0.2, cliprange_value=0.2, temperature=0.9)
+    metrics, diagnostics = train_ppo.ppo_update(
+        actor, critic, opt_a, opt_c, exp, args, micro_batch_size=2, generator=torch.Generator().manual_seed(0)
     )
-    assert upd["first/ratio_err"] <= 1e-5 and abs(upd["first/approx_kl"]) <= 1e-5 and upd["first/clipfrac"] == 0
-    assert upd["updates"] == 4 and upd["policy/approx_kl"] > 0  # later minibatches moved
+    first = diagnostics["first"]
+    assert first["ratio_err"] <= 1e-5 and abs(first["approx_kl"]) <= 1e-5 and first["clipfrac"] == 0
+    assert diagnostics["updates"] == 4 and metrics["policy/approx_kl"] > 0  # later minibatches moved
 
 
 def test_rollout_raises_on_logprob_mismatch(tok, monkeypatch):
@@ -581,10 +565,11 @@ def test_ppo_smoke_gold_reward(tmp_path, task_dir, sft_ckpt):
     policy, critic = GPT.from_checkpoint(ckpt), GPT.from_checkpoint(ckpt, key="critic")
     assert policy.config.lm_head and critic.config.score_head and not critic.config.lm_head
     scalars = read_scalars(out)
-    for tag in PPO_TAGS:
-        assert tag in scalars and len(scalars[tag]) == 3 and all(math.isfinite(v) for v in scalars[tag]), tag
+    for tag in PPO_TAGS:  # the actor's own tags start after the critic warm-up (1 of the 3 iterations)
+        logged = 2 if tag in ACTOR_TAGS else 3
+        assert tag in scalars and len(scalars[tag]) == logged and all(math.isfinite(v) for v in scalars[tag]), tag
     assert "samples/text_summary" in scalars["_text"]
-    assert scalars["train/updates"][-1] == 3 * 2 * 2 and scalars["policy/clipfrac"][0] == 0  # critic warm-up
+    assert scalars["train/updates"][-1] == 3 * 2 * 2
     assert os.path.getsize(os.path.join(out, "samples.jsonl")) > 0
     # --resume continues from the checkpoint
     train_ppo.main(train_ppo.Args(**{**args.__dict__, "max_steps": 4, "resume": True}))
@@ -621,7 +606,8 @@ def test_ppo_smoke_with_reward_model(tmp_path, task_dir, sft_ckpt):
 
 
 def test_non_finite_loss_skips_the_step(monkeypatch):
-    """A NaN policy loss (monkeypatched) skips the actor's step and counts it; the critic still steps."""
+    """A NaN policy loss (monkeypatched) skips the actor's step and counts it once; the critic still steps; the
+    actor's metrics average over the steps it took (none here), not over the skipped one."""
     actor, critic, exp = fake_experience()
     before = {k: v.clone() for k, v in actor.state_dict().items()}
     critic_before = critic.score_head.weight.clone()
@@ -635,6 +621,28 @@ def test_non_finite_loss_skips_the_step(monkeypatch):
     stats = update_once(actor, critic, exp, micro_batch_size=4)
     assert stats["skipped"] == 1 and all(torch.equal(v, before[k]) for k, v in actor.state_dict().items())
     assert not torch.equal(critic.score_head.weight, critic_before)
+    assert stats["updates"] == 0 and "policy/loss" not in stats and "train/grad_norm" not in stats
+    assert math.isfinite(stats["value/loss"]) and math.isfinite(stats["value/grad_norm"])
+
+
+def test_both_norms_non_finite_count_one_skipped_step(monkeypatch):
+    """Actor and critic both non-finite in the same step: one skipped step, no update, no metric from it."""
+    actor, critic, exp = fake_experience()
+    real_policy_loss, real_value_loss = train_ppo.ppo_policy_loss, train_ppo.ppo_value_loss
+
+    def nan_policy_loss(*args, **kwargs):
+        loss, stats = real_policy_loss(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    def nan_value_loss(*args, **kwargs):
+        loss, stats = real_value_loss(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(train_ppo, "ppo_policy_loss", nan_policy_loss)
+    monkeypatch.setattr(train_ppo, "ppo_value_loss", nan_value_loss)
+    stats = update_once(actor, critic, exp, micro_batch_size=4)
+    assert stats["skipped"] == 1 and stats["updates"] == 0
+    assert "value/loss" not in stats and "value/grad_norm" not in stats and "policy/loss" not in stats
 
 
 def test_stop_on_collapse_keeps_the_checkpoint_before_the_alarm(tmp_path, task_dir, sft_ckpt, monkeypatch):
