@@ -668,3 +668,116 @@ def test_stop_on_collapse_keeps_the_checkpoint_before_the_alarm(tmp_path, task_d
     )
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 1
     assert read_scalars(out)["collapse/alarm"] == [0.0, 1.0]
+
+
+# -----------------------------------------------------------------------------
+# defects of the review pass, each with the test that failed before its fix
+
+
+def test_normalize_scores_with_a_zero_std():
+    """Every score seen so far equal (all responses missing EOS): no scale to divide by, so scale/norm leave the
+    scores finite (s and 0), never s / 1e-8 = -1e8 with --reward-clip None."""
+    scores = torch.full((4,), -1.0)
+    moments = RunningMoments()
+    moments.update(scores)
+    assert moments.std == 0.0
+    scaled = train_ppo.normalize_scores(scores, moments.mean, moments.std, "scale", None)
+    assert torch.equal(scaled, scores)
+    centred = train_ppo.normalize_scores(scores, moments.mean, moments.std, "norm", None)
+    assert torch.equal(centred, torch.zeros(4))
+    # a real spread: the PPO-max formulas, then the clip
+    scores = torch.tensor([0.0, 1.0, 2.0, 30.0])
+    want = (scores - 1.5) / (2.0 + 1e-8)
+    assert torch.allclose(train_ppo.normalize_scores(scores, 1.5, 2.0, "norm", None), want)
+    assert torch.allclose(train_ppo.normalize_scores(scores, 1.5, 2.0, "scale", 5.0), (scores / 2.0).clamp(-5, 5))
+    assert torch.equal(train_ppo.normalize_scores(scores, 1.5, 2.0, "none", None), scores)
+
+
+def _logprob_check_worker(rank: int, port: int, tokenizer_state: dict, queue) -> None:
+    """Rank 0's sampler disagrees with its training forward, rank 1's agrees: both must raise, none may hang."""
+    import torch.distributed as dist
+
+    from data import Tokenizer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tok = Tokenizer.from_state(tokenizer_state)
+    actor, critic = tiny(tok, 0), tiny(tok, 1, lm_head=False, score_head=True)
+    if rank == 0:
+        generate = actor.generate
+
+        def bad_generate(*args, **kwargs):
+            response, mask, logprobs = generate(*args, **kwargs)
+            return response, mask, logprobs + 1e-3 * mask
+
+        actor.generate = bad_generate
+    kwargs = rollout_kwargs(reward_fn=lambda prompt, response, ended: 0.0)
+    try:
+        train_ppo.rollout(actor, actor, critic, None, tok, ["Review of"] * 4, **kwargs)
+        queue.put((rank, "no error"))
+    except RuntimeError as error:
+        queue.put((rank, str(error)))
+    dist.destroy_process_group()
+
+
+def test_logprob_check_raises_on_every_rank(tok):
+    """The generation-vs-training log-prob check reduces its error (max) across ranks before deciding."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_logprob_check_worker, args=(r, port, tok.state(), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert all(p.exitcode == 0 for p in procs), "a rank hung or crashed"
+    results = dict(queue.get() for _ in range(2))
+    assert all("generation log-probs differ" in results[rank] for rank in (0, 1)), results
+
+
+def test_fresh_critic_head_follows_the_seed(tmp_path, task_dir, sft_ckpt):
+    """--rm-ckpt none: the critic's fresh head is built after seeding, so --seed decides it (and only --seed)."""
+    heads = {}
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        out = str(tmp_path / name)
+        args = train_ppo.Args(
+            out_dir=out,
+            task_dir=task_dir,
+            sft_ckpt=sft_ckpt,
+            rm_ckpt="none",
+            reward_fn="data:gold_reward",
+            seed=seed,
+            max_steps=1,
+            **{**TINY_PPO, "critic_warmup_steps": 1, "critic_lr": 0.0},
+        )
+        train_ppo.main(args)
+        heads[name] = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["critic"]["score_head.weight"]
+    assert torch.equal(heads["a"], heads["b"]) and not torch.equal(heads["a"], heads["c"])
+
+
+def test_iteration_flops_against_a_hand_count():
+    """perf/mfu's FLOP count of one iteration on a tiny config, counted by hand: per token a training pass is 6N
+    plus 12*L*H*Q*T of attention (PaLM), a forward a third of it."""
+    config = dict(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=16)
+    actor = GPT(GPTConfig(**config))
+    critic = GPT(GPTConfig(**config, lm_head=False, score_head=True))
+    reward_model = GPT(GPTConfig(**config, score_head=True))
+    block = 12 * 16 * 16 + 9 * 16  # attention (qkv, proj) and MLP (fc, proj) weights plus their biases, per layer
+    block += 4 * 16  # two layer norms
+    trunk = 2 * block + 2 * 16  # blocks and ln_f (position embeddings are not counted)
+    actor_n = trunk + 50 * 16  # the LM head (tied to wte) runs a matmul per token
+    critic_n = trunk + 16 + 1  # the scalar head
+    seq_len, sequences, epochs = 20, 8, 3
+    attention = 12 * 2 * 2 * 8 * seq_len
+    actor_per_token = 6 * actor_n + attention
+    critic_per_token = 6 * critic_n + attention
+    rollout = (3 * actor_per_token + 2 * critic_per_token) / 3  # generation, old, ref; values, RM score
+    update = epochs * (actor_per_token + critic_per_token)
+    want = sequences * seq_len * (rollout + update)
+    assert actor.flops_per_token(seq_len) == actor_per_token
+    got = train_ppo.iteration_flops(actor, critic, reward_model, seq_len, sequences, epochs)
+    assert got == pytest.approx(want, rel=1e-12)
+    # --rm-ckpt none: no RM forward
+    without_rm = train_ppo.iteration_flops(actor, critic, None, seq_len, sequences, epochs)
+    assert want - without_rm == pytest.approx(sequences * seq_len * critic_per_token / 3, rel=1e-12)
