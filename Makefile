@@ -36,9 +36,9 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 demo: venv
-	$(PY) train_sft.py $(COMMON) --out-dir $(OUT)/sft $(SFT_FLAGS)
-	$(PY) train_rm.py $(COMMON) --out-dir $(OUT)/rm --init $(OUT)/sft/ckpt.pt $(RM_FLAGS)
-	$(PY) train_ppo.py $(COMMON) --out-dir $(OUT)/ppo --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt $(PPO_FLAGS)
+	$(PY) train_sft.py $(COMMON) --out-dir $(OUT)/sft --overwrite $(SFT_FLAGS)
+	$(PY) train_rm.py $(COMMON) --out-dir $(OUT)/rm --overwrite --init $(OUT)/sft/ckpt.pt $(RM_FLAGS)
+	$(PY) train_ppo.py $(COMMON) --out-dir $(OUT)/ppo --overwrite --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt $(PPO_FLAGS)
 	rm -f $(OUT)/results.json
 	$(PY) eval.py $(COMMON) --pairs --rm $(OUT)/rm/ckpt.pt --json $(OUT)/results.json
 	$(PY) eval.py $(COMMON) --policy $(OUT)/sft/ckpt.pt $(OUT)/ppo/ckpt.pt --names sft ppo --ref $(OUT)/sft/ckpt.pt \

@@ -201,6 +201,14 @@ def wrap_model(model: torch.nn.Module, d: Dist, compile: bool) -> torch.nn.Modul
     return model
 
 
+def grad_sync(model: torch.nn.Module, sync: bool):
+    """Gradient accumulation: DDP all-reduces only where sync (the last micro-batch of a step), through the public
+    no_sync(); a plain module needs no context."""
+    if sync or not isinstance(model, DDP):
+        return nullcontext()
+    return model.no_sync()
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -459,6 +467,8 @@ class Throughput:
         self.world_size = world_size
         self.seconds = 0.0
         self.started = time.time()
+        # on CPU the peak is measured at start-up: a busy machine lowers it, and every perf/mfu reading rises with it
+        print0(f"perf/mfu against a peak of {peak_flops / 1e9:.4g} GFLOP/s per device (--peak-flops sets it)")
 
     @contextmanager
     def paused(self):

@@ -13,7 +13,6 @@ torchrun --standalone --nproc_per_node 8 train_rm.py --init out/sft_gpt2/ckpt.pt
 
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -21,13 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 import hf
 from common import UserError, print0
 from data import (
     PROBE_KINDS,
+    Order,
     build_task,
     calibration_error,
     encode_prefs,
@@ -100,15 +99,28 @@ def preference_loss(
     return (w * nll).sum() / (w.sum() if denom is None else denom)
 
 
+def weighted_accuracy(gaps: torch.Tensor, weights: torch.Tensor) -> float:
+    """Weighted share of pairs (P,) with a positive score gap, a tie counting 1/2."""
+    correct = (gaps > 0) + 0.5 * (gaps == 0)
+    return (weights * correct).sum().item() / weights.sum().item()
+
+
+def longest_sequence(example) -> int:
+    """An encoded record's longest sequence: rank's records are sorted by it into micro-batches."""
+    return max(len(seq) for seq in example[0])
+
+
 def collate(examples: list, pad_id: int):
     """Every response of every example as one right-padded batch: ids, mask (N, T); chosen and rejected row indices
     and weights (P,) of every pair; lm_mask (N, T), 1 on the best responses' own tokens (response + EOS)."""
     seqs, chosen, rejected, weights, lm_rows = [], [], [], [], []
-    for ex_seqs, n_prompt, pairs, best, _ in examples:
+    for example_seqs, n_prompt, pairs, best, _ in examples:
         base = len(seqs)
-        seqs += ex_seqs
-        for i, j, w in pairs:
-            chosen.append(base + i), rejected.append(base + j), weights.append(w)
+        seqs += example_seqs
+        for better, worse, weight in pairs:
+            chosen.append(base + better)
+            rejected.append(base + worse)
+            weights.append(weight)
         lm_rows.append((base + best, n_prompt))
     ids, mask = pad_right(seqs, pad_id)
     lm_mask = torch.zeros_like(mask)
@@ -121,6 +133,16 @@ def collate(examples: list, pad_id: int):
 def fold_score_offset(model, offset: float) -> None:
     """Subtract offset from every score the model gives by folding it into the scalar head's bias."""
     model.score_head.bias -= offset
+
+
+def flops_per_token(model, examples: list, lm_coef: float) -> int:
+    """Training FLOPs per token (perf/mfu): the model's estimate at the mean sequence length, less the lm head's
+    6·V·C when lm_coef is 0 (the forward then computes no logits)."""
+    lengths = [len(seq) for seqs, *_ in examples for seq in seqs]
+    flops = model.flops_per_token(sum(lengths) // len(lengths))
+    if lm_coef == 0 and model.lm_head is not None:
+        flops -= 6 * model.lm_head.weight.numel()
+    return flops
 
 
 # -----------------------------------------------------------------------------
@@ -144,7 +166,7 @@ def main(args: Args) -> None:
         calib_rows = read_jsonl(args.calib_data or task["sft"], "sft")
     else:  # on user data the chosen (best) responses
         calib_rows = [
-            {"prompt": r["prompt"], "response": responses_of(r)[r.get("ranking", [0])[0]]} for r in train_rows
+            {"prompt": row["prompt"], "response": responses_of(row)[row.get("ranking", [0])[0]]} for row in train_rows
         ]
     calib_rows = calib_rows[: args.calib_size or None]
     if args.init == "scratch" and not builtin:
@@ -154,13 +176,13 @@ def main(args: Args) -> None:
     if builtin and tok.state() != task_tok.state():
         raise UserError(f"--init {args.init}: its tokenizer is not the built-in task's ({task['tokenizer']})")
     block_size = model.config.block_size
-    train, n_skip = encode_prefs(tok, train_rows, block_size)
+    train, n_too_long = encode_prefs(tok, train_rows, block_size)
     evals, _ = encode_prefs(tok, eval_rows, block_size)
-    calib = [
-        s
-        for s in (tok.encode(r["prompt"]) + tok.encode(r["response"]) + [tok.eos_id] for r in calib_rows)
-        if len(s) <= block_size
-    ]
+    calib = []
+    for row in calib_rows:
+        ids = tok.encode(row["prompt"]) + tok.encode(row["response"]) + [tok.eos_id]
+        if len(ids) <= block_size:
+            calib.append(ids)
     if not train or not evals or not calib:
         raise UserError(
             f"{args.data or task['pairs']}: no preference record (or no held-out or calibration one) "
@@ -168,65 +190,65 @@ def main(args: Args) -> None:
         )
     probes = []  # hackability probe: (kind, ids), degenerate texts and fluent positive reviews on held-out prompts
     if builtin:
-        prompts = [r["prompt"] for r in read_jsonl(task["eval_prompts"], "prompts")]
-        for r in probe_texts(prompts, args.probe_size, seed=args.task_seed):
-            ids = tok.encode(r["prompt"]) + tok.encode(r["response"]) + ([tok.eos_id] if r["ended"] else [])
+        prompts = [row["prompt"] for row in read_jsonl(task["eval_prompts"], "prompts")]
+        for row in probe_texts(prompts, args.probe_size, seed=args.task_seed):
+            ids = tok.encode(row["prompt"]) + tok.encode(row["response"]) + ([tok.eos_id] if row["ended"] else [])
             if len(ids) <= block_size:
-                probes.append((r["kind"], ids))
-    # gold of every held-out pair (built-in task): the Bayes ceiling and the RM's agreement with the gold order
-    eval_pairs = [(e, i, j, w) for e in range(len(evals)) for i, j, w in evals[e][2]]
-    golds = [[gold_reward(ex[4]["prompt"], r, True) for r in responses_of(ex[4])] for ex in evals] if builtin else None
+                probes.append((row["kind"], ids))
+    # every held-out pair as (record, better, worse, weight)
+    eval_pairs = [(record, *pair) for record in range(len(evals)) for pair in evals[record][2]]
+    # gold of every held-out response (built-in task): the Bayes ceiling and the RM's agreement with the gold order
+    golds = None
+    if builtin:
+        golds = [[gold_reward(ex[4]["prompt"], text, True) for text in responses_of(ex[4])] for ex in evals]
     per_kind = {}  # probe score by kind, filled by evaluate()
 
-    # 2. distributed set-up, sizes, optimizer
+    # 2. distributed set-up, sizes, optimizer, resume
     # sizes first, against the launched world size: a mistake ends here, before any process group
-    per_rank, mbs, grad_accum_steps = common.batch_split(args.batch_size, args.micro_batch_size)
+    per_rank, micro_batch_size, grad_accum_steps = common.batch_split(args.batch_size, args.micro_batch_size)
     d = common.setup_dist(args.device)
     dtype = common.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.epochs * len(train) // args.batch_size)
     print0(
-        f"rm: {len(train)} train / {len(evals)} eval records ({n_skip} too long, skipped) | {len(calib)} calibration"
-        f" | {model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
-        f"{grad_accum_steps} accum x {mbs} | {max_steps} steps | lm_coef {args.lm_coef} | "
+        f"rm: {len(train)} train / {len(evals)} eval records ({n_too_long} too long, skipped) | {len(calib)} "
+        f"calibration | {model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
+        f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | lm_coef {args.lm_coef} | "
         f"device {d.device} {dtype}"
     )
     model.to(d.device)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
-    step, seconds, epoch, pos, skipped, score_offset = 0, 0.0, 0, 0, 0, 0.0
-    perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
+    order = Order(len(train), args.seed)  # the global record order, the same on every rank
+    skips = common.Skips()
+    step = 0
+    seconds = 0.0  # wall time of the earlier sittings of this run
+    score_offset = 0.0  # calibration folded into the head's bias so far
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     init_hash = common.file_sha256(args.init) if args.init.endswith(".pt") else None  # what this run started from
     if args.resume:
-        ck = common.load_resume(
-            ckpt_path, "rm", d.world_size, max_steps, {"init_hash": (f"--init {args.init}", init_hash)}
-        )
-        model.load_state_dict(ck["model"])
-        optimizer.load_state_dict(ck["optimizer"])
-        step, seconds, score_offset = ck["step"], ck["seconds"], ck["score_offset"]
-        epoch, pos, perm, skipped = (ck["data_state"][k] for k in ("epoch", "pos", "perm", "skipped"))
-        common.set_rng_state(ck["rng"][d.rank])
-        print0(f"resumed from {ckpt_path} at step {step}")
+        inputs = {"init_hash": (f"--init {args.init}", init_hash)}
+        ckpt = common.resume(ckpt_path, "rm", d, max_steps, inputs, model, optimizer)
+        step = ckpt["step"]
+        seconds = ckpt["seconds"]
+        score_offset = ckpt["score_offset"]
+        order = Order(**ckpt["data_state"]["order"])
+        skips.total = ckpt["data_state"]["skipped"]
     raw_model = model
-    if d.device.type == "cuda" and args.compile:
-        model = torch.compile(model)
-    if d.ddp:
-        model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    model = common.wrap_model(raw_model, d, args.compile)
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None)
-    peak = common.peak_flops(d.device, args.peak_flops)
-    flops_per_token = raw_model.flops_per_token(
-        sum(len(s) for ex in train for s in ex[0]) // sum(len(ex[0]) for ex in train)
-    )
+    peak_flops = common.peak_flops(d.device, args.peak_flops)
+    throughput = common.Throughput(flops_per_token(raw_model, train, args.lm_coef), peak_flops, d.world_size)
 
     def score_all(seqs: list) -> torch.Tensor:
         """Scores (N,) on every rank; rank r scores seqs[r::world_size]."""
         mine = score_seqs(raw_model, seqs[d.rank :: d.world_size], tok.pad_id, 64, d.device, dtype)
         if not d.ddp:
             return mine
-        parts, out = [None] * d.world_size, torch.zeros(len(seqs))
+        parts = [None] * d.world_size
         dist.all_gather_object(parts, mine)
-        for r, part in enumerate(parts):
-            out[r :: d.world_size] = part
-        return out
+        scores = torch.zeros(len(seqs))
+        for rank, part in enumerate(parts):
+            scores[rank :: d.world_size] = part
+        return scores
 
     def save(step: int) -> None:
         # calibration: fold the calibration mean into the head's bias; the Bradley-Terry loss only sees score
@@ -249,7 +271,7 @@ def main(args: Args) -> None:
                     optimizer=optimizer.state_dict(),
                     scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps, min_lr_ratio=0.0),
                     rng=rngs,
-                    data_state=dict(epoch=epoch, pos=pos, perm=perm, skipped=skipped),
+                    data_state=dict(order=order.state_dict(), skipped=skips.total),
                     world_size=d.world_size,
                     seconds=seconds + time.time() - t_start,
                     score_offset=score_offset,
@@ -259,130 +281,124 @@ def main(args: Args) -> None:
 
     def evaluate(n_records: int, offset: float) -> tuple[dict, torch.Tensor, list]:
         """Held-out metrics, gaps (P,) and scored pairs of the first n_records records; scores minus offset."""
-        pairs = [p for p in eval_pairs if p[0] < n_records]
-        starts = [0]
-        for ex in evals[:n_records]:
-            starts.append(starts[-1] + len(ex[0]))
-        scores = score_all([s for ex in evals[:n_records] for s in ex[0]]) - offset
-        r_c = scores[[starts[e] + i for e, i, _, _ in pairs]]
-        r_r = scores[[starts[e] + j for e, _, j, _ in pairs]]
-        w = torch.tensor([p[3] for p in pairs], dtype=torch.double)
-        gaps = r_c - r_r  # (P,)
-        out = {
-            "val/accuracy": (w * ((gaps > 0) + 0.5 * (gaps == 0))).sum().item() / w.sum().item(),
-            "val/margin": (w * gaps).sum().item() / w.sum().item(),
+        pairs = [pair for pair in eval_pairs if pair[0] < n_records]
+        starts = [0]  # each record's first row in the flat list of scored sequences
+        for example in evals[:n_records]:
+            starts.append(starts[-1] + len(example[0]))
+        scores = score_all([seq for example in evals[:n_records] for seq in example[0]]) - offset
+        score_chosen = scores[[starts[record] + better for record, better, _, _ in pairs]]
+        score_rejected = scores[[starts[record] + worse for record, _, worse, _ in pairs]]
+        weights = torch.tensor([weight for *_, weight in pairs], dtype=torch.double)
+        gaps = score_chosen - score_rejected  # (P,)
+        metrics = {
+            "val/accuracy": weighted_accuracy(gaps, weights),
+            "val/margin": (weights * gaps).sum().item() / weights.sum().item(),
             "val/ece": calibration_error(gaps),
         }
-        g_gap = torch.tensor([golds[e][i] - golds[e][j] for e, i, j, _ in pairs] if builtin else [])
         if builtin:  # the gold model's accuracy on the drawn labels (ties 1/2); the RM's on the gold order (no ties)
-            out["val/bayes_ceiling"] = (w * ((g_gap > 0) + 0.5 * (g_gap == 0))).sum().item() / w.sum().item()
-            out["val/gold_agreement"] = ((gaps * g_gap)[g_gap != 0] > 0).double().mean().item()
+            gold_gaps = torch.tensor(
+                [golds[record][better] - golds[record][worse] for record, better, worse, _ in pairs]
+            )
+            metrics["val/bayes_ceiling"] = weighted_accuracy(gold_gaps, weights)
+            metrics["val/gold_agreement"] = ((gaps * gold_gaps)[gold_gaps != 0] > 0).double().mean().item()
             probe_scores = score_all([ids for _, ids in probes]) - offset
-            kinds = [k for k, _ in probes]
-            for k in PROBE_KINDS:
-                per_kind[k] = probe_scores[[n for n, x in enumerate(kinds) if x == k]].mean().item()
-            degenerate = [n for n, k in enumerate(kinds) if k != "fluent"]
-            out["probe/degenerate_score"] = probe_scores[degenerate].mean().item()
-            out["probe/fluent_score"] = per_kind["fluent"]
+            kinds = [kind for kind, _ in probes]
+            for kind in PROBE_KINDS:
+                per_kind[kind] = (
+                    probe_scores[[n for n, probe_kind in enumerate(kinds) if probe_kind == kind]].mean().item()
+                )
+            degenerate = [n for n, kind in enumerate(kinds) if kind != "fluent"]
+            metrics["probe/degenerate_score"] = probe_scores[degenerate].mean().item()
+            metrics["probe/fluent_score"] = per_kind["fluent"]
         scored = []  # samples.jsonl records
-        for n, (e, i, j, _) in enumerate(pairs):
-            row, texts = evals[e][4], responses_of(evals[e][4])
+        for n, (record, better, worse, _) in enumerate(pairs):
+            row = evals[record][4]
+            texts = responses_of(row)
             scored.append(
                 {
                     "prompt": row["prompt"],
-                    "chosen": texts[i],
-                    "rejected": texts[j],
-                    "score_chosen": r_c[n].item(),
-                    "score_rejected": r_r[n].item(),
+                    "chosen": texts[better],
+                    "rejected": texts[worse],
+                    "score_chosen": score_chosen[n].item(),
+                    "score_rejected": score_rejected[n].item(),
                 }
             )
             if builtin:
-                scored[-1] |= {"gold_chosen": golds[e][i], "gold_rejected": golds[e][j]}
-        return out, gaps, scored
+                scored[-1] |= {"gold_chosen": golds[record][better], "gold_rejected": golds[record][worse]}
+        return metrics, gaps, scored
 
-    # 3. training loop: each step takes the next global batch of the epoch permutation; rank r owns a slice
+    # 3. training loop: each step takes the next global batch of the epoch order; rank r owns a slice
     # dropout off (DESIGN §2): the model stays in eval mode, the only thing the mode changes in a GPT
     model.eval()
-    skipped_in_row, t_last, tokens_since = 0, time.time(), 0
-    sums = torch.zeros(4, device=d.device)  # loss, bt_loss, lm_loss, accuracy summed over the steps since the last log
-    steps_since = 0
+    window = {"loss": 0.0, "bt_loss": 0.0, "lm_loss": 0.0, "accuracy": 0.0, "tokens": 0}  # summed since the last log
+    window_steps = 0
+    grad_norms = []  # of the optimizer steps taken since the last log (a skipped step has none)
     while step < max_steps:
-        if pos + args.batch_size > len(train):  # new epoch, new permutation (the remainder is dropped)
-            epoch, pos = epoch + 1, 0
-            perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed + epoch))
-        batch = [train[i] for i in perm[pos : pos + args.batch_size].tolist()]
-        pos += args.batch_size
+        if order.pos + args.batch_size > order.n:  # the epoch's remainder is dropped
+            order.pos = order.n
+        batch = [train[i] for i in order.take(args.batch_size)]
         lr = common.lr_at(step, max_steps, args.lr, args.warmup_steps, min_lr_ratio=0.0)
         for group in optimizer.param_groups:
             group["lr"] = lr
         # losses are divided by global counts of the step (pairs weigh 1 per record; LM: best-response tokens)
         pair_denom = float(len(batch))
-        lm_denom = float(sum(len(ex[0][ex[3]]) - ex[1] for ex in batch))
+        lm_denom = float(sum(len(seqs[best]) - n_prompt for seqs, n_prompt, _, best, _ in batch))
         # sorted by length: each micro-batch pads to its own longest sequence (the gradient does not depend on it)
-        mine = sorted(batch[d.rank * per_rank : (d.rank + 1) * per_rank], key=lambda ex: max(map(len, ex[0])))
-        for micro in range(grad_accum_steps):
-            ids, mask, ci, ri, w, lm_mask = (t.to(d.device) for t in collate(mine[micro * mbs :][:mbs], tok.pad_id))
-            sync = micro == grad_accum_steps - 1 or not d.ddp
-            with nullcontext() if sync else model.no_sync(), common.autocast(d.device, dtype):
-                logits, scores = model(ids, logits=args.lm_coef > 0)  # right padding: no attention mask needed
-                r = sequence_scores(scores.float(), mask)  # (N,) score at each response's EOS
-                bt = preference_loss(r[ci], r[ri], w, denom=pair_denom)
-                lm = lm_loss(logits[:, :-1], ids[:, 1:], lm_mask[:, 1:], lm_denom) if args.lm_coef > 0 else bt * 0
-                loss = bt + args.lm_coef * lm
+        my_batch = sorted(batch[d.rank * per_rank : (d.rank + 1) * per_rank], key=longest_sequence)
+        for micro_step in range(grad_accum_steps):
+            micro_batch = my_batch[micro_step * micro_batch_size :][:micro_batch_size]
+            ids, mask, chosen, rejected, weights, lm_mask = (t.to(d.device) for t in collate(micro_batch, tok.pad_id))
+            last_micro_step = micro_step == grad_accum_steps - 1
+            with common.grad_sync(model, last_micro_step), common.autocast(d.device, dtype):
+                logits, token_scores = model(ids, logits=args.lm_coef > 0)  # right padding: no attention mask needed
+                scores = sequence_scores(token_scores.float(), mask)  # (N,) score at each response's EOS
+                bt_loss = preference_loss(scores[chosen], scores[rejected], weights, denom=pair_denom)
+                lm_loss_value = bt_loss * 0
+                if args.lm_coef > 0:
+                    lm_loss_value = lm_loss(logits[:, :-1], ids[:, 1:], lm_mask[:, 1:], lm_denom)
+                loss = bt_loss + args.lm_coef * lm_loss_value
                 # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
                 (loss * d.world_size).backward()
-            correct = (w * ((r[ci] > r[ri]) + 0.5 * (r[ci] == r[ri]))).sum() / pair_denom
-            sums += torch.stack([loss.detach(), bt.detach(), lm.detach(), correct.detach()])
-            tokens_since += ids.numel()
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf"))
-        # nan/inf guard: the norm is computed after the all-reduce, so every rank takes the same decision
-        if torch.isfinite(grad_norm):
-            optimizer.step()
-            skipped_in_row = 0
-        else:
-            skipped, skipped_in_row = skipped + 1, skipped_in_row + 1
-            print0(f"step {step}: non-finite grad norm ({grad_norm.item()}, loss {loss.item()}), step skipped")
-            if skipped_in_row >= 10:
-                raise RuntimeError(f"{skipped_in_row} non-finite steps in a row: lower --lr or check the data")
-        optimizer.zero_grad(set_to_none=True)
-        step, steps_since = step + 1, steps_since + 1
+            gaps = scores[chosen] - scores[rejected]
+            window["loss"] += loss.detach()
+            window["bt_loss"] += bt_loss.detach()
+            window["lm_loss"] += lm_loss_value.detach()
+            window["accuracy"] += (weights * ((gaps > 0) + 0.5 * (gaps == 0))).sum().detach() / pair_denom
+            window["tokens"] += sum(len(seq) for seqs, *_ in micro_batch for seq in seqs)
+        grad_norm, stepped = common.clip_and_step(optimizer, raw_model.parameters(), args.grad_clip, skips, step)
+        if stepped:
+            grad_norms.append(grad_norm)
+        step += 1
+        window_steps += 1
 
         if step % args.log_every == 0 or step == max_steps:
-            common.all_reduce_sum(sums)
-            dt = time.time() - t_last
-            tps = tokens_since * d.world_size / dt
-            loss_m, bt_m, lm_m, acc_m = (sums / steps_since).tolist()
-            logger.log(
-                step,
-                {
-                    "train/loss": loss_m,
-                    "train/bt_loss": bt_m,
-                    "train/lm_loss": lm_m,
-                    "train/accuracy": acc_m,
-                    "train/lr": lr,
-                    "train/grad_norm": grad_norm.item(),
-                    "train/skipped_steps": skipped,
-                    "perf/tokens_per_sec": tps,
-                    "perf/mfu": tps * flops_per_token / (peak * d.world_size),
-                },
-                max_steps,
-            )
-            sums.zero_()
-            t_last, tokens_since, steps_since = time.time(), 0, 0
-        final, t_pause = step == max_steps, time.time()
-        if (args.save_every and step % args.save_every == 0) or final:
-            save(step)  # also calibrates: the final evaluation sees the checkpoint's scores
-        if step % args.eval_every == 0 or final:
-            # scores relative to a typical SFT answer: the final save has just folded the calibration in; in between,
-            # subtract the mean score of the first calibration examples (cheaper than folding)
-            offset = 0.0 if final else score_all(calib[: args.eval_pairs]).mean().item()
-            metrics, gaps, scored = evaluate(len(evals) if final else min(args.eval_pairs, len(evals)), offset)
-            logger.log(step, metrics, max_steps)
-            if logger.writer is not None:
-                logger.writer.add_histogram("val/score_gap", gaps, step)
-            if final:
-                logger.samples(step, scored)
-        t_last += time.time() - t_pause  # perf/tokens_per_sec counts training time only
+            totals = common.all_reduce_dict(window, d.device)
+            metrics = {
+                f"train/{name}": totals[name] / window_steps for name in ("loss", "bt_loss", "lm_loss", "accuracy")
+            }
+            metrics["train/lr"] = lr
+            if grad_norms:
+                metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+            metrics["train/skipped_steps"] = skips.total
+            logger.log(step, metrics | throughput.read(totals["tokens"]), max_steps)
+            window = dict.fromkeys(window, 0.0)
+            window_steps = 0
+            grad_norms = []
+        final = step == max_steps
+        with throughput.paused():  # perf/ counts training time only
+            if (args.save_every and step % args.save_every == 0) or final:
+                save(step)  # also calibrates: the final evaluation sees the checkpoint's scores
+            if step % args.eval_every == 0 or final:
+                # scores relative to a typical SFT answer: the final save has just folded the calibration in; in
+                # between, subtract the mean score of the first calibration examples (cheaper than folding)
+                offset = 0.0 if final else score_all(calib[: args.eval_pairs]).mean().item()
+                n_records = len(evals) if final else min(args.eval_pairs, len(evals))
+                metrics, gaps, scored = evaluate(n_records, offset)
+                logger.log(step, metrics, max_steps)
+                if logger.writer is not None:
+                    logger.writer.add_histogram("val/score_gap", gaps, step)
+                if final:
+                    logger.samples(step, scored)
 
     # 4. the numbers that matter
     print0(
@@ -390,18 +406,16 @@ def main(args: Args) -> None:
         f"folded into score_head.bias"
     )
     if builtin:
-        print0("probe (mean score by kind): " + " | ".join(f"{k} {v:+.3f}" for k, v in per_kind.items()))
+        print0("probe (mean score by kind): " + " | ".join(f"{kind} {score:+.3f}" for kind, score in per_kind.items()))
     if args.export_hf and d.master:
         common.export_hf(raw_model, tok, args.export_hf)
-    print0(
-        f"rm done in {time.time() - t_start:.0f}s: {ckpt_path} | val/accuracy {metrics['val/accuracy']:.4f}"
-        + (
+    summary = f"rm done in {time.time() - t_start:.0f}s: {ckpt_path} | val/accuracy {metrics['val/accuracy']:.4f}"
+    if builtin:
+        summary += (
             f" | val/bayes_ceiling {metrics['val/bayes_ceiling']:.4f} | probe/degenerate_score "
             f"{metrics['probe/degenerate_score']:+.3f} | probe/fluent_score {metrics['probe/fluent_score']:+.3f}"
-            if builtin
-            else ""
         )
-    )
+    print0(summary)
     logger.close()
     common.cleanup_dist()
 

@@ -8,20 +8,19 @@ python train_sft.py --init gpt2 --data my_sft.jsonl --out-dir out/sft_gpt2
 torchrun --standalone --nproc_per_node 8 train_sft.py --init gpt2 --data my_sft.jsonl
 """
 
+import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
 import tyro
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 import hf
 from common import UserError, print0
-from data import build_task, encode_sft, is_valid, load_tokenizer, pad_left, pad_right, read_jsonl
+from data import Order, build_task, encode_sft, is_valid, load_tokenizer, pad_left, pad_right, read_jsonl
 from model import lm_loss
 
 
@@ -80,27 +79,39 @@ class Args(common.CommonArgs):
 
 def collate(examples: list, pad_id: int):
     """(ids, loss_mask) pairs → inputs, targets, target mask, all (B, T-1), right-padded."""
-    ids, _ = pad_right([e[0] for e in examples], pad_id)
-    lmask, _ = pad_right([e[1] for e in examples], 0)
-    return ids[:, :-1], ids[:, 1:], lmask[:, 1:].float()
+    ids, _ = pad_right([ids for ids, _ in examples], pad_id)
+    loss_mask, _ = pad_right([loss_mask for _, loss_mask in examples], 0)
+    return ids[:, :-1], ids[:, 1:], loss_mask[:, 1:].float()
+
+
+def flops_per_token(model, examples: list) -> int:
+    """Training FLOPs per input token (perf/mfu): the model's estimate at the mean input length."""
+    mean_len = sum(len(ids) - 1 for ids, _ in examples) // len(examples)
+    return model.flops_per_token(mean_len)
 
 
 @torch.no_grad()
 def sample_responses(model, tok, prompts: list, temperature: float, max_new_tokens: int, generator, batch: int = 128):
     """Sample one response per prompt with the KV cache; returns [(prompt, response_text, ended)]."""
+    device = next(model.parameters()).device
     out = []
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        idx, mask = pad_left([tok.encode(p) for p in chunk], tok.pad_id)
-        dev = next(model.parameters()).device
-        max_new = min(max_new_tokens, model.config.block_size - idx.shape[1])
-        resp, rmask, _ = model.generate(
-            idx.to(dev), mask.to(dev), max_new, tok.eos_id, tok.pad_id, temperature=temperature, generator=generator
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        prompt_ids, prompt_mask = pad_left([tok.encode(prompt) for prompt in chunk], tok.pad_id)
+        max_new = min(max_new_tokens, model.config.block_size - prompt_ids.shape[1])
+        responses, response_mask, _ = model.generate(
+            prompt_ids.to(device),
+            prompt_mask.to(device),
+            max_new,
+            tok.eos_id,
+            tok.pad_id,
+            temperature=temperature,
+            generator=generator,
         )
-        for p, r, m in zip(chunk, resp.tolist(), rmask.tolist()):
-            n = int(sum(m))
-            ended = n > 0 and r[n - 1] == tok.eos_id
-            out.append((p, tok.decode(r[: n - 1] if ended else r[:n]), ended))
+        for prompt, response, mask in zip(chunk, responses.tolist(), response_mask.tolist()):
+            length = int(sum(mask))
+            ended = length > 0 and response[length - 1] == tok.eos_id
+            out.append((prompt, tok.decode(response[: length - 1] if ended else response[:length]), ended))
     return out
 
 
@@ -122,9 +133,9 @@ def main(args: Args) -> None:
         n_eval = max(1, len(train_rows) // 20)
         train_rows, eval_rows = train_rows[:-n_eval], train_rows[-n_eval:]
     if builtin:
-        prompts = [r["prompt"] for r in read_jsonl(task["eval_prompts"], "prompts")]
+        prompts = [row["prompt"] for row in read_jsonl(task["eval_prompts"], "prompts")]
     else:
-        prompts = [r["prompt"] for r in eval_rows]
+        prompts = [row["prompt"] for row in eval_rows]
     tok = load_tokenizer(args.tokenizer or task["tokenizer"]) if args.init == "scratch" else None
     if args.init == "scratch" and tok is None:
         raise UserError("--init scratch on --data needs --tokenizer (gpt2, hf:<path> or a tokenizer.json)")
@@ -132,47 +143,44 @@ def main(args: Args) -> None:
     model, tok, _ = hf.load_init(args.init, tokenizer=tok, scratch=scratch)
     # from scratch on the built-in task the model learns the language too: no prompt masking
     mask_prompt = not (builtin and args.init == "scratch")
-    train, n_skip = encode_sft(tok, train_rows, model.config.block_size, mask_prompt)
-    evals, _ = encode_sft(tok, eval_rows, model.config.block_size, mask_prompt)
+    block_size = model.config.block_size
+    train, n_too_long = encode_sft(tok, train_rows, block_size, mask_prompt)
+    evals, _ = encode_sft(tok, eval_rows, block_size, mask_prompt)
     if not train:
-        raise UserError(f"{args.data}: every example is longer than the context ({model.config.block_size} tokens)")
+        raise UserError(f"{args.data}: every example is longer than the context ({block_size} tokens)")
 
-    # 2. distributed set-up, sizes, optimizer
+    # 2. distributed set-up, sizes, optimizer, resume
     # sizes first, against the launched world size: a mistake ends here, before any process group
-    per_rank, mbs, grad_accum_steps = common.batch_split(args.batch_size, args.micro_batch_size)
+    per_rank, micro_batch_size, grad_accum_steps = common.batch_split(args.batch_size, args.micro_batch_size)
     d = common.setup_dist(args.device)
     dtype = common.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.epochs * len(train) // args.batch_size)
     print0(
-        f"sft: {len(train)} train / {len(evals)} eval examples ({n_skip} too long, skipped) | "
+        f"sft: {len(train)} train / {len(evals)} eval examples ({n_too_long} too long, skipped) | "
         f"{model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
-        f"{grad_accum_steps} accum x {mbs} | {max_steps} steps | device {d.device} {dtype}"
+        f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | device {d.device} {dtype}"
     )
     model.to(d.device)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
-    step, seconds, epoch, pos, skipped = 0, 0.0, 0, 0, 0
-    perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
+    order = Order(len(train), args.seed)  # the global sample order, the same on every rank
+    skips = common.Skips()
+    step = 0
+    seconds = 0.0  # wall time of the earlier sittings of this run
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
     init_hash = common.file_sha256(args.init) if args.init.endswith(".pt") else None  # what this run started from
     if args.resume:
-        ck = common.load_resume(
-            ckpt_path, "sft", d.world_size, max_steps, {"init_hash": (f"--init {args.init}", init_hash)}
-        )
-        model.load_state_dict(ck["model"])
-        optimizer.load_state_dict(ck["optimizer"])
-        step, seconds = ck["step"], ck["seconds"]
-        epoch, pos, perm, skipped = (ck["data_state"][k] for k in ("epoch", "pos", "perm", "skipped"))
-        common.set_rng_state(ck["rng"][d.rank], sampler)
-        print0(f"resumed from {ckpt_path} at step {step}")
+        inputs = {"init_hash": (f"--init {args.init}", init_hash)}
+        ckpt = common.resume(ckpt_path, "sft", d, max_steps, inputs, model, optimizer, sampler)
+        step = ckpt["step"]
+        seconds = ckpt["seconds"]
+        order = Order(**ckpt["data_state"]["order"])
+        skips.total = ckpt["data_state"]["skipped"]
     raw_model = model
-    if d.device.type == "cuda" and args.compile:
-        model = torch.compile(model)
-    if d.ddp:
-        model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    model = common.wrap_model(raw_model, d, args.compile)
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None)
-    peak = common.peak_flops(d.device, args.peak_flops)
-    flops_per_token = raw_model.flops_per_token(sum(len(e[0]) for e in train) // len(train))
+    peak_flops = common.peak_flops(d.device, args.peak_flops)
+    throughput = common.Throughput(flops_per_token(raw_model, train), peak_flops, d.world_size)
 
     def save(step: int) -> None:
         rngs = common.all_rng_states(sampler)
@@ -189,7 +197,7 @@ def main(args: Args) -> None:
                     optimizer=optimizer.state_dict(),
                     scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps),
                     rng=rngs,
-                    data_state=dict(epoch=epoch, pos=pos, perm=perm, skipped=skipped),
+                    data_state=dict(order=order.state_dict(), skipped=skips.total),
                     world_size=d.world_size,
                     seconds=seconds + time.time() - t_start,
                 ),
@@ -197,100 +205,90 @@ def main(args: Args) -> None:
             )
 
     @torch.no_grad()
-    def evaluate(n_samples: int) -> dict:
+    def evaluate(n_samples: int) -> tuple[dict, list]:
+        """val/ metrics over the held-out set and n_samples sampled responses; returns them and this rank's samples."""
         raw_model.eval()
-        sums = torch.zeros(3, device=d.device)  # nll sum, token count, valid samples
-        for i in range(d.rank * mbs, len(evals), d.world_size * mbs):
-            x, y, m = (t.to(d.device) for t in collate(evals[i : i + mbs], tok.pad_id))
+        sums = {"nll": torch.zeros((), device=d.device), "tokens": torch.zeros((), device=d.device), "valid": 0}
+        for start in range(d.rank * micro_batch_size, len(evals), d.world_size * micro_batch_size):
+            micro_batch = evals[start : start + micro_batch_size]
+            inputs, targets, target_mask = (t.to(d.device) for t in collate(micro_batch, tok.pad_id))
             with common.autocast(d.device, dtype):
-                logits, _ = raw_model(x)
-            sums[0] += lm_loss(logits, y, m, denom=1.0)
-            sums[1] += m.sum()
-        samples = sample_responses(
-            raw_model, tok, prompts[d.rank : n_samples : d.world_size], args.temperature, args.max_new_tokens, sampler
-        )
+                logits, _ = raw_model(inputs)
+            sums["nll"] += lm_loss(logits, targets, target_mask, denom=1.0)
+            sums["tokens"] += target_mask.sum()
+        my_prompts = prompts[d.rank : n_samples : d.world_size]
+        samples = sample_responses(raw_model, tok, my_prompts, args.temperature, args.max_new_tokens, sampler)
         if builtin:
-            sums[2] += sum(is_valid(r, e) for _, r, e in samples)
-        common.all_reduce_sum(sums)
+            sums["valid"] = sum(is_valid(response, ended) for _, response, ended in samples)
+        totals = common.all_reduce_dict(sums, d.device)
         raw_model.train()
-        out = {"val/loss": (sums[0] / sums[1]).item(), "val/ppl": (sums[0] / sums[1]).exp().item()}
+        val_loss = totals["nll"] / totals["tokens"]
+        metrics = {"val/loss": val_loss, "val/ppl": math.exp(val_loss)}
         if builtin:
-            out["val/valid_frac"] = sums[2].item() / n_samples
-        return out, samples
+            metrics["val/valid_frac"] = totals["valid"] / n_samples
+        return metrics, samples
 
-    # 3. training loop: each step takes the next global batch of the epoch permutation; rank r owns a slice
+    # 3. training loop: each step takes the next global batch of the epoch order; rank r owns a slice
     model.train()
-    skipped_in_row, t_last, tokens_since = 0, time.time(), 0
+    window = {"loss": 0.0, "tokens": 0}  # summed over the steps since the last log (this rank's share)
+    window_steps = 0
+    grad_norms = []  # of the optimizer steps taken since the last log (a skipped step has none)
     while step < max_steps:
-        if pos + args.batch_size > len(train):  # new epoch, new permutation (the remainder is dropped)
-            epoch, pos = epoch + 1, 0
-            perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed + epoch))
-        batch = [train[i] for i in perm[pos : pos + args.batch_size].tolist()]
-        pos += args.batch_size
+        if order.pos + args.batch_size > order.n:  # the epoch's remainder is dropped
+            order.pos = order.n
+        batch = [train[i] for i in order.take(args.batch_size)]
         lr = common.lr_at(step, max_steps, args.lr, args.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         # the loss is divided by the global count of target tokens of the step (same gradient on any world size)
-        denom = sum(sum(m[1:]) for _, m in batch)
-        mine = batch[d.rank * per_rank : (d.rank + 1) * per_rank]
-        loss_sum = torch.zeros((), device=d.device)
-        for micro in range(grad_accum_steps):
-            x, y, m = (t.to(d.device) for t in collate(mine[micro * mbs :][:mbs], tok.pad_id))
-            sync = micro == grad_accum_steps - 1 or not d.ddp
-            with nullcontext() if sync else model.no_sync(), common.autocast(d.device, dtype):
-                logits, _ = model(x)
+        target_tokens = sum(sum(loss_mask[1:]) for _, loss_mask in batch)
+        my_batch = batch[d.rank * per_rank : (d.rank + 1) * per_rank]
+        for micro_step in range(grad_accum_steps):
+            micro_batch = my_batch[micro_step * micro_batch_size :][:micro_batch_size]
+            inputs, targets, target_mask = (t.to(d.device) for t in collate(micro_batch, tok.pad_id))
+            last_micro_step = micro_step == grad_accum_steps - 1
+            with common.grad_sync(model, last_micro_step), common.autocast(d.device, dtype):
+                logits, _ = model(inputs)
                 # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
-                loss = lm_loss(logits, y, m, denom=denom) * d.world_size
+                loss = lm_loss(logits, targets, target_mask, denom=target_tokens) * d.world_size
                 loss.backward()
-            loss_sum += loss.detach() / d.world_size
-            tokens_since += x.numel()
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf"))
-        # nan/inf guard: the norm is computed after the all-reduce, so every rank takes the same decision
-        if torch.isfinite(grad_norm):
-            optimizer.step()
-            skipped_in_row = 0
-        else:
-            skipped, skipped_in_row = skipped + 1, skipped_in_row + 1
-            print0(f"step {step}: non-finite grad norm ({grad_norm.item()}, loss {loss_sum.item()}), step skipped")
-            if skipped_in_row >= 10:
-                raise RuntimeError(f"{skipped_in_row} non-finite steps in a row: lower --lr or check the data")
-        optimizer.zero_grad(set_to_none=True)
+            window["loss"] += loss.detach() / d.world_size
+            window["tokens"] += sum(len(ids) - 1 for ids, _ in micro_batch)
+        grad_norm, stepped = common.clip_and_step(optimizer, raw_model.parameters(), args.grad_clip, skips, step)
+        if stepped:
+            grad_norms.append(grad_norm)
         step += 1
+        window_steps += 1
 
         if step % args.log_every == 0 or step == max_steps:
-            common.all_reduce_sum(loss_sum)
-            dt = time.time() - t_last
-            tps = tokens_since * d.world_size / dt
-            logger.log(
-                step,
-                {
-                    "train/loss": loss_sum.item(),
-                    "train/lr": lr,
-                    "train/grad_norm": grad_norm.item(),
-                    "train/skipped_steps": skipped,
-                    "perf/tokens_per_sec": tps,
-                    "perf/mfu": tps * flops_per_token / (peak * d.world_size),
-                },
-                max_steps,
-            )
-            t_last, tokens_since = time.time(), 0
+            totals = common.all_reduce_dict(window, d.device)
+            metrics = {"train/loss": totals["loss"] / window_steps, "train/lr": lr}
+            if grad_norms:
+                metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+            metrics["train/skipped_steps"] = skips.total
+            logger.log(step, metrics | throughput.read(totals["tokens"]), max_steps)
+            window = {"loss": 0.0, "tokens": 0}
+            window_steps = 0
+            grad_norms = []
         final = step == max_steps
-        if step % args.eval_every == 0 or final:
-            metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
-            logger.log(step, metrics, max_steps)
-            logger.text("samples", "\n\n".join(f"{p}{r}{'' if e else ' [no EOS]'}" for p, r, e in samples[:8]), step)
+        with throughput.paused():  # perf/ counts training time only
+            if step % args.eval_every == 0 or final:
+                metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
+                logger.log(step, metrics, max_steps)
+                shown = [f"{prompt}{response}{'' if ended else ' [no EOS]'}" for prompt, response, ended in samples]
+                logger.text("samples", "\n\n".join(shown[:8]), step)
             if final:
-                records = [
-                    {"prompt": p, "response": r, "ended": e, "valid": is_valid(r, e) if builtin else None}
-                    for p, r, e in samples
-                ]
+                records = []
+                for prompt, response, ended in samples:
+                    valid = is_valid(response, ended) if builtin else None
+                    records.append({"prompt": prompt, "response": response, "ended": ended, "valid": valid})
                 logger.samples(step, records)
-        if (args.save_every and step % args.save_every == 0) or final:
-            save(step)
+            if (args.save_every and step % args.save_every == 0) or final:
+                save(step)
 
     # 4. a few samples to look at
-    for p, r, e in samples[:5]:
-        print0(f"  {p}{r}{'' if e else ' [no EOS]'}")
+    for line in shown[:5]:
+        print0(f"  {line}")
     if args.export_hf and d.master:
         common.export_hf(raw_model, tok, args.export_hf)
     print0(

@@ -68,11 +68,16 @@ def files(tmp_path_factory, task_dir, tiny_ckpts):
         (SFT + " --init hf:{w}/no_such_model", r"--init hf:.*no_such_model: could not load tokenizer"),
         (SFT + " --resume --out-dir {w}/ws_sft", r"--resume .*ckpt\.pt: saved with world size 2, now 1"),
         (
+            SFT + " --out-dir {w}/ws_sft",
+            r"ws_sft/ckpt\.pt exists: pass --resume to continue that run, or --overwrite to",
+        ),
+        (
             RM + " --data {w}/pairs_range.jsonl",
             r"pairs_range\.jsonl:2: field 'ranking' must be a permutation of 0\.\.1",
         ),
         (RM + " --init {w}/sft_othertok.pt", r"--init .*sft_othertok\.pt: its tokenizer is not the built-in task's"),
         (RM + " --resume --out-dir {w}/ws_rm", r"--resume .*ckpt\.pt: saved with world size 2, now 1"),
+        (RM + " --out-dir {w}/ws_rm", r"ws_rm/ckpt\.pt exists: pass --resume to continue that run, or --overwrite to"),
         (PPO + " --prompts {w}/prompts_json.jsonl", r"prompts_json\.jsonl:2: bad JSON"),
         (PPO + " --ptx-data {w}/text_type.jsonl", r"text_type\.jsonl:2: field 'text' must be a string, got int"),
         (PPO.replace("--rm-ckpt {rm}", "--rm-ckpt {sft}"), r"--rm-ckpt .*: is a 'sft' checkpoint, expected rm"),

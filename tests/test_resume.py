@@ -1,6 +1,7 @@
 """Reliability: a run killed at a random moment resumes exactly; a non-finite step is skipped and counted."""
 
 import json
+import math
 import os
 import shlex
 import shutil
@@ -115,6 +116,14 @@ def test_sft_nan_step_is_skipped(tmp_path, task_dir, monkeypatch):
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
     assert ckpt["step"] == 6 and ckpt["data_state"]["skipped"] == 1
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    # train/grad_norm averages the steps taken: none at step 3 (logged every step), so no value there, never a NaN
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(out)
+    events.Reload()
+    grad_norms = {event.step: event.value for event in events.Scalars("train/grad_norm")}
+    assert sorted(grad_norms) == [1, 2, 4, 5, 6] and all(math.isfinite(v) for v in grad_norms.values())
+    assert [event.value for event in events.Scalars("train/skipped_steps")] == [0, 0, 1, 1, 1, 1]
 
 
 def test_rm_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts):

@@ -360,3 +360,34 @@ def test_rm_ddp_matches_single_process(tmp_path, task_dir, sft_ckpt):
     one, two = read_events(str(tmp_path / "one"))[0], read_events(str(tmp_path / "two"))[0]
     for tag in ("train/grad_norm", "train/loss", "train/accuracy", "val/accuracy"):  # Adam would hide a scale error
         assert two[tag] == pytest.approx(one[tag], rel=1e-4), tag
+
+
+@pytest.mark.parametrize("lm_coef", [0.5, 0.0])
+def test_flops_per_token_hand_count(lm_coef):
+    """The RM's training FLOPs per token, counted by hand on a tiny config: 6 per weight (trunk, score head, and the lm
+    head only when lm_coef > 0: with 0 no logits are computed) plus attention 12·L·C·T at the mean length; and
+    FlopCounterMode on one training step (matmuls only; attention through the math kernel, whose matmuls it sees)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from model import lm_loss
+
+    L, C, V, T = 2, 32, 50, 9
+    model = GPT(GPTConfig(vocab_size=V, n_layer=L, n_head=2, n_embd=C, block_size=16, score_head=True))
+    per_block = (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C) + 4 * C
+    trunk = L * per_block + 2 * C  # blocks and ln_f
+    lm_head = V * C if lm_coef > 0 else 0
+    score_head = C + 1
+    example = ([[1] * T, [2] * T], 3, [(0, 1, 1.0)], 0, {})  # (sequences, prompt length, pairs, best, row)
+    want = 6 * (trunk + lm_head + score_head) + 12 * L * C * T
+    assert train_rm.flops_per_token(model, [example] * 4, lm_coef) == want
+    ids, mask, chosen, rejected, weights, lm_mask = train_rm.collate([example] * 2, pad_id=0)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        logits, token_scores = model(ids, logits=lm_coef > 0)
+        scores = sequence_scores(token_scores, mask)
+        loss = train_rm.preference_loss(scores[chosen], scores[rejected], weights)
+        if lm_coef > 0:
+            loss = loss + lm_coef * lm_loss(logits[:, :-1], ids[:, 1:], lm_mask[:, 1:])
+        loss.backward()
+    matmul_weights = L * 12 * C * C + lm_head + C
+    assert counter.get_total_flops() == ids.numel() * (6 * matmul_weights + 12 * L * C * T)

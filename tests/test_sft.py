@@ -216,3 +216,52 @@ def test_make_demo_tiny(tmp_path):
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "sft done" in r.stdout and os.path.exists(tmp_path / "out" / "sft" / "ckpt.pt")
+
+
+def hand_count_params(n_layer: int, n_embd: int, vocab_size: int) -> int:
+    """Non-embedding weights of a GPT with biases, counted by hand: per block c_attn C·3C+3C, c_proj C·C+C, c_fc
+    C·4C+4C, mlp c_proj 4C·C+C, two LayerNorms 2·2C; then ln_f 2C and the lm head V·C (tied to wte, counted once)."""
+    C = n_embd
+    per_block = (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C) + 4 * C
+    return n_layer * per_block + 2 * C + vocab_size * C
+
+
+def test_flops_per_token_hand_count():
+    """6 FLOPs per weight per token (forward 2, backward 4) plus attention 12·L·C·T (PaLM appendix B), counted by
+    hand on a tiny config; FlopCounterMode on one training step agrees up to the bias and LayerNorm terms (it counts
+    matmuls only; attention through the math kernel, whose matmuls it sees)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from model import GPTConfig, lm_loss
+
+    L, C, V, B, T = 2, 32, 50, 3, 9
+    model = GPT(GPTConfig(vocab_size=V, n_layer=L, n_head=2, n_embd=C, block_size=16))
+    examples = [([1] * (T + 1), [1] * (T + 1))] * B  # inputs are ids[:-1]: T tokens each
+    assert train_sft.flops_per_token(model, examples) == 6 * hand_count_params(L, C, V) + 12 * L * C * T
+    inputs, targets, target_mask = train_sft.collate(examples, pad_id=0)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        logits, _ = model(inputs)
+        lm_loss(logits, targets, target_mask).backward()
+    matmul_weights = L * 12 * C * C + V * C
+    assert counter.get_total_flops() == B * T * (6 * matmul_weights + 12 * L * C * T)
+
+
+def test_overwrite_and_resume(tmp_path, task_dir):
+    """A fresh run into a folder with a checkpoint needs --overwrite (test_errors.py: the refusal), which clears the
+    old event files and samples; --resume still continues."""
+    out = tmp_path / "sft"
+    args = train_sft.Args(out_dir=str(out), task_dir=task_dir, **{**TINY, "max_steps": 2, "eval_every": 2})
+    train_sft.main(args)
+    (old_events,) = [name for name in os.listdir(out) if name.startswith("events.out.tfevents.")]
+    with open(out / "samples.jsonl", "a") as f:
+        f.write('{"step": 99}\n')
+    with pytest.raises(train_sft.UserError, match=r"ckpt\.pt exists: pass --resume to continue that run, or --over"):
+        train_sft.main(args)
+    train_sft.main(train_sft.Args(**{**args.__dict__, "overwrite": True}))
+    events = [name for name in os.listdir(out) if name.startswith("events.out.tfevents.")]
+    assert len(events) == 1 and events != [old_events]
+    assert [json.loads(line)["step"] for line in open(out / "samples.jsonl")] == [2] * TINY["num_samples"]
+    train_sft.main(train_sft.Args(**{**args.__dict__, "max_steps": 4, "resume": True}))
+    assert torch.load(out / "ckpt.pt", weights_only=False)["step"] == 4
+    assert [json.loads(line)["step"] for line in open(out / "samples.jsonl")] == [2] * 16 + [4] * 16
