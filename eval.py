@@ -12,12 +12,17 @@ choice of prompts and the sampling noise together.
   se(exp R) = exp(R)·se(R).
 - distinct_2 (unique / all bigrams, not a mean of per-sample values): the delete-one-prompt jackknife, conservative in
   expectation (Efron-Stein).
+- --best-of-n N1 N2 ...: per prompt, max(N) samples (seeds --seed, --seed + 1, ...); for each N the first N are reranked
+  by --rm (a response without EOS scores --missing-eos-penalty) and the best one is scored like a policy sample (rows
+  `<name>_bon<N>`). Its kl is the bound log N - (N-1)/N + the chosen sample's own KL to the reference (the chain rule;
+  Beirami et al. 2024, https://arxiv.org/abs/2401.01879), marked `≤` in the table and `kl_bound: true` in the JSON.
 - --pairs: accuracy, margin and the Bayes ceiling are weighted means over pairs, clustered by record (the pairs of a
   K-wise record share their responses).
 
 python eval.py                                                          # SFT vs PPO, defaults of the earlier stages
 python eval.py --policy out/sft/ckpt.pt out/ppo/ckpt.pt --names sft ppo --ref out/sft/ckpt.pt --rm out/rm/ckpt.pt \
     --json out/results.json --seeds 4
+python eval.py --policy out/sft/ckpt.pt --names sft --best-of-n 1 4 16 64   # best-of-N from SFT, reranked by the RM
 python eval.py --pairs                                                  # reward-model mode: accuracy, calibration
 """
 
@@ -26,7 +31,7 @@ import math
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -66,6 +71,10 @@ class Args:
     """preference JSONL for --pairs (None: the built-in task's held-out pairs)"""
     prompts: Optional[str] = None
     """prompt JSONL ({"prompt": str}) to sample on (None: the built-in task's held-out prompts; gold needs those)"""
+    best_of_n: Optional[list[int]] = None
+    """best-of-N sizes: per prompt max(N) samples, the first N reranked by --rm, the best scored (rows <name>_bon<N>)"""
+    missing_eos_penalty: float = -1.0
+    """best-of-N: the RM score of a response without EOS (as PPO's --missing-eos-penalty)"""
     # --- sampling
     num_samples: int = 512
     """prompts sampled (one response each per seed; the JSON's num_samples is this times --seeds)"""
@@ -258,13 +267,38 @@ def policy_metrics(samples: dict, builtin: bool, ref_gold: Optional[list]) -> tu
     return metrics, gold
 
 
+def best_of_n_kl_bound(n: int) -> float:
+    """log N - (N-1)/N: best-of-N sampling's KL to the policy it draws from is at most this (Beirami et al. 2024)."""
+    return math.log(n) - (n - 1) / n
+
+
+def best_of_n(samples: dict, n: int, first_seed: int, missing_eos_penalty: float) -> dict:
+    """sample_policy's lists -> the same lists with one sample per prompt, in prompt order: among the prompt's samples
+    of seeds first_seed .. first_seed + n - 1, the one the RM scores highest (a response without EOS scores
+    missing_eos_penalty; a tie keeps the earlier seed). Its kl becomes the bound best_of_n_kl_bound(n) + its own kl."""
+    best = {}  # prompt_index -> (effective score, sample index)
+    for index, (prompt_index, seed) in enumerate(zip(samples["prompt_index"], samples["seed"])):
+        if not first_seed <= seed < first_seed + n:
+            continue
+        score = samples["score"][index] if samples["ended"][index] else missing_eos_penalty
+        if prompt_index not in best or score > best[prompt_index][0]:
+            best[prompt_index] = (score, index)
+    picked = select(samples, [best[prompt_index][1] for prompt_index in sorted(best)])
+    picked["kl"] = [best_of_n_kl_bound(n) + kl for kl in picked["kl"]]
+    return picked
+
+
+def select(samples: dict, indices: list) -> dict:
+    """sample_policy's lists at the given sample indices."""
+    return {key: [values[index] for index in indices] for key, values in samples.items()}
+
+
 def load_model(path: str, flag: str, device, want: str = "lm"):
     """A GPT from one of our checkpoints (its LM or its scalar head), eval mode, and the checkpoint."""
     if not path.endswith(".pt"):
         raise UserError(f"{flag} {path}: expected a .pt checkpoint of this repo")
-    model, tok, ckpt = hf.load_init(
-        path, lm_head=want == "lm", score_head=want == "score", flag=flag, kind=("sft", "ppo") if want == "lm" else "rm"
-    )
+    kinds = ("sft", "dpo", "ppo") if want == "lm" else "rm"  # every policy kind has an LM head
+    model, tok, ckpt = hf.load_init(path, lm_head=want == "lm", score_head=want == "score", flag=flag, kind=kinds)
     return model.to(device).eval(), tok, ckpt
 
 
@@ -276,7 +310,8 @@ def format_value(entry: dict, key: str) -> str:
         return "-"
     if not isinstance(value, float):
         return str(value)
-    return f"{value:.3f}" if se is None else f"{value:.3f} ± {se:.3f}"
+    bound = "≤ " if key == "kl" and entry.get("kl_bound") else ""  # best-of-N: an upper bound
+    return f"{bound}{value:.3f}" if se is None else f"{bound}{value:.3f} ± {se:.3f}"
 
 
 def print_table(results: dict) -> None:
@@ -314,6 +349,10 @@ def main(args: Args) -> dict:
         )
     if args.seeds < 1:
         raise UserError(f"--seeds {args.seeds}: samples per prompt, use >= 1")
+    if args.best_of_n and min(args.best_of_n) < 1:
+        raise UserError(f"--best-of-n {min(args.best_of_n)}: N counts samples per prompt, use >= 1")
+    if args.best_of_n and (not args.rm or args.rm == "none"):
+        raise UserError("--best-of-n reranks with a reward model: pass --rm")
     common.seed_everything(args.seed)
     device = torch.device(
         "cuda"
@@ -350,9 +389,17 @@ def main(args: Args) -> dict:
         model, tok, ckpt = load_model(path, "--policy", device)
         if tok.state() != ref_tok.state():
             raise UserError(f"--policy {path}: its tokenizer differs from the reference's ({args.ref})")
-        samples = sample_policy(model, tok, prompts, args, device, ref=ref, rm=rm)
-        metrics, _ = policy_metrics(samples, builtin, ref_gold)
-        results[name] = {**metrics, "seconds": round(ckpt.get("seconds", 0.0), 1)}
+        # best-of-N draws max(N) seeds per prompt once; the plain row takes the first --seeds of them
+        num_seeds = max([args.seeds, *(args.best_of_n or [])])
+        samples = sample_policy(model, tok, prompts, replace(args, seeds=num_seeds), device, ref=ref, rm=rm)
+        seconds = round(ckpt.get("seconds", 0.0), 1)
+        plain = [index for index, seed in enumerate(samples["seed"]) if seed < args.seed + args.seeds]
+        metrics, _ = policy_metrics(select(samples, plain), builtin, ref_gold)
+        results[name] = {**metrics, "seconds": seconds}
+        for n in args.best_of_n or []:  # one pick per prompt, against the reference's first seed
+            picked = best_of_n(samples, n, args.seed, args.missing_eos_penalty)
+            metrics, _ = policy_metrics(picked, builtin, ref_gold[: len(prompts)] if ref_gold else None)
+            results[f"{name}_bon{n}"] = {**metrics, "kl_bound": True, "seconds": seconds}
         for p, r, e in list(zip(samples["prompt"], samples["response"], samples["ended"]))[: args.show]:
             print(f"[{name}] {p}{r}{'' if e else ' [no EOS]'}")
     print_table(results)

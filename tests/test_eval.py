@@ -1,5 +1,5 @@
 """eval.py: metrics and their standard errors on hand-made samples with known answers, KL of a policy against itself,
-seeds pooled, the JSON layout, a temperature that cannot be measured."""
+seeds pooled, the JSON layout, a temperature that cannot be measured, best-of-N (the pick, the KL bound, its rows)."""
 
 import json
 import math
@@ -198,3 +198,71 @@ def test_temperature_zero_is_rejected(tmp_path, tiny_policy):
     assert run.stderr.strip().splitlines() == [
         "error: --temperature 0: kl and perplexity are measured at the sampling temperature; use > 0 (e.g. 1.0)"
     ]
+
+
+def test_best_of_n_picks_the_rm_argmax_over_the_first_n():
+    """Hand-made: 2 prompts x 4 seeds. N = 2 looks at seeds 5, 6 only; a response without EOS scores the penalty
+    whatever the RM said; a tie keeps the earlier seed; kl becomes the bound plus the picked sample's own kl."""
+    s = {
+        "prompt": ["a", "b"] * 4,
+        "response": [f"r{i}" for i in range(8)],
+        "tokens": [[i] for i in range(8)],
+        "ended": [True, True, False, True, True, True, True, True],
+        "logprob_sum": [-1.0] * 8,
+        "n": [1] * 8,
+        "kl": [0.1 * i for i in range(8)],
+        "score": [0.5, 1.0, 3.0, 1.0, 2.0, 0.0, 0.7, 9.0],
+        "prompt_index": [0, 1] * 4,
+        "seed": [5, 5, 6, 6, 7, 7, 8, 8],
+    }
+    # prompt 0: seed 6's 3.0 has no EOS (-1), so seed 5 wins; prompt 1: seeds 5 and 6 tie at 1.0, the earlier stays
+    picked = ev.best_of_n(s, 2, first_seed=5, missing_eos_penalty=-1.0)
+    assert picked["response"] == ["r0", "r1"] and picked["prompt_index"] == [0, 1]
+    assert picked["kl"] == pytest.approx([ev.best_of_n_kl_bound(2) + 0.0, ev.best_of_n_kl_bound(2) + 0.1])
+    # with a penalty above 0.5 the EOS-less sample wins; N = 4 reaches seed 8's 9.0 and seed 7's 2.0
+    assert ev.best_of_n(s, 2, 5, missing_eos_penalty=0.6)["response"] == ["r2", "r1"]
+    assert ev.best_of_n(s, 4, 5, -1.0)["response"] == ["r4", "r7"]
+    assert ev.best_of_n(s, 1, 5, -1.0)["kl"] == pytest.approx([0.0, 0.1])  # N = 1: the policy itself
+
+
+def test_best_of_n_kl_bound_formula():
+    """log N - (N-1)/N, and the exact KL of best-of-N over M equally likely outcomes with distinct RM scores, which
+    rises to it as M grows: P(the k-th best of M) = (k/M)^N - ((k-1)/M)^N."""
+    assert ev.best_of_n_kl_bound(1) == 0.0
+    assert ev.best_of_n_kl_bound(2) == pytest.approx(math.log(2) - 0.5)
+    assert ev.best_of_n_kl_bound(64) == pytest.approx(math.log(64) - 63 / 64)
+    M = 20000
+    for n in (2, 4, 16, 64):
+        probs = [(k / M) ** n - ((k - 1) / M) ** n for k in range(1, M + 1)]
+        exact = sum(p * math.log(p * M) for p in probs if p > 0)
+        assert exact <= ev.best_of_n_kl_bound(n) + 1e-9
+        assert exact == pytest.approx(ev.best_of_n_kl_bound(n), abs=2e-3)
+
+
+def test_best_of_n_rows_in_the_json(tmp_path, task_dir, tiny_ckpts):
+    """eval.main --best-of-n: rows <name>_bon<N> with the policy keys and kl_bound; N = 1 is the plain row; the
+    policy is the reference here, so each kl is the bound alone."""
+    sft, rm = tiny_ckpts
+    out = tmp_path / "results.json"
+    args = ev.Args(
+        policy=[sft],
+        names=["sft"],
+        ref=sft,
+        rm=rm,
+        num_samples=12,
+        best_of_n=[1, 2, 4],
+        task_dir=task_dir,
+        json=str(out),
+        max_new_tokens=12,
+    )
+    ev.main(args)
+    res = json.loads(out.read_text(), parse_constant=reject_nan)
+    assert set(res) == {"sft", "sft_bon1", "sft_bon2", "sft_bon4"}
+    for n in (1, 2, 4):
+        row = res[f"sft_bon{n}"]
+        assert row["kl_bound"] is True and row["num_samples"] == 12 and {*POLICY_KEYS, "seconds"} <= set(row)
+        assert row["kl"] == pytest.approx(ev.best_of_n_kl_bound(n), abs=1e-4)
+    for key in ("gold", "score", "response_len", "win_rate_vs_ref"):
+        assert res["sft_bon1"][key] == pytest.approx(res["sft"][key]), key
+    with pytest.raises(common.UserError, match="--best-of-n reranks with a reward model"):
+        ev.main(ev.Args(policy=[sft], ref=sft, rm="none", best_of_n=[2], task_dir=task_dir))

@@ -1,0 +1,321 @@
+"""Tests for train_dpo.py: dpo_loss against the formulas of DESIGN §5c, response log-probs that padding does not
+change (so reference log-probs per batch equal precomputed ones), K-wise expansion, a NaN step, user mistakes, a tiny
+smoke run whose checkpoint eval.py accepts, 2 ranks against 1, and kill/resume."""
+
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_resume import assert_same_weights, kill_and_resume
+
+import common
+import data
+import eval as ev
+import train_dpo
+from model import GPT, GPTConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DPO_TAGS = [
+    "train/loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracy",
+    "rewards/margin",
+    "val/loss",
+    "val/accuracy",
+    "val/gold",
+    "val/kl",
+    "val/valid_frac",
+    "train/lr",
+    "train/grad_norm",
+    "train/skipped_steps",
+    "perf/tokens_per_sec",
+    "perf/mfu",
+]
+TINY = dict(
+    batch_size=8,
+    micro_batch_size=4,
+    max_steps=6,
+    warmup_steps=2,
+    log_every=1,
+    eval_every=3,
+    eval_pairs=16,
+    num_samples=8,
+    eval_samples=8,
+    max_new_tokens=16,
+    lr=1e-3,
+)
+TINY_FLAGS = (
+    "--batch-size 8 --micro-batch-size 2 --warmup-steps 2 --log-every 1 --eval-pairs 16 --num-samples 8 "
+    "--eval-samples 8 --max-new-tokens 16 --lr 1e-3"
+)
+
+
+def read_scalars(out_dir: str) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(out_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [event.value for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+# -----------------------------------------------------------------------------
+# math
+
+
+def naive_losses(h: list, beta: float, loss_type: str, label_smoothing: float) -> list:
+    def log_sigmoid(x):
+        return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+    if loss_type == "ipo":
+        return [(x - 1 / (2 * beta)) ** 2 for x in h]
+    return [-(1 - label_smoothing) * log_sigmoid(beta * x) - label_smoothing * log_sigmoid(-beta * x) for x in h]
+
+
+@pytest.mark.parametrize("loss_type, beta, label_smoothing", [("dpo", 0.1, 0.0), ("dpo", 0.5, 0.2), ("ipo", 0.3, 0.0)])
+def test_dpo_loss_matches_the_formulas(loss_type, beta, label_smoothing):
+    g = torch.Generator().manual_seed(0)
+    policy_chosen, policy_rejected, ref_chosen, ref_rejected = (torch.randn(50, generator=g) * 5 for _ in range(4))
+    weights = torch.rand(50, generator=g)
+    h = ((policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)).tolist()
+    losses = naive_losses(h, beta, loss_type, label_smoothing)
+    inputs = (policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, loss_type, label_smoothing)
+    loss, stats = train_dpo.dpo_loss(*inputs)
+    assert loss.item() == pytest.approx(sum(losses) / 50, rel=1e-5)
+    w = weights.tolist()
+    weighted, stats_weighted = train_dpo.dpo_loss(*inputs, weights)
+    assert weighted.item() == pytest.approx(sum(a * b for a, b in zip(losses, w)) / sum(w), rel=1e-5)
+    with_denom, stats_denom = train_dpo.dpo_loss(*inputs, weights, denom=7.0)
+    assert with_denom.item() == pytest.approx(sum(a * b for a, b in zip(losses, w)) / 7, rel=1e-5)
+    # rewards are β·(log π - log π_ref), weighted like the loss; accuracy counts a tie half
+    chosen = [beta * (a - b) for a, b in zip(policy_chosen.tolist(), ref_chosen.tolist())]
+    rejected = [beta * (a - b) for a, b in zip(policy_rejected.tolist(), ref_rejected.tolist())]
+    weighted_chosen = sum(x * y for x, y in zip(chosen, w)) / sum(w)
+    weighted_rejected = sum(x * y for x, y in zip(rejected, w)) / sum(w)
+    assert stats_weighted["rewards/chosen"].item() == pytest.approx(weighted_chosen, rel=1e-5, abs=1e-6)
+    assert stats_weighted["rewards/rejected"].item() == pytest.approx(weighted_rejected, rel=1e-5, abs=1e-6)
+    margins = [c - r for c, r in zip(chosen, rejected)]
+    assert stats["rewards/margin"].item() == pytest.approx(sum(margins) / 50, rel=1e-5)
+    assert stats["rewards/accuracy"].item() == pytest.approx(sum(m > 0 for m in margins) / 50)
+    assert stats_denom["rewards/accuracy"].item() == pytest.approx(sum(y for m, y in zip(margins, w) if m > 0) / 7)
+    tie, tie_stats = train_dpo.dpo_loss(*(torch.zeros(3) for _ in range(4)), beta, loss_type, label_smoothing)
+    assert tie_stats["rewards/accuracy"].item() == 0.5
+    if loss_type == "dpo":  # policy = reference: log 2 whatever β and ε
+        assert tie.item() == pytest.approx(math.log(2))
+
+
+def test_dpo_loss_finite_at_large_margins():
+    """β·h = ±200: the loss and its gradient stay finite (logsigmoid), with the known limits; IPO too."""
+    policy_chosen = torch.tensor([20.0, -20.0], requires_grad=True)
+    zeros = torch.zeros(2)
+    for loss_type, label_smoothing in [("dpo", 0.0), ("dpo", 0.1), ("ipo", 0.0)]:
+        per_pair = [
+            train_dpo.dpo_loss(
+                policy_chosen[i : i + 1], zeros[:1], zeros[:1], zeros[:1], 10.0, loss_type, label_smoothing
+            )[0]
+            for i in range(2)
+        ]
+        policy_chosen.grad = None
+        sum(per_pair).backward()
+        assert all(math.isfinite(loss.item()) for loss in per_pair) and torch.isfinite(policy_chosen.grad).all()
+        if loss_type == "dpo":
+            eps = label_smoothing
+            assert per_pair[0].item() == pytest.approx(eps * 200, abs=1e-4)
+            assert per_pair[1].item() == pytest.approx((1 - eps) * 200, abs=1e-4)
+
+
+def tiny_model(vocab_size: int = 50) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()
+
+
+def naive_response_logprob(model, seq: list, n_prompt: int) -> float:
+    """Σ log π(token) over the response tokens of one unpadded sequence, the plain way."""
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([seq]))
+    logprobs = F.log_softmax(logits[0].double(), -1)
+    return sum(logprobs[t - 1, seq[t]].item() for t in range(n_prompt, len(seq)))
+
+
+def random_records(n: int, generator) -> list:
+    """Encoded pair records (data.encode_prefs layout) of ragged lengths over a 50-token vocabulary (EOS 49)."""
+    records = []
+    for _ in range(n):
+        n_prompt = int(torch.randint(2, 9, (1,), generator=generator))
+        prompt = torch.randint(0, 49, (n_prompt,), generator=generator).tolist()
+        seqs = [prompt + torch.randint(0, 49, (int(k),), generator=generator).tolist() + [49] for k in (3, 11)]
+        records.append((seqs, n_prompt, data.ranking_pairs([0, 1]), 0, {}))
+    return records
+
+
+def test_response_logprobs_do_not_change_with_padding():
+    """Per-sequence log-probs in a right-padded batch (with the pad id outside the vocabulary) equal the unpadded
+    one-at-a-time sums over the response tokens including EOS; the per-token mean divides by the response length.
+    So a reference scored per micro-batch equals one precomputed once over the data in any other grouping."""
+    model = tiny_model()
+    records = random_records(6, torch.Generator().manual_seed(1))
+    naive = [naive_response_logprob(model, seq, n_prompt) for seqs, n_prompt, *_ in records for seq in seqs]
+    lengths = [len(seq) - n_prompt for seqs, n_prompt, *_ in records for seq in seqs]
+    with torch.no_grad():
+        ids, targets_mask, *_ = train_dpo.collate(records, pad_id=51)
+        precomputed = train_dpo.sequence_logprobs(model, ids, targets_mask, average=False)
+        mean = train_dpo.sequence_logprobs(model, ids, targets_mask, average=True)
+        per_batch = torch.zeros(len(naive))
+        for start in (0, 2, 4):  # micro-batches of 2 records, sorted by length as in training
+            indices = sorted(range(start, start + 2), key=lambda i: train_dpo.longest_sequence(records[i]))
+            ids, targets_mask, *_ = train_dpo.collate([records[i] for i in indices], pad_id=51)
+            logprobs = train_dpo.sequence_logprobs(model, ids, targets_mask, average=False).view(2, 2)
+            for record_index, pair in zip(indices, logprobs):
+                per_batch[2 * record_index : 2 * record_index + 2] = pair
+    assert precomputed.tolist() == pytest.approx(naive, abs=1e-4)
+    assert mean.tolist() == pytest.approx([x / n for x, n in zip(naive, lengths)], abs=1e-5)
+    assert per_batch.tolist() == pytest.approx(precomputed.tolist(), abs=1e-5)
+
+
+def test_kwise_records_expand_to_weighted_pairs(task_dir):
+    tok = data.load_tokenizer(data.build_task(task_dir, 1337)["tokenizer"])
+    rows = [
+        {"prompt": "Review of", "chosen": " the plot", "rejected": " i hated"},
+        {"prompt": "Review of The", "responses": [" a", " b b", " c c c"], "ranking": [1, 2, 0]},
+    ]
+    examples, _ = data.encode_prefs(tok, rows, 64)
+    ids, targets_mask, chosen, rejected, weights = train_dpo.collate(examples, tok.pad_id)
+    assert ids.shape[0] == 5
+    assert list(zip(chosen.tolist(), rejected.tolist())) == [(0, 1), (3, 4), (3, 2), (4, 2)]
+    assert weights.tolist() == pytest.approx([1.0, 1 / 3, 1 / 3, 1 / 3])
+    # the targets are the responses and their EOS: the prompt (with its BOS) is never scored
+    n_prompt = [len(tok.encode(row["prompt"], bos=True)) for row in rows]
+    responses = [r for row in rows for r in data.responses_of(row)]
+    assert targets_mask.sum(1).tolist() == [len(tok.encode(r)) + 1 for r in responses]
+    assert targets_mask[0, : n_prompt[0] - 1].sum() == 0 and targets_mask[2, n_prompt[1] - 1] == 1
+    # the batch loss is the naive per-record loop: each record weighs 1 in all
+    g = torch.Generator().manual_seed(0)
+    policy, ref = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    loss, _ = train_dpo.dpo_loss(
+        policy[chosen], policy[rejected], ref[chosen], ref[rejected], 0.5, weights=weights, denom=2.0
+    )
+    margin = policy - ref
+    naive = -F.logsigmoid(0.5 * (margin[0] - margin[1])) - sum(
+        F.logsigmoid(0.5 * (margin[a] - margin[b])) / 3 for a, b in [(3, 4), (3, 2), (4, 2)]
+    )
+    assert loss.item() == pytest.approx(naive.item() / 2, rel=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# runs
+
+
+def test_dpo_smoke(tmp_path, task_dir, tiny_ckpts):
+    out = str(tmp_path / "dpo")
+    train_dpo.main(train_dpo.Args(out_dir=out, task_dir=task_dir, init=tiny_ckpts[0], **TINY))
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["kind"] == "dpo" and ckpt["step"] == 6 and ckpt["world_size"] == 1
+    json.dumps(ckpt["args"]), json.dumps(ckpt["tokenizer"])  # primitives only
+    # a policy every later tool accepts: eval.py loads it as one; it moved away from the reference
+    policy, tok, _ = ev.load_model(os.path.join(out, "ckpt.pt"), "--policy", torch.device("cpu"))
+    init = torch.load(tiny_ckpts[0], weights_only=False)["model"]
+    assert policy.config.lm_head and not policy.config.score_head
+    assert any(not torch.equal(init[key], value) for key, value in ckpt["model"].items())
+    scalars = read_scalars(out)
+    for tag in DPO_TAGS:
+        assert tag in scalars and all(math.isfinite(v) for v in scalars[tag]), tag
+    # the first step starts at the reference: loss log 2, every implicit reward 0 (ties count half)
+    assert scalars["train/loss"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert scalars["rewards/accuracy"][0] == 0.5 and scalars["rewards/margin"][0] == 0.0
+    assert len(scalars["val/gold"]) == 2 and len(scalars["train/loss"]) == 6
+    samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+    assert len(samples) == 8 and {"step", "prompt", "response", "ended", "kl", "gold", "valid"} <= set(samples[0])
+    assert sum(s["gold"] for s in samples) / 8 == pytest.approx(scalars["val/gold"][-1], abs=1e-5)
+
+
+def test_dpo_ipo_on_kwise_user_data(tmp_path, tiny_ckpts):
+    rows = []
+    for i in range(40):
+        if i % 2:
+            rows.append({"prompt": f"Q{i}:", "chosen": " yes", "rejected": " no"})
+        else:
+            rows.append({"prompt": f"Q{i}:", "responses": [" no", " yes", " maybe"], "ranking": [1, 2, 0]})
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "ipo")
+    train_dpo.main(train_dpo.Args(out_dir=out, data=str(path), init=tiny_ckpts[0], loss="ipo", **TINY))
+    scalars = read_scalars(out)
+    assert "val/gold" not in scalars  # built-in task only
+    assert all(math.isfinite(v) for tag in ("train/loss", "val/loss", "val/accuracy") for v in scalars[tag])
+    assert scalars["train/loss"][0] == pytest.approx((1 / (2 * train_dpo.DEFAULT_BETA["ipo"])) ** 2, rel=1e-5)
+
+
+def test_dpo_nan_step_is_skipped(tmp_path, task_dir, tiny_ckpts, monkeypatch):
+    calls = {"n": 0}
+    real_loss = train_dpo.dpo_loss
+
+    def flaky_loss(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] == 5 else loss), stats  # step 3: two micro-batches a step
+
+    monkeypatch.setattr(train_dpo, "dpo_loss", flaky_loss)
+    out = str(tmp_path / "o")
+    train_dpo.main(train_dpo.Args(out_dir=out, task_dir=task_dir, init=tiny_ckpts[0], **{**TINY, "eval_every": 6}))
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["step"] == 6 and ckpt["data_state"]["skipped"] == 1
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    assert read_scalars(out)["train/skipped_steps"] == [0, 0, 1, 1, 1, 1]
+
+
+def test_user_mistakes_are_one_line(tmp_path, task_dir, tiny_ckpts):
+    with pytest.raises(common.UserError, match="--label-smoothing applies to --loss dpo"):
+        train_dpo.main(train_dpo.Args(out_dir=str(tmp_path / "a"), loss="ipo", label_smoothing=0.1))
+    with pytest.raises(common.UserError, match=r"is a 'rm' checkpoint, expected sft or dpo or ppo"):
+        train_dpo.main(train_dpo.Args(out_dir=str(tmp_path / "b"), init=tiny_ckpts[1], task_dir=task_dir))
+    cli = f"{sys.executable} train_dpo.py --beta 0 --out-dir {tmp_path}/c"
+    run = subprocess.run(shlex.split(cli), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == ["error: --beta 0: the KL strength must be > 0"]
+    assert not os.path.exists(tmp_path / "c")
+
+
+def test_dpo_ddp_matches_single_process(tmp_path, task_dir, tiny_ckpts):
+    """2 ranks (gloo) with the same global batch end with the same weights and logged statistics as 1 process."""
+    flags = f"--task-dir {task_dir} --init {tiny_ckpts[0]} {TINY_FLAGS} --max-steps 3 --eval-every 3"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmds = [
+        f"{sys.executable} train_dpo.py {flags} --out-dir {tmp_path}/one",
+        f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_dpo.py {flags} "
+        f"--out-dir {tmp_path}/two",
+    ]
+    procs = [
+        subprocess.Popen(shlex.split(c), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c in cmds
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[1][-2000:] for o in outs)
+    one = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
+    two = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
+    assert two["world_size"] == 2 and len(two["rng"]) == 2
+    for key in one["model"]:
+        assert torch.allclose(one["model"][key], two["model"][key], atol=1e-5), key
+    scalars_one, scalars_two = read_scalars(str(tmp_path / "one")), read_scalars(str(tmp_path / "two"))
+    for tag in ("train/loss", "train/grad_norm", "rewards/margin", "rewards/accuracy", "val/loss", "val/accuracy"):
+        assert scalars_two[tag] == pytest.approx(scalars_one[tag], rel=1e-4, abs=1e-6), (
+            tag
+        )  # margins: fp32 log-prob sums
+
+
+def test_dpo_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts):
+    base = (
+        f"{sys.executable} train_dpo.py --task-dir {task_dir} --init {tiny_ckpts[0]} {TINY_FLAGS} --max-steps 20 "
+        "--eval-every 10 --save-every 1"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    full = subprocess.run(shlex.split(f"{base} --out-dir {tmp_path}/full"), cwd=ROOT, env=env, capture_output=True)
+    assert full.returncode == 0, full.stderr[-3000:]
+    kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=6)
+    assert_same_weights(tmp_path / "full" / "ckpt.pt", tmp_path / "killed" / "ckpt.pt")
+    lines = open(tmp_path / "killed" / "samples.jsonl").read().splitlines()
+    assert lines == open(tmp_path / "full" / "samples.jsonl").read().splitlines()
