@@ -11,7 +11,7 @@ import random
 import sys
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
@@ -339,28 +339,41 @@ def load_checkpoint(path: str, kind: Optional[str | tuple] = None, flag: str = "
 
 
 @dataclass
-class Skips:
-    """Optimizer steps skipped for a non-finite gradient: in all (train/skipped_steps, saved) and in a row."""
+class StepGuard:
+    """The NaN guard's state (DESIGN §8): optimizer steps skipped for a non-finite gradient, in all (saved, logged as
+    train/skipped_steps) and in a row, and the grad norms of the steps taken since the last read."""
 
-    total: int = 0
-    in_row: int = 0
+    skipped: int = 0
+    skipped_in_row: int = 0
+    grad_norms: list[float] = field(default_factory=list)
+
+    def read(self) -> dict[str, float]:
+        """train/grad_norm (the mean over the steps taken since the last read: none, no value) and
+        train/skipped_steps; starts the next interval."""
+        metrics = {}
+        if self.grad_norms:
+            metrics["train/grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+        metrics["train/skipped_steps"] = self.skipped
+        self.grad_norms = []
+        return metrics
 
 
-def clip_and_step(optimizer, parameters, grad_clip: float, skips: Skips, step: int) -> tuple[float, bool]:
+def clip_and_step(optimizer, parameters, grad_clip: float, guard: StepGuard, step: int) -> tuple[float, bool]:
     """Clip the global grad norm (grad_clip 0: no clip), step if it is finite, else count the skip; zero the grads.
     The norm is taken after DDP's all-reduce, so every rank decides the same (one host sync). Returns (grad norm,
-    stepped); 10 skips in a row stop the run (DESIGN §8)."""
+    stepped); 10 skips in a row stop the run."""
     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip or float("inf")).item()
     stepped = math.isfinite(grad_norm)
     if stepped:
         optimizer.step()
-        skips.in_row = 0
+        guard.skipped_in_row = 0
+        guard.grad_norms.append(grad_norm)
     else:
-        skips.total += 1
-        skips.in_row += 1
+        guard.skipped += 1
+        guard.skipped_in_row += 1
         print0(f"step {step}: non-finite grad norm ({grad_norm}), step skipped")
-        if skips.in_row >= 10:
-            raise RuntimeError(f"{skips.in_row} non-finite steps in a row: lower --lr or check the data")
+        if guard.skipped_in_row >= 10:
+            raise RuntimeError(f"{guard.skipped_in_row} non-finite steps in a row: lower --lr or check the data")
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, stepped
 

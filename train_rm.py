@@ -218,7 +218,7 @@ def main(args: Args) -> None:
     model.to(d.device)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     order = Order(len(train), args.seed)  # the global record order, the same on every rank
-    skips = common.Skips()
+    guard = common.StepGuard()
     step = 0
     seconds = 0.0  # wall time of the earlier sittings of this run
     score_offset = 0.0  # calibration folded into the head's bias so far
@@ -231,7 +231,7 @@ def main(args: Args) -> None:
         seconds = ckpt["seconds"]
         score_offset = ckpt["score_offset"]
         order = Order(**ckpt["data_state"]["order"])
-        skips.total = ckpt["data_state"]["skipped"]
+        guard.skipped = ckpt["data_state"]["skipped"]
     raw_model = model
     model = common.wrap_model(raw_model, d, args.compile)
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None)
@@ -271,7 +271,7 @@ def main(args: Args) -> None:
                     optimizer=optimizer.state_dict(),
                     scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps, min_lr_ratio=0.0),
                     rng=rngs,
-                    data_state=dict(order=order.state_dict(), skipped=skips.total),
+                    data_state=dict(order=order.state_dict(), skipped=guard.skipped),
                     world_size=d.world_size,
                     seconds=seconds + time.time() - t_start,
                     score_offset=score_offset,
@@ -332,7 +332,6 @@ def main(args: Args) -> None:
     model.eval()
     window = {"loss": 0.0, "bt_loss": 0.0, "lm_loss": 0.0, "accuracy": 0.0, "tokens": 0}  # summed since the last log
     window_steps = 0
-    grad_norms = []  # of the optimizer steps taken since the last log (a skipped step has none)
     while step < max_steps:
         if order.pos + args.batch_size > order.n:  # the epoch's remainder is dropped
             order.pos = order.n
@@ -365,9 +364,7 @@ def main(args: Args) -> None:
             window["lm_loss"] += lm_loss_value.detach()
             window["accuracy"] += (weights * ((gaps > 0) + 0.5 * (gaps == 0))).sum().detach() / pair_denom
             window["tokens"] += sum(len(seq) for seqs, *_ in micro_batch for seq in seqs)
-        grad_norm, stepped = common.clip_and_step(optimizer, raw_model.parameters(), args.grad_clip, skips, step)
-        if stepped:
-            grad_norms.append(grad_norm)
+        common.clip_and_step(optimizer, raw_model.parameters(), args.grad_clip, guard, step)
         step += 1
         window_steps += 1
 
@@ -377,13 +374,9 @@ def main(args: Args) -> None:
                 f"train/{name}": totals[name] / window_steps for name in ("loss", "bt_loss", "lm_loss", "accuracy")
             }
             metrics["train/lr"] = lr
-            if grad_norms:
-                metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-            metrics["train/skipped_steps"] = skips.total
-            logger.log(step, metrics | throughput.read(totals["tokens"]), max_steps)
+            logger.log(step, metrics | guard.read() | throughput.read(totals["tokens"]), max_steps)
             window = dict.fromkeys(window, 0.0)
             window_steps = 0
-            grad_norms = []
         final = step == max_steps
         with throughput.paused():  # perf/ counts training time only
             if (args.save_every and step % args.save_every == 0) or final:

@@ -164,7 +164,7 @@ def main(args: Args) -> None:
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
     order = Order(len(train), args.seed)  # the global sample order, the same on every rank
-    skips = common.Skips()
+    guard = common.StepGuard()
     step = 0
     seconds = 0.0  # wall time of the earlier sittings of this run
     ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
@@ -175,7 +175,7 @@ def main(args: Args) -> None:
         step = ckpt["step"]
         seconds = ckpt["seconds"]
         order = Order(**ckpt["data_state"]["order"])
-        skips.total = ckpt["data_state"]["skipped"]
+        guard.skipped = ckpt["data_state"]["skipped"]
     raw_model = model
     model = common.wrap_model(raw_model, d, args.compile)
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None)
@@ -197,7 +197,7 @@ def main(args: Args) -> None:
                     optimizer=optimizer.state_dict(),
                     scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps),
                     rng=rngs,
-                    data_state=dict(order=order.state_dict(), skipped=skips.total),
+                    data_state=dict(order=order.state_dict(), skipped=guard.skipped),
                     world_size=d.world_size,
                     seconds=seconds + time.time() - t_start,
                 ),
@@ -232,7 +232,6 @@ def main(args: Args) -> None:
     model.train()
     window = {"loss": 0.0, "tokens": 0}  # summed over the steps since the last log (this rank's share)
     window_steps = 0
-    grad_norms = []  # of the optimizer steps taken since the last log (a skipped step has none)
     while step < max_steps:
         if order.pos + args.batch_size > order.n:  # the epoch's remainder is dropped
             order.pos = order.n
@@ -254,22 +253,16 @@ def main(args: Args) -> None:
                 loss.backward()
             window["loss"] += loss.detach() / d.world_size
             window["tokens"] += sum(len(ids) - 1 for ids, _ in micro_batch)
-        grad_norm, stepped = common.clip_and_step(optimizer, raw_model.parameters(), args.grad_clip, skips, step)
-        if stepped:
-            grad_norms.append(grad_norm)
+        common.clip_and_step(optimizer, raw_model.parameters(), args.grad_clip, guard, step)
         step += 1
         window_steps += 1
 
         if step % args.log_every == 0 or step == max_steps:
             totals = common.all_reduce_dict(window, d.device)
             metrics = {"train/loss": totals["loss"] / window_steps, "train/lr": lr}
-            if grad_norms:
-                metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-            metrics["train/skipped_steps"] = skips.total
-            logger.log(step, metrics | throughput.read(totals["tokens"]), max_steps)
+            logger.log(step, metrics | guard.read() | throughput.read(totals["tokens"]), max_steps)
             window = {"loss": 0.0, "tokens": 0}
             window_steps = 0
-            grad_norms = []
         final = step == max_steps
         with throughput.paused():  # perf/ counts training time only
             if step % args.eval_every == 0 or final:

@@ -142,18 +142,22 @@ def test_prepare_out_dir(tmp_path):
 def test_clip_and_step_skips_non_finite_steps():
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([weight], lr=0.1)
-    skips = common.Skips()
+    guard = common.StepGuard()
     (weight * torch.tensor([3.0, 4.0])).sum().backward()
-    assert common.clip_and_step(optimizer, [weight], 1.0, skips, step=0) == (5.0, True)
+    assert common.clip_and_step(optimizer, [weight], 1.0, guard, step=0) == (5.0, True)
     assert torch.allclose(weight.detach(), torch.tensor([0.94, 0.92])) and weight.grad is None  # clipped to norm 1
     for step in range(1, 10):
         (weight * float("nan")).sum().backward()
-        grad_norm, stepped = common.clip_and_step(optimizer, [weight], 1.0, skips, step=step)
+        grad_norm, stepped = common.clip_and_step(optimizer, [weight], 1.0, guard, step=step)
         assert math.isnan(grad_norm) and not stepped
-    assert skips == common.Skips(total=9, in_row=9) and torch.allclose(weight.detach(), torch.tensor([0.94, 0.92]))
+    assert torch.allclose(weight.detach(), torch.tensor([0.94, 0.92]))
+    assert (guard.skipped, guard.skipped_in_row) == (9, 9)
+    # train/grad_norm is the mean over the steps taken: the skipped steps' NaN never enters it
+    assert guard.read() == {"train/grad_norm": 5.0, "train/skipped_steps": 9}
+    assert guard.read() == {"train/skipped_steps": 9}  # no step taken since the last read: no grad norm
     (weight * float("inf")).sum().backward()
     with pytest.raises(RuntimeError, match="10 non-finite steps in a row"):
-        common.clip_and_step(optimizer, [weight], 1.0, skips, step=10)
+        common.clip_and_step(optimizer, [weight], 1.0, guard, step=10)
 
 
 def test_throughput_leaves_pauses_out(monkeypatch):
