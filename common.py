@@ -385,7 +385,7 @@ def clip_and_step(optimizer, parameters, grad_clip: float, guard: StepGuard, ste
 class Logger:
     """TensorBoard scalars, the console line `step 00042/00500 | loss 1.23 | ...` and out_dir/samples.jsonl, all
     written by rank 0 only. It owns samples.jsonl: a fresh run starts it empty; a resumed run keeps the records of
-    steps <= resume_step (TensorBoard's purge_step drops the later scalars the same way), so no step appears twice."""
+    steps <= resume_step, and TensorBoard hides the scalars of later steps the same way, so no step appears twice."""
 
     def __init__(
         self,
@@ -403,7 +403,10 @@ class Logger:
 
         from data import write_atomic  # data imports common: a local import
 
-        self.writer = SummaryWriter(out_dir, purge_step=resume_step)  # creates out_dir
+        # a resumed run hides the scalars logged after its checkpoint (steps > resume_step); those of the checkpoint's
+        # own step were logged before it was saved and stay
+        purge_step = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(out_dir, purge_step=purge_step)  # creates out_dir
         kept = [] if resume_step is None else _records_up_to(self.samples_path, resume_step)
         write_atomic(self.samples_path, "".join(kept))
 

@@ -180,7 +180,7 @@ def main(args: Args) -> None:
     evals, _ = encode_prefs(tok, eval_rows, block_size)
     calib = []
     for row in calib_rows:
-        ids = tok.encode(row["prompt"]) + tok.encode(row["response"]) + [tok.eos_id]
+        ids = tok.encode(row["prompt"], bos=True) + tok.encode(row["response"]) + [tok.eos_id]
         if len(ids) <= block_size:
             calib.append(ids)
     if not train or not evals or not calib:
@@ -192,7 +192,8 @@ def main(args: Args) -> None:
     if builtin:
         prompts = [row["prompt"] for row in read_jsonl(task["eval_prompts"], "prompts")]
         for row in probe_texts(prompts, args.probe_size, seed=args.task_seed):
-            ids = tok.encode(row["prompt"]) + tok.encode(row["response"]) + ([tok.eos_id] if row["ended"] else [])
+            ids = tok.encode(row["prompt"], bos=True) + tok.encode(row["response"])
+            ids += [tok.eos_id] if row["ended"] else []
             if len(ids) <= block_size:
                 probes.append((row["kind"], ids))
     # every held-out pair as (record, better, worse, weight)

@@ -97,7 +97,7 @@ def sample_responses(model, tok, prompts: list, temperature: float, max_new_toke
     out = []
     for start in range(0, len(prompts), batch):
         chunk = prompts[start : start + batch]
-        prompt_ids, prompt_mask = pad_left([tok.encode(prompt) for prompt in chunk], tok.pad_id)
+        prompt_ids, prompt_mask = pad_left([tok.encode(prompt, bos=True) for prompt in chunk], tok.pad_id)
         max_new = min(max_new_tokens, model.config.block_size - prompt_ids.shape[1])
         responses, response_mask, _ = model.generate(
             prompt_ids.to(device),

@@ -173,3 +173,21 @@ def test_throughput_leaves_pauses_out(monkeypatch):
         clock["now"] += 50.0
     clock["now"] += 1.0
     assert throughput.read(tokens=100)["perf/tokens_per_sec"] == 100.0
+
+
+def test_logger_resume_keeps_the_checkpoint_step_and_hides_later_ones(tmp_path):
+    """Resuming from a checkpoint saved at step 2 keeps the scalars of steps <= 2 (logged before that save) and hides
+    the dead run's step 3, which the resumed run logs again."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = str(tmp_path / "run")
+    logger = common.Logger(out, master=True)
+    for step in (1, 2, 3):
+        logger.log(step, {"train/loss": float(step)}, console=False)
+    logger.close()
+    resumed = common.Logger(out, master=True, resume_step=2)
+    resumed.log(3, {"train/loss": 30.0}, console=False)
+    resumed.close()
+    events = EventAccumulator(out)
+    events.Reload()
+    assert [(event.step, event.value) for event in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
