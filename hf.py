@@ -142,8 +142,10 @@ class HFCausalLM(nn.Module):
         cfg.eos_token_id = cfg.eos_token_id if eos_id is None else eos_id
         assert cfg.pad_token_id != cfg.eos_token_id, f"pad_id {cfg.pad_token_id} must differ from EOS"
         seq = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32)
-        trunk = lambda m: getattr(m, m.base_model_prefix)  # noqa: E731  (the body: model.model, model.transformer)
-        trunk(seq).load_state_dict(trunk(self.hf).state_dict())
+        # the body under each head: model.model (Llama, Qwen), model.transformer (GPT-2)
+        sequence_trunk = getattr(seq, seq.base_model_prefix)
+        causal_trunk = getattr(self.hf, self.hf.base_model_prefix)
+        sequence_trunk.load_state_dict(causal_trunk.state_dict())
         with torch.no_grad():
             seq.score.weight.copy_(self.score_head.weight.float())
             bias = float(self.score_head.bias)

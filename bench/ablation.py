@@ -115,7 +115,10 @@ def summarize(run_dir: str, last: int) -> dict:
     import torch
 
     s = read_scalars(run_dir)
-    tail = lambda tag: sum(v for _, v in s[tag][-last:]) / len(s[tag][-last:])  # noqa: E731
+
+    def tail(tag: str) -> float:
+        return sum(v for _, v in s[tag][-last:]) / len(s[tag][-last:])
+
     run_args = torch.load(os.path.join(run_dir, "ckpt.pt"), map_location="cpu", weights_only=False)["args"]
     alarm = first_alarm(s, run_args)
     gold = s["objective/gold"]
@@ -201,7 +204,10 @@ def tables(args: Args, runs: dict[str, dict[int, dict]], sweep: dict[float, dict
     ]
     for name, by_seed in runs.items():
         r = list(by_seed.values())
-        col = lambda k: spread([x[k] for x in r])  # noqa: E731
+
+        def col(k: str, r=r) -> str:
+            return spread([x[k] for x in r])
+
         alarms = ", ".join(str(x["first_alarm"]) if x["first_alarm"] else "-" for x in r)
         peaks = ", ".join(f"{x['gold_peak']:.2f} ({x['gold_peak_step']})" for x in r)
         lines.append(
@@ -218,7 +224,10 @@ def tables(args: Args, runs: dict[str, dict[int, dict]], sweep: dict[float, dict
         ]
         for coef, by_seed in sorted(sweep.items()):
             r = list(by_seed.values())
-            col = lambda k: spread([x[k] for x in r])  # noqa: E731
+
+            def col(k: str, r=r) -> str:
+                return spread([x[k] for x in r])
+
             alarms = ", ".join(str(x["first_alarm"]) if x["first_alarm"] else "-" for x in r)
             lines.append(
                 f"| {coef:g} | {col('gold')} | {col('score')} | {col('kl')} | {col('response_len')} | "
@@ -252,7 +261,10 @@ def main(args: Args) -> None:
             finish(p, args.last)
 
     # the tables are recomputed from the event files (summary.json marks a finished run)
-    load = lambda name, s: summarize(os.path.join(args.out_dir, name, str(s)), args.last)  # noqa: E731
+
+    def load(name: str, seed: int) -> dict:
+        return summarize(os.path.join(args.out_dir, name, str(seed)), args.last)
+
     runs = {n: {s: load(n, s) for s in args.seeds} for n in names}
     sweep = {}
     if args.sweep:

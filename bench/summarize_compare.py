@@ -51,7 +51,10 @@ def main(log_dir: str) -> None:
         trl, ours = [r for r in trl if "sec_per_iter" in r], [r for r in ours if "sec_per_iter" in r]
         if not trl or not ours:
             continue
-        med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+
+        def med(rs: list, k: str) -> float:
+            return statistics.median(r[k] for r in rs)
+
         fl = ours[0]["flops"]
         peak = statistics.median(r["flops"]["peak"] for r in ours) * 1e9
         work = {
@@ -65,7 +68,10 @@ def main(log_dir: str) -> None:
         )
         floors = [r["floor"] for r in ours if "floor" in r]
         floor = {k: statistics.median(f[k] for f in floors) for k in floors[0]} if floors else {}
-        fl_col = lambda k: f"{floor[k]:.3f}" if floor else "-"  # noqa: E731
+
+        def fl_col(k: str, floor=floor) -> str:
+            return f"{floor[k]:.3f}" if floor else "-"
+
         print(
             "| phase | ours s | TRL s | TRL / ours | GEMM floor s | ours GFLOP/s (% of peak) "
             "| TRL GFLOP/s (% of peak) |"

@@ -170,7 +170,10 @@ def test_build_task_deterministic_and_idempotent(tmp_path, task):
 def test_eval_titles_held_out(task):
     train_titles, eval_titles = data.split_titles(1337)
     assert len(eval_titles) == round(0.15 * 256) and not set(train_titles) & set(eval_titles)
-    title_of = lambda text: " ".join(text.split(" ")[2:5])  # noqa: E731
+
+    def title_of(text: str) -> str:
+        return " ".join(text.split(" ")[2:5])
+
     for r in data.read_jsonl(task["eval_prompts"], "prompts"):
         assert title_of(r["prompt"]) in eval_titles
     for name, kind, key in [

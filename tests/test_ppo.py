@@ -346,7 +346,9 @@ def test_kl_controllers():
 
 def test_collapse_detector():
     g = torch.Generator().manual_seed(0)
-    noise = lambda: torch.randn(1, generator=g).item()  # noqa: E731
+
+    def noise() -> float:
+        return torch.randn(1, generator=g).item()
 
     def run(jump_at=None, length_jump=True):
         det, alarms = CollapseDetector(), []  # the defaults
