@@ -50,14 +50,18 @@ class Args(common.CommonArgs):
     """KL strength β (None: 0.1 for dpo, 0.5 for ipo)"""
     label_smoothing: float = 0.0
     """cDPO: the share ε of labels assumed flipped, in [0, 0.5) (dpo only)"""
+    nll_coef: float = 1.0
+    """weight of the next-token loss on each record's best response, per token (RPO, Pang et al. 2024,
+    https://arxiv.org/abs/2404.19733; TRL's rpo_alpha): it keeps the chosen text likely while the pairs push the
+    rejected text down (0: plain DPO / IPO, which breaks the built-in task's grammar within 50 steps)"""
     # --- optimisation
     batch_size: int = 64
     """preference records (prompts) per optimizer step, summed over ranks"""
     micro_batch_size: int = 32
     """records per rank per forward, at most a rank's share of the batch (gradient accumulation makes up the rest)"""
-    epochs: float = 1.0
+    epochs: float = 0.5
     """passes over the training data (when --max-steps is not given); the LR anneals to 0 at the end"""
-    lr: float = 1e-4
+    lr: float = 5e-4
     """peak learning rate (warm-up, then cosine to 0); use ~5e-7..1e-6 for pretrained models"""
     warmup_steps: int = 10
     """linear warm-up steps"""
@@ -127,10 +131,11 @@ def dpo_loss(
 def collate(examples: list, pad_id: int):
     """Every response of every encoded record (data.encode_prefs) as one right-padded batch: ids (N, T); targets_mask
     (N, T-1), 1 where the target ids[:, t+1] is a response token (the response and its EOS); chosen and rejected
-    row indices and weights (P,) of every pair."""
-    seqs, n_prompts, chosen, rejected, weights = [], [], [], [], []
-    for example_seqs, n_prompt, pairs, _, _ in examples:
+    row indices and weights (P,) of every pair; best (R,) the row of each record's best response."""
+    seqs, n_prompts, chosen, rejected, weights, best_rows = [], [], [], [], [], []
+    for example_seqs, n_prompt, pairs, best, _ in examples:
         base = len(seqs)
+        best_rows.append(base + best)
         seqs += example_seqs
         n_prompts += [n_prompt] * len(example_seqs)
         for better, worse, weight in pairs:
@@ -140,7 +145,14 @@ def collate(examples: list, pad_id: int):
     ids, mask = pad_right(seqs, pad_id)
     for row, n_prompt in enumerate(n_prompts):
         mask[row, :n_prompt] = 0.0
-    return ids, mask[:, 1:], torch.tensor(chosen), torch.tensor(rejected), torch.tensor(weights)
+    return (
+        ids,
+        mask[:, 1:],
+        torch.tensor(chosen),
+        torch.tensor(rejected),
+        torch.tensor(weights),
+        torch.tensor(best_rows),
+    )
 
 
 def sequence_logprobs(model, ids: torch.Tensor, targets_mask: torch.Tensor, average: bool) -> torch.Tensor:
@@ -245,7 +257,7 @@ def main(args: Args) -> None:
         f"dpo: {len(train)} train / {len(evals)} eval records ({n_too_long} too long, skipped) | "
         f"{model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
         f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | loss {args.loss} beta {beta:g} "
-        f"label_smoothing {args.label_smoothing:g} | device {d.device} {dtype}"
+        f"label_smoothing {args.label_smoothing:g} nll_coef {args.nll_coef:g} | device {d.device} {dtype}"
     )
     model.to(d.device)
     ref.to(d.device).eval()
@@ -301,7 +313,7 @@ def main(args: Args) -> None:
         my_evals = evals[d.rank :: d.world_size]
         for start in range(0, len(my_evals), micro_batch_size):
             micro_batch = my_evals[start : start + micro_batch_size]
-            ids, targets_mask, chosen, rejected, weights = (t.to(d.device) for t in collate(micro_batch, tok.pad_id))
+            ids, targets_mask, chosen, rejected, weights, _ = (t.to(d.device) for t in collate(micro_batch, tok.pad_id))
             with common.autocast(d.device, dtype):
                 policy_logprobs = sequence_logprobs(raw_model, ids, targets_mask, average)
                 ref_logprobs = sequence_logprobs(ref, ids, targets_mask, average)
@@ -345,7 +357,7 @@ def main(args: Args) -> None:
     # dropout off (DESIGN §2): the model stays in eval mode, the only thing the mode changes in a GPT
     model.eval()
     stat_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
-    window = dict.fromkeys(("train/loss", *stat_names, "tokens"), 0.0)  # summed since the last log
+    window = dict.fromkeys(("train/loss", "train/nll_loss", *stat_names, "tokens"), 0.0)  # summed since the last log
     window_steps = 0
     while step < max_steps:
         if order.pos + args.batch_size > order.n:  # the epoch's remainder is dropped
@@ -354,13 +366,16 @@ def main(args: Args) -> None:
         lr = common.lr_at(step, max_steps, args.lr, args.warmup_steps, min_lr_ratio=0.0)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        # the loss is divided by the global pair weight of the step: each record's pairs weigh 1 in all
+        # losses are divided by global counts of the step (pairs weigh 1 per record; NLL: best-response tokens)
         pair_denom = float(len(batch))
+        nll_denom = float(sum(len(seqs[best]) - n_prompt for seqs, n_prompt, _, best, _ in batch))
         # sorted by length: each micro-batch pads to its own longest sequence (the gradient does not depend on it)
         my_batch = sorted(batch[d.rank * per_rank : (d.rank + 1) * per_rank], key=longest_sequence)
         for micro_step in range(grad_accum_steps):
             micro_batch = my_batch[micro_step * micro_batch_size :][:micro_batch_size]
-            ids, targets_mask, chosen, rejected, weights = (t.to(d.device) for t in collate(micro_batch, tok.pad_id))
+            ids, targets_mask, chosen, rejected, weights, best = (
+                t.to(d.device) for t in collate(micro_batch, tok.pad_id)
+            )
             with torch.no_grad(), common.autocast(d.device, dtype):
                 ref_logprobs = sequence_logprobs(ref, ids, targets_mask, average)
             last_micro_step = micro_step == grad_accum_steps - 1
@@ -377,9 +392,14 @@ def main(args: Args) -> None:
                     weights,
                     denom=pair_denom,
                 )
+                # RPO: the next-token loss of the best responses (their summed log-probs; IPO's are per-token means)
+                best_logprobs = policy_logprobs[best] * (targets_mask[best].sum(1) if average else 1)
+                nll_loss = -best_logprobs.sum() / nll_denom
+                loss = loss + args.nll_coef * nll_loss
                 # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
                 (loss * d.world_size).backward()
             window["train/loss"] += loss.detach()
+            window["train/nll_loss"] += nll_loss.detach()
             for name in stat_names:
                 window[name] += stats[name]
             window["tokens"] += sum(len(seq) for seqs, *_ in micro_batch for seq in seqs)
@@ -389,7 +409,7 @@ def main(args: Args) -> None:
 
         if step % args.log_every == 0 or step == max_steps:
             totals = common.all_reduce_dict(window, d.device)
-            metrics = {name: totals[name] / window_steps for name in ("train/loss", *stat_names)}
+            metrics = {name: totals[name] / window_steps for name in ("train/loss", "train/nll_loss", *stat_names)}
             metrics["train/lr"] = lr
             logger.log(step, metrics | guard.read() | throughput.read(totals["tokens"]), max_steps)
             window = dict.fromkeys(window, 0.0)

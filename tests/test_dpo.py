@@ -23,6 +23,7 @@ from model import GPT, GPTConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DPO_TAGS = [
     "train/loss",
+    "train/nll_loss",
     "rewards/chosen",
     "rewards/rejected",
     "rewards/accuracy",
@@ -185,10 +186,11 @@ def test_kwise_records_expand_to_weighted_pairs(task_dir):
         {"prompt": "Review of The", "responses": [" a", " b b", " c c c"], "ranking": [1, 2, 0]},
     ]
     examples, _ = data.encode_prefs(tok, rows, 64)
-    ids, targets_mask, chosen, rejected, weights = train_dpo.collate(examples, tok.pad_id)
+    ids, targets_mask, chosen, rejected, weights, best = train_dpo.collate(examples, tok.pad_id)
     assert ids.shape[0] == 5
     assert list(zip(chosen.tolist(), rejected.tolist())) == [(0, 1), (3, 4), (3, 2), (4, 2)]
     assert weights.tolist() == pytest.approx([1.0, 1 / 3, 1 / 3, 1 / 3])
+    assert best.tolist() == [0, 3]  # the rows of the chosen response and of ranking[0] (the NLL term's targets)
     # the targets are the responses and their EOS: the prompt (with its BOS) is never scored
     n_prompt = [len(tok.encode(row["prompt"], bos=True)) for row in rows]
     responses = [r for row in rows for r in data.responses_of(row)]
@@ -225,8 +227,9 @@ def test_dpo_smoke(tmp_path, task_dir, tiny_ckpts):
     scalars = read_scalars(out)
     for tag in DPO_TAGS:
         assert tag in scalars and all(math.isfinite(v) for v in scalars[tag]), tag
-    # the first step starts at the reference: loss log 2, every implicit reward 0 (ties count half)
-    assert scalars["train/loss"][0] == pytest.approx(math.log(2), abs=1e-6)
+    # the first step starts at the reference: DPO's loss log 2 (plus the NLL term), every implicit reward 0 (ties 1/2)
+    dpo_loss = scalars["train/loss"][0] - train_dpo.Args.nll_coef * scalars["train/nll_loss"][0]
+    assert dpo_loss == pytest.approx(math.log(2), abs=1e-5)
     assert scalars["rewards/accuracy"][0] == 0.5 and scalars["rewards/margin"][0] == 0.0
     assert len(scalars["val/gold"]) == 2 and len(scalars["train/loss"]) == 6
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
@@ -244,11 +247,16 @@ def test_dpo_ipo_on_kwise_user_data(tmp_path, tiny_ckpts):
     path = tmp_path / "prefs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = str(tmp_path / "ipo")
-    train_dpo.main(train_dpo.Args(out_dir=out, data=str(path), init=tiny_ckpts[0], loss="ipo", **TINY))
+    args = train_dpo.Args(out_dir=out, data=str(path), init=tiny_ckpts[0], loss="ipo", nll_coef=0.5, **TINY)
+    train_dpo.main(args)
     scalars = read_scalars(out)
     assert "val/gold" not in scalars  # built-in task only
-    assert all(math.isfinite(v) for tag in ("train/loss", "val/loss", "val/accuracy") for v in scalars[tag])
-    assert scalars["train/loss"][0] == pytest.approx((1 / (2 * train_dpo.DEFAULT_BETA["ipo"])) ** 2, rel=1e-5)
+    for tag in ("train/loss", "train/nll_loss", "val/loss", "val/accuracy"):
+        assert all(math.isfinite(v) for v in scalars[tag]), tag
+    # at the reference IPO's loss is (1/(2β))², plus the NLL term (per token, over whole responses: > 0)
+    ipo_loss = scalars["train/loss"][0] - 0.5 * scalars["train/nll_loss"][0]
+    assert ipo_loss == pytest.approx((1 / (2 * train_dpo.DEFAULT_BETA["ipo"])) ** 2, rel=1e-5)
+    assert 0 < scalars["train/nll_loss"][0] < 20
 
 
 def test_dpo_nan_step_is_skipped(tmp_path, task_dir, tiny_ckpts, monkeypatch):
