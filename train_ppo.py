@@ -18,7 +18,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Literal, Optional
 
 import torch
@@ -52,9 +52,10 @@ class Args(common.CommonArgs):
     """pre-training text JSONL {"text": str} for the ptx loss (None: the built-in task's text; none on user prompts)"""
     # --- rollout
     total_episodes: int = 12800
-    """prompts sampled over the run (max_steps = total_episodes / rollout_batch_size unless --max-steps)"""
+    """responses (episodes) sampled over the run (max_steps = total_episodes / rollout_batch_size unless --max-steps)"""
     rollout_batch_size: int = 64
-    """prompts per iteration, summed over ranks (the experience buffer: small, as PPO-max advises)"""
+    """responses per iteration, summed over ranks (the experience buffer: small, as PPO-max advises); prompts per
+    iteration = rollout_batch_size / group_size"""
     num_minibatches: int = 2
     """optimizer steps per PPO epoch (a minibatch is rollout_batch_size / num_minibatches)"""
     micro_batch_size: int = 32
@@ -67,16 +68,33 @@ class Args(common.CommonArgs):
     """sampling temperature; log-probs for the ratio and the KL use logits / temperature too"""
     missing_eos_penalty: float = -1.0
     """score of a response that does not end with EOS, in place of the RM score"""
+    # --- advantage estimator (DESIGN §5b); an Optional flag left at None takes the estimator's default, printed at
+    # start-up (resolve_estimator_defaults)
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "gae"
+    """gae: PPO-max (critic, GAE); grpo, rloo, reinforce_pp (REINFORCE++): critic-free, no critic is built"""
+    group_size: Optional[int] = None
+    """responses sampled per prompt, consecutive rows of one rank (None: 4 for grpo/rloo, 1 for gae/reinforce_pp)"""
+    grpo_std_norm: bool = True
+    """grpo: divide by the group's std (--no-grpo-std-norm: Dr. GRPO, with --loss-agg seq_sum_norm)"""
+    mask_truncated: bool = False
+    """DAPO overlong filtering: responses without EOS keep their score but contribute nothing to the policy loss"""
     # --- reward and KL
-    reward_norm: Literal["none", "scale", "norm"] = "norm"
-    """normalise scores with running moments over all history: scale = s/std, norm = (s-mean)/std"""
+    reward_norm: Optional[Literal["none", "scale", "norm"]] = None
+    """normalise scores with running moments over all history: scale = s/std, norm = (s-mean)/std (None: norm for
+    gae/reinforce_pp, none for grpo/rloo)"""
     reward_clip: Optional[float] = 5.0
-    """clip normalised scores to +-this (None: off)"""
-    kl_coef: float = 0.3
-    """beta of the per-token KL penalty (the initial value when --kl-target is set); 0.3 keeps the built-in task's
-    valid fraction above 0.9 across retrained RMs (README, "Ablation": gold peaks at beta 0.03-0.3, by the RM)"""
+    """clip normalised scores to +-this (None: off); grpo/rloo use raw scores, unclipped, unless --reward-norm is
+    given"""
+    kl_coef: Optional[float] = None
+    """beta of the KL penalty (the initial value when --kl-target is set; None: the estimator's default, see
+    ESTIMATOR_DEFAULTS); gae's 0.3 keeps the built-in task's valid fraction above 0.9 across retrained RMs (README,
+    "Ablation": gold peaks at beta 0.03-0.3, by the RM)"""
+    kl_penalty: Optional[Literal["reward", "loss"]] = None
+    """where the KL goes: -beta*kl in the rewards, or beta*k3 on the current log-probs in the policy loss (None: loss
+    for grpo, reward for the others)"""
     kl_estimator: Literal["k1", "k3"] = "k1"
-    """per-token KL estimate in the penalty: k1 = logp - ref_logp, k3 = (r - 1) - log r with r = ref_p / p"""
+    """per-token KL estimate in the reward penalty: k1 = logp - ref_logp, k3 = (r - 1) - log r with r = ref_p / p (the
+    loss penalty is always k3)"""
     kl_target: Optional[float] = None
     """adaptive KL controller (Ziegler et al. 2019): target KL per sequence in nats (None: fixed --kl-coef)"""
     kl_horizon: int = 10000
@@ -86,10 +104,18 @@ class Args(common.CommonArgs):
     """discount"""
     lam: float = 0.95
     """GAE lambda"""
-    adv_whiten: Literal["minibatch", "rollout", "none"] = "minibatch"
-    """whiten advantages with global statistics per minibatch (PPO-max), once per rollout (TRL), or not"""
+    adv_whiten: Optional[Literal["minibatch", "rollout", "none"]] = None
+    """whiten advantages with global statistics per minibatch (PPO-max), once per rollout (TRL), or not (None:
+    minibatch for gae, rollout for reinforce_pp (the method), none for grpo/rloo)"""
+    loss_agg: Optional[Literal["token_mean", "seq_mean", "seq_sum_norm"]] = None
+    """policy loss over the step's global batch: mean over tokens, mean over sequences of their token mean, or sum
+    over tokens / (max_new_tokens * sequences) (Dr. GRPO) (None: seq_mean for grpo, token_mean for the others)"""
     cliprange: float = 0.2
     """policy ratio clip epsilon"""
+    cliprange_high: Optional[float] = None
+    """DAPO clip-higher: the ratio is clipped to [1 - cliprange, 1 + cliprange_high] (None: cliprange)"""
+    dual_clip: Optional[float] = None
+    """dual-clip constant c > 1 (Ye et al. 2020): for A < 0 the per-token loss is capped at -c*A (None: off)"""
     cliprange_value: Optional[float] = 0.2
     """value clip around the rollout's values (None: off)"""
     entropy_coef: float = 0.0
@@ -112,7 +138,7 @@ class Args(common.CommonArgs):
     critic_grad_clip: float = 1.0
     """critic grad-norm clip (0: off)"""
     critic_warmup_steps: int = 5
-    """iterations at the start where only the critic trains"""
+    """iterations at the start where only the critic trains (gae only: critic-free estimators train from the first)"""
     # --- monitoring
     sample_every: int = 25
     """iterations between sample tables (TensorBoard text and samples.jsonl)"""
@@ -124,6 +150,51 @@ class Args(common.CommonArgs):
     """collapse detector: a KL jump and a length-up or perplexity-down jump this close together fire the alarm"""
     stop_on_collapse: bool = False
     """end the run when the alarm fires, keeping the last checkpoint saved before it"""
+
+
+# DESIGN §5b's table: what an estimator-dependent flag left at None becomes. beta in the loss (k3) and in the reward
+# (k1, on raw scores for rloo) are not on the same scale.
+ESTIMATOR_DEFAULTS = {
+    "gae": dict(
+        group_size=1,
+        kl_penalty="reward",
+        kl_coef=0.3,
+        reward_norm="norm",
+        adv_whiten="minibatch",
+        loss_agg="token_mean",
+    ),
+    "reinforce_pp": dict(
+        group_size=1, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="rollout", loss_agg="token_mean"
+    ),
+    "rloo": dict(
+        group_size=4, kl_penalty="reward", kl_coef=0.1, reward_norm="none", adv_whiten="none", loss_agg="token_mean"
+    ),
+    "grpo": dict(
+        group_size=4, kl_penalty="loss", kl_coef=0.1, reward_norm="none", adv_whiten="none", loss_agg="seq_mean"
+    ),
+}
+
+
+def resolve_estimator_defaults(args: Args) -> Args:
+    """A copy of args where every estimator-dependent flag left at None holds ESTIMATOR_DEFAULTS[args.adv_estimator].
+    Idempotent (main, rollout and ppo_update all call it). Two settings follow the estimator rather than default: a
+    critic-free estimator has no critic warm-up, and grpo/rloo clip only scores they normalise (--reward-clip applies
+    to them only when --reward-norm is given)."""
+    defaults = ESTIMATOR_DEFAULTS[args.adv_estimator]
+    resolved = {}
+    for key, default in defaults.items():
+        given = getattr(args, key)
+        resolved[key] = default if given is None else given
+    if args.adv_estimator != "gae":
+        resolved["critic_warmup_steps"] = 0
+    if args.adv_estimator in ("grpo", "rloo") and args.reward_norm is None:
+        resolved["reward_clip"] = None
+    return replace(args, **resolved)
+
+
+def uses_critic(args: Args) -> bool:
+    """Only gae has a critic: the critic-free estimators build, step and save none."""
+    return args.adv_estimator == "gae"
 
 
 # -----------------------------------------------------------------------------
@@ -192,21 +263,98 @@ def compute_gae(rewards, values, mask, gamma: float, lam: float):
     return advantages, (advantages + values) * mask
 
 
-def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, cliprange: float, denom=None):
-    """Clipped surrogate: sum of max(-A*rho, -A*clip(rho, 1-eps, 1+eps)) / denom (default: valid count).
-    stats: clipfrac (clipped term strictly larger), approx_kl (mean of (rho - 1) - log rho), ratio_mean."""
+def reward_to_go(rewards, mask, gamma: float) -> torch.Tensor:
+    """REINFORCE++ returns: rewards, mask (B, T) -> (B, T) sum over t' >= t of gamma^(t'-t) * rewards[t'] within each
+    right-padded row, 0 on padding."""
+    rewards = rewards * mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])  # (B,)
+    for t in reversed(range(rewards.size(1))):
+        running = (rewards[:, t] + gamma * running) * mask[:, t]
+        returns[:, t] = running
+    return returns
+
+
+def compute_group_advantages(scores, group_size: int, estimator: str, std_norm: bool = True) -> torch.Tensor:
+    """scores (N,) = the R_i of DESIGN §5b, rows g*G .. g*G+G-1 one prompt's group -> advantages (N,).
+    rloo: R_i - mean over the group's other responses (G >= 2); grpo: (R_i - group mean) / (group std + 1e-4),
+    unbiased std, without the division when std_norm is False (Dr. GRPO); reinforce_pp: R_i - group mean (the
+    group baseline of REINFORCE++ with G > 1)."""
+    grouped = scores.view(-1, group_size)  # (N / G, G)
+    if estimator == "rloo":
+        others_mean = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
+        advantages = grouped - others_mean
+    elif estimator in ("grpo", "reinforce_pp"):
+        advantages = grouped - grouped.mean(1, keepdim=True)
+        if estimator == "grpo" and std_norm:
+            advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
+    else:
+        raise ValueError(f"no group advantage for estimator {estimator!r}")
+    return advantages.flatten()
+
+
+def loss_weights(mask, agg: str, n_seq, n_tok, max_new_tokens: int) -> torch.Tensor:
+    """mask (B, T) -> per-token weights (B, T) holding the mask and every denominator, so that sum(loss * weights) over
+    all micro-batches and ranks of an optimizer step is its loss. n_seq, n_tok: the step's global counts of kept
+    sequences and tokens. token_mean: mask / n_tok; seq_mean: mask / (len_i * n_seq); seq_sum_norm:
+    mask / (max_new_tokens * n_seq) (Dr. GRPO)."""
+    if agg == "token_mean":
+        return mask / n_tok
+    if agg == "seq_mean":
+        lengths = mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1); an empty row has weight 0 anyway
+        return mask / (lengths * n_seq)
+    if agg == "seq_sum_norm":
+        return mask / (max_new_tokens * n_seq)
+    raise ValueError(f"unknown loss aggregation {agg!r}")
+
+
+def ppo_policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    cliprange: float,
+    denom=None,
+    weights=None,
+    cliprange_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+):
+    """Clipped surrogate, per token l = max(-A*rho, -A*clip(rho, 1-eps, 1+eps_high)), eps_high = cliprange_high or
+    cliprange (DAPO clip-higher); with dual_clip c > 1, l = min(l, -c*A) where A < 0 (Ye et al. 2020). All (B, T).
+    Returns sum(l * weights) when weights are given (loss_weights), else sum(l * mask) / denom (default: valid count).
+    stats: clipfrac (clipped term strictly larger), clipfrac_low / clipfrac_high (the part with rho below / above the
+    range), approx_kl (mean of (rho - 1) - log rho), ratio_mean."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
+    upper = 1.0 + (cliprange if cliprange_high is None else cliprange_high)
     pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    pg_loss = (torch.max(pg_losses, pg_losses2) * mask).sum() / (mask.sum() if denom is None else denom)
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, upper)
+    token_losses = torch.max(pg_losses, pg_losses2)
+    if dual_clip is not None:
+        capped = torch.min(token_losses, -dual_clip * advantages)
+        token_losses = torch.where(advantages < 0, capped, token_losses)
+    if weights is not None:
+        pg_loss = (token_losses * weights).sum()
+    else:
+        pg_loss = (token_losses * mask).sum() / (mask.sum() if denom is None else denom)
     with torch.no_grad():
+        clipped = pg_losses2 > pg_losses
         stats = {
-            "clipfrac": masked_mean((pg_losses2 > pg_losses).float(), mask),
+            "clipfrac": masked_mean(clipped.float(), mask),
+            "clipfrac_low": masked_mean((clipped & (ratio < 1.0 - cliprange)).float(), mask),
+            "clipfrac_high": masked_mean((clipped & (ratio > upper)).float(), mask),
             "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
             "ratio_mean": masked_mean(ratio, mask),
         }
     return pg_loss, stats
+
+
+def kl_loss(logprobs, ref_logprobs, weights, kl_coef: float) -> torch.Tensor:
+    """--kl-penalty loss (GRPO): kl_coef * sum(k3 * weights), k3 = (r - 1) - log r with r = ref_p / p per token on the
+    current log-probs (B, T), differentiable in logprobs; weights (B, T) from loss_weights (0 on padding)."""
+    log_ratio = ref_logprobs - logprobs
+    k3 = torch.expm1(log_ratio) - log_ratio
+    return kl_coef * (k3 * weights).sum()
 
 
 def ppo_value_loss(values, old_values, returns, mask, cliprange_value: Optional[float], denom=None):
@@ -355,6 +503,7 @@ def rollout(
     scalar head, or None (reward_fn alone). Settings are read from args (see above).
     Returns (experience: dict of (B, ...) tensors, metrics: global means keyed by DESIGN §6 tags, samples: this
     rank's texts as dicts)."""
+    args = resolve_estimator_defaults(args)
     device = next(policy.parameters()).device
     amp = common.autocast(device, dtype)
     # 1. generate with the KV cache from the tempered distribution (no top-k/top-p: the ratio must be on-policy)
@@ -513,6 +662,7 @@ def ppo_update(
     Returns (metrics: global means keyed by DESIGN §6 tags over the steps each model took (policy/* only when the
     actor trained), diagnostics: {"updates": steps every model took, "skipped": steps some model skipped, "first":
     ratio_err, approx_kl and clipfrac of the first micro-batch, which must read 0, 0, 0})."""
+    args = resolve_estimator_defaults(args)
     mask = experience["mask"]
     rows_per_rank = mask.size(0)
     device = mask.device
@@ -736,6 +886,7 @@ CONSOLE = (
 
 def main(args: Args) -> None:
     t_start = time.time()
+    args = resolve_estimator_defaults(args)  # the estimator's defaults, printed below; the checkpoint keeps these
     common.seed_everything(args.seed)  # before any model is built: a fresh critic head follows --seed
     # 1. checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
     if args.temperature <= 0:

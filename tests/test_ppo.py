@@ -19,10 +19,15 @@ from train_ppo import (
     KLController,
     RunningMoments,
     compute_gae,
+    compute_group_advantages,
+    kl_loss,
+    loss_weights,
     masked_mean,
     masked_whiten,
     ppo_policy_loss,
     ppo_value_loss,
+    resolve_estimator_defaults,
+    reward_to_go,
     shape_rewards,
 )
 
@@ -171,6 +176,138 @@ def test_ppo_policy_loss():
     assert 0 < stats["clipfrac"].item() < 1
     assert stats["approx_kl"].item() == pytest.approx(sum(kls) / len(kls), abs=1e-12)
     assert stats["ratio_mean"].item() == pytest.approx(sum(ratios) / len(ratios), abs=1e-12)
+
+
+def test_ppo_policy_loss_with_the_new_flags_off_is_todays_loss():
+    """token_mean with denom (the training loop's path) and every §5b argument None or at its default: the PPO-max
+    loss bit for bit, computed here as it was before the flags existed."""
+    lengths, mask, (lp, old, adv, _, _) = ragged(B=8, seed=5)
+    lp = old + 0.3 * lp
+    denom = mask.sum() + 3.0  # a global count larger than this micro-batch's
+    ratio = torch.exp(lp - old)
+    today = (torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - 0.2, 1.0 + 0.2)) * mask).sum() / denom
+    for extra in ({}, {"weights": None, "cliprange_high": None, "dual_clip": None}, {"cliprange_high": 0.2}):
+        loss, _ = ppo_policy_loss(lp, old, adv, mask, 0.2, denom=denom, **extra)
+        assert torch.equal(loss, today), extra
+
+
+@pytest.mark.parametrize("dual_clip", [None, 1.5])
+def test_ppo_policy_loss_clip_higher_dual_clip_and_weights(dual_clip):
+    lengths, mask, (lp, old, adv, _, _) = ragged(B=10, seed=6)
+    lp = old + 0.5 * lp
+    eps, eps_high = 0.2, 0.28
+    weights = loss_weights(mask, "seq_mean", len(lengths), mask.sum(), 7)
+    loss, stats = ppo_policy_loss(
+        lp, old, adv, mask, eps, weights=weights, cliprange_high=eps_high, dual_clip=dual_clip
+    )
+    total, low, high, capped, tokens = 0.0, 0, 0, 0, sum(lengths)
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            r, a = math.exp(lp[b, t].item() - old[b, t].item()), adv[b, t].item()
+            u, c = -a * r, -a * min(max(r, 1 - eps), 1 + eps_high)
+            term = max(u, c)
+            if dual_clip is not None and a < 0 and -dual_clip * a < term:
+                term, capped = -dual_clip * a, capped + 1
+            total += term / (n * len(lengths))
+            low += c > u and r < 1 - eps
+            high += c > u and r > 1 + eps_high
+    assert loss.item() == pytest.approx(total, abs=1e-12)
+    assert stats["clipfrac_low"].item() == pytest.approx(low / tokens, abs=1e-12) and low > 0
+    assert stats["clipfrac_high"].item() == pytest.approx(high / tokens, abs=1e-12) and high > 0
+    assert stats["clipfrac"].item() == pytest.approx((low + high) / tokens, abs=1e-12)
+    assert (capped > 0) == (dual_clip is not None)
+
+
+@pytest.mark.parametrize("group_size", [2, 3])
+def test_compute_group_advantages(group_size):
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(4 * group_size, generator=g, dtype=torch.float64)
+    scores[:group_size] = 0.5  # a group of ties: zero advantage, no division by 0
+    got = {
+        "rloo": compute_group_advantages(scores, group_size, "rloo"),
+        "grpo": compute_group_advantages(scores, group_size, "grpo"),
+        "dr_grpo": compute_group_advantages(scores, group_size, "grpo", std_norm=False),
+        "reinforce_pp": compute_group_advantages(scores, group_size, "reinforce_pp"),
+    }
+    for start in range(0, len(scores), group_size):
+        group = scores[start : start + group_size].tolist()
+        mean = sum(group) / group_size
+        std = math.sqrt(sum((s - mean) ** 2 for s in group) / (group_size - 1))
+        for i, s in enumerate(group):
+            others = [o for j, o in enumerate(group) if j != i]
+            row = start + i
+            assert got["rloo"][row].item() == pytest.approx(s - sum(others) / len(others), abs=1e-12)
+            assert got["grpo"][row].item() == pytest.approx((s - mean) / (std + 1e-4), abs=1e-12)
+            assert got["dr_grpo"][row].item() == pytest.approx(s - mean, abs=1e-12)
+            assert got["reinforce_pp"][row].item() == pytest.approx(s - mean, abs=1e-12)
+    assert (got["grpo"][:group_size] == 0).all()
+
+
+def test_reward_to_go():
+    lengths, mask, (rewards, *_) = ragged()
+    gamma = 0.9
+    got = reward_to_go(rewards, mask, gamma)
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            want = sum(gamma ** (k - t) * rewards[b, k].item() for k in range(t, n))
+            assert got[b, t].item() == pytest.approx(want, abs=1e-12)
+        assert (got[b, n:] == 0).all()
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "seq_sum_norm"])
+def test_loss_weights_over_micro_batches(agg):
+    """Weights from the step's global counts, summed over uneven micro-batches, give the naive aggregate of the whole
+    batch; a row with no kept token (--mask-truncated) counts in neither."""
+    lengths, mask, (losses, *_) = ragged(B=8, seed=2)
+    mask[3] = 0.0
+    kept = [n for b, n in enumerate(lengths) if b != 3]
+    n_seq, n_tok, max_new_tokens = (mask.sum(1) > 0).sum(), mask.sum(), 9
+    total = sum(
+        (losses[s] * loss_weights(mask[s], agg, n_seq, n_tok, max_new_tokens)).sum()
+        for s in (slice(0, 3), slice(3, 4), slice(4, 8))
+    )
+    per_row = [sum(losses[b, :n].tolist()) for b, n in enumerate(lengths) if b != 3]
+    want = {
+        "token_mean": sum(per_row) / sum(kept),
+        "seq_mean": sum(r / n for r, n in zip(per_row, kept)) / len(kept),
+        "seq_sum_norm": sum(per_row) / (max_new_tokens * len(kept)),
+    }[agg]
+    assert total.item() == pytest.approx(want, abs=1e-12)
+
+
+def test_kl_loss_value_and_gradient():
+    lengths, mask, (lp, ref, *_) = ragged()
+    weights = loss_weights(mask, "seq_mean", len(lengths), mask.sum(), 7)
+    logprobs = lp.clone().requires_grad_(True)
+    loss = kl_loss(logprobs, ref, weights, 0.05)
+    want = 0.0
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            d = ref[b, t].item() - lp[b, t].item()
+            want += 0.05 * (math.exp(d) - 1 - d) * weights[b, t].item()
+    assert loss.item() == pytest.approx(want, abs=1e-12)
+    loss.backward()  # d k3 / d logp = 1 - ref_p / p: pulls the policy towards the reference, 0 on padding
+    assert torch.allclose(logprobs.grad, 0.05 * weights * (1 - torch.exp(ref - lp)), atol=1e-12)
+
+
+def test_resolve_estimator_defaults():
+    gae = resolve_estimator_defaults(train_ppo.Args())
+    assert (gae.group_size, gae.kl_penalty, gae.kl_coef, gae.reward_norm, gae.reward_clip) == (
+        1,
+        "reward",
+        0.3,
+        "norm",
+        5.0,
+    )
+    assert (gae.adv_whiten, gae.loss_agg, gae.critic_warmup_steps) == ("minibatch", "token_mean", 5)
+    grpo = resolve_estimator_defaults(train_ppo.Args(adv_estimator="grpo"))
+    assert (grpo.group_size, grpo.kl_penalty, grpo.reward_norm, grpo.reward_clip) == (4, "loss", "none", None)
+    assert (grpo.adv_whiten, grpo.loss_agg, grpo.critic_warmup_steps) == ("none", "seq_mean", 0)
+    assert resolve_estimator_defaults(grpo) == grpo  # idempotent
+    given = resolve_estimator_defaults(train_ppo.Args(adv_estimator="rloo", group_size=8, reward_norm="scale"))
+    assert (given.group_size, given.reward_norm, given.reward_clip, given.kl_penalty) == (8, "scale", 5.0, "reward")
+    rpp = resolve_estimator_defaults(train_ppo.Args(adv_estimator="reinforce_pp"))
+    assert (rpp.adv_whiten, rpp.reward_norm, rpp.reward_clip, rpp.group_size) == ("rollout", "norm", 5.0, 1)
 
 
 @pytest.mark.parametrize("eps", [0.2, None])
