@@ -499,7 +499,8 @@ def rollout(
     gold_fn: Optional[Callable] = None,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[dict, dict, list]:
-    """Steps 1-5 on this rank's prompts. policy, ref_policy: GPTs with an LM head; critic: scalar head; reward_model:
+    """Steps 1-5 on this rank's prompts (a group's G copies of a prompt consecutive). policy, ref_policy: GPTs with an
+    LM head; critic: scalar head, or None (critic-free estimators: no values, returns or value metrics); reward_model:
     scalar head, or None (reward_fn alone). Settings are read from args (see above).
     Returns (experience: dict of (B, ...) tensors, metrics: global means keyed by DESIGN §6 tags, samples: this
     rank's texts as dicts)."""
@@ -532,20 +533,21 @@ def rollout(
         with amp:
             logits, _ = response_forward(policy, *micro_batch, args.temperature)
             ref_logits, _ = response_forward(ref_policy, *micro_batch, args.temperature)
-            _, micro_values = response_forward(critic, *micro_batch, args.temperature)
+            if critic is not None:
+                _, micro_values = response_forward(critic, *micro_batch, args.temperature)
+                values.append(micro_values)
             if reward_model is not None:  # the RM reads its score at the last real token (the EOS)
                 sequence = torch.cat([query[rows], response[rows]], 1)
                 sequence_mask = torch.cat([query_mask[rows], mask[rows]], 1)
                 _, token_scores = reward_model(sequence, sequence_mask, logits=False)
                 eos_position = prompt_len + last[rows, None]
                 rm_scores.append(token_scores.float().gather(1, eos_position).squeeze(1))
-        values.append(micro_values)
         logprobs.append(logprobs_from_logits(logits, response[rows]))
         ref_logprobs.append(logprobs_from_logits(ref_logits, response[rows]))
         entropy.append(entropy_from_logits(logits))
     logprobs = torch.cat(logprobs) * mask
     ref_logprobs = torch.cat(ref_logprobs) * mask
-    values = torch.cat(values) * mask
+    values = torch.cat(values) * mask if critic is not None else None
     entropy = torch.cat(entropy) * mask
     # the sampler's own log-probs must match the training forward's, or the first ratio is not 1; the max over ranks
     # decides, so every rank raises together (one rank alone would leave the others waiting in the next collective)
@@ -565,41 +567,57 @@ def rollout(
         scores = scores + args.reward_fn_coef * torch.tensor(extra, device=device)
     scores = torch.where(ended, scores, torch.full_like(scores, args.missing_eos_penalty))
     # 4. rewards: running moments over all history and ranks, normalise, clip (PPO-max §3.2); KL penalty per token
+    # unless it goes into the policy loss (--kl-penalty loss, ppo_update)
     reward_moments.update(scores)
     score_norm = normalize_scores(scores, reward_moments.mean, reward_moments.std, args.reward_norm, args.reward_clip)
-    rewards, _ = shape_rewards(score_norm, logprobs, ref_logprobs, mask, kl_coef, args.kl_estimator)
-    # 5. GAE; returns = raw advantages + values
-    advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
+    reward_kl_coef = kl_coef if args.kl_penalty == "reward" else 0.0
+    rewards, _ = shape_rewards(score_norm, logprobs, ref_logprobs, mask, reward_kl_coef, args.kl_estimator)
+    # 5. advantages (DESIGN §5b); gae: returns = raw advantages + values, the critic's targets
+    group_size = args.group_size
+    returns = None
+    if args.adv_estimator == "gae":
+        advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
+    elif args.adv_estimator == "reinforce_pp":  # reward-to-go, whitened over the rollout in ppo_update
+        baseline_rewards = rewards
+        if group_size > 1:  # the group mean as baseline: s_i - mean_group(s) replaces s_i
+            centred = compute_group_advantages(score_norm, group_size, "reinforce_pp")
+            baseline_rewards, _ = shape_rewards(
+                centred, logprobs, ref_logprobs, mask, reward_kl_coef, args.kl_estimator
+            )
+        advantages = reward_to_go(baseline_rewards, mask, args.gamma)
+    else:  # grpo, rloo: one advantage per response from R_i = s_i - beta * sum_t kl_t, on every token
+        sequence_rewards = rewards.sum(1)  # (B,)
+        sequence_advantages = compute_group_advantages(
+            sequence_rewards, group_size, args.adv_estimator, args.grpo_std_norm
+        )
+        advantages = sequence_advantages[:, None] * mask
 
     # global statistics: one all-reduce of named sums
     gold = [0.0] * batch_size
     if gold_fn is not None:
         gold = [gold_fn(p, t, e) for p, t, e in zip(prompts, texts, ended.tolist())]
     kl_per_sequence = ((logprobs - ref_logprobs) * mask).sum(1)  # objective/kl is always the summed k1
-    value_error = (returns - values) * mask
-    sums = common.all_reduce_dict(
-        {
-            "sequences": float(batch_size),
-            "score": scores.sum(),
-            "score_norm": score_norm.sum(),
-            "kl": kl_per_sequence.sum(),
-            "rlhf_reward": rewards.sum(),
-            "entropy": entropy.sum(),
-            "tokens": mask.sum(),
-            "nll": -logprobs.sum(),
-            "ended": ended.float().sum(),
-            "gold": float(sum(gold)),
-            "returns": returns.sum(),
-            "returns_squared": (returns**2).sum(),
-            "value_error": value_error.sum(),
-            "value_error_squared": (value_error**2).sum(),
-        },
-        device,
-    )
+    local_sums = {
+        "sequences": float(batch_size),
+        "score": scores.sum(),
+        "score_norm": score_norm.sum(),
+        "kl": kl_per_sequence.sum(),
+        "rlhf_reward": rewards.sum(),
+        "entropy": entropy.sum(),
+        "tokens": mask.sum(),
+        "nll": -logprobs.sum(),
+        "ended": ended.float().sum(),
+        "gold": float(sum(gold)),
+    }
+    if critic is not None:
+        value_error = (returns - values) * mask
+        local_sums["returns"] = returns.sum()
+        local_sums["returns_squared"] = (returns**2).sum()
+        local_sums["value_error"] = value_error.sum()
+        local_sums["value_error_squared"] = (value_error**2).sum()
+    sums = common.all_reduce_dict(local_sums, device)
     sequences = sums["sequences"]
     tokens = sums["tokens"]
-    returns_variance = sums["returns_squared"] / tokens - (sums["returns"] / tokens) ** 2
-    error_variance = sums["value_error_squared"] / tokens - (sums["value_error"] / tokens) ** 2
     metrics = {
         "objective/score": sums["score"] / sequences,
         "objective/score_norm": sums["score_norm"] / sequences,
@@ -610,8 +628,13 @@ def rollout(
         "rollout/perplexity": math.exp(sums["nll"] / tokens),
         "rollout/eos_frac": sums["ended"] / sequences,
         "rollout/logprob_err": logprob_error,
-        "value/explained_variance": 1 - error_variance / max(returns_variance, 1e-12),
     }
+    if critic is not None:
+        returns_variance = sums["returns_squared"] / tokens - (sums["returns"] / tokens) ** 2
+        error_variance = sums["value_error_squared"] / tokens - (sums["value_error"] / tokens) ** 2
+        metrics["value/explained_variance"] = 1 - error_variance / max(returns_variance, 1e-12)
+    if args.mask_truncated:  # responses without EOS: in the group statistics, not in the policy loss
+        metrics["rollout/truncated_frac"] = 1 - sums["ended"] / sequences
     if gold_fn is not None:
         metrics["objective/gold"] = sums["gold"] / sequences
     experience = dict(
@@ -621,12 +644,14 @@ def rollout(
         mask=mask,
         logprobs=logprobs,
         ref_logprobs=ref_logprobs,
-        values=values,
         rewards=rewards,
         advantages=advantages,
-        returns=returns,
         scores=scores,
+        ended=ended.float(),
     )
+    if critic is not None:
+        experience["values"] = values
+        experience["returns"] = returns
     samples = []
     for prompt, text, is_ended, score, gold_value in zip(prompts, texts, ended.tolist(), scores.tolist(), gold):
         sample = {"prompt": prompt, "response": text, "ended": is_ended, "score": score}
@@ -653,10 +678,13 @@ def ppo_update(
     generator: Optional[torch.Generator] = None,
     ptx_sampler: Optional[Callable] = None,
     dtype: torch.dtype = torch.float32,
+    kl_coef: float = 0.0,
 ) -> tuple[dict, dict]:
     """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one optimizer step per
     minibatch for the critic and (unless train_actor is False: critic warm-up) the actor. actor and critic may be DDP
-    or compiled modules. ptx_sampler() -> (inputs, targets, mask) of one micro-batch of pre-training text (None: no
+    or compiled modules; critic and critic_optimizer are None for a critic-free estimator. kl_coef: beta of the KL
+    loss (--kl-penalty loss). A step whose minibatch has no token left for the policy loss (--mask-truncated) takes
+    no actor step. ptx_sampler() -> (inputs, targets, mask) of one micro-batch of pre-training text (None: no
     ptx loss). Settings are read from args (see above).
     A model whose global grad norm is not finite skips that step (the other still steps); the step counts once.
     Returns (metrics: global means keyed by DESIGN §6 tags over the steps each model took (policy/* only when the
@@ -672,6 +700,9 @@ def ppo_update(
     # DDP averages gradients over ranks; the losses below are global sums, so each backward scales by the world size
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     use_ptx = train_actor and args.ptx_coef > 0 and ptx_sampler is not None
+    loss_mask = mask  # the policy loss's tokens: --mask-truncated drops the responses without EOS
+    if args.mask_truncated:
+        loss_mask = mask * experience["ended"][:, None]
     advantages = experience["advantages"]
     if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (TRL)
         moments = common.all_reduce_dict(
@@ -703,6 +734,7 @@ def ppo_update(
             ptx_batches = [ptx_sampler() for _ in range(grad_accum_steps)] if use_ptx else []
             # the step's global token counts (loss denominators) and whitening statistics: one all-reduce per step
             minibatch_mask = mask[minibatch_index]
+            minibatch_loss_mask = loss_mask[minibatch_index]
             minibatch_advantages = advantages[minibatch_index]
             ptx_tokens = sum((batch[2].sum() for batch in ptx_batches), torch.zeros((), device=device))
             counts = common.all_reduce_dict(
@@ -711,6 +743,8 @@ def ppo_update(
                     "advantages": minibatch_advantages.sum(),
                     "advantages_squared": (minibatch_advantages**2).sum(),
                     "ptx_tokens": ptx_tokens,
+                    "loss_tokens": minibatch_loss_mask.sum(),
+                    "loss_sequences": (minibatch_loss_mask.sum(1) > 0).sum(),
                 },
                 device,
             )
@@ -720,6 +754,10 @@ def ppo_update(
             advantage_variance = torch.tensor(advantage_variance, dtype=torch.float32, device=device)
             token_count = torch.tensor(counts["tokens"], dtype=torch.float32, device=device)
             ptx_token_count = torch.tensor(counts["ptx_tokens"], dtype=torch.float32, device=device)
+            loss_token_count = torch.tensor(counts["loss_tokens"], dtype=torch.float32, device=device)
+            loss_sequence_count = counts["loss_sequences"]
+            # nothing to train the actor on (every response truncated): no actor step, explicitly rather than a NaN
+            actor_steps_now = train_actor and counts["loss_tokens"] > 0
             step_sums = {"actor": {}, "critic": {}}  # this step's sums per model, kept if that model steps
             for micro in range(grad_accum_steps):
                 micro_index = minibatch_index[micro * micro_batch_size : (micro + 1) * micro_batch_size]
@@ -730,6 +768,8 @@ def ppo_update(
                 response = experience["response"][micro_index, :longest]
                 micro_mask = mask[micro_index, :longest]
                 micro_tokens = micro_mask.sum()
+                micro_loss_mask = loss_mask[micro_index, :longest]
+                micro_loss_tokens = micro_loss_mask.sum()
                 old_logprobs = experience["logprobs"][micro_index, :longest]
                 micro_advantages = advantages[micro_index, :longest]
                 if args.adv_whiten == "minibatch":  # PPO-max: global statistics over the whole minibatch
@@ -737,7 +777,12 @@ def ppo_update(
                         micro_advantages, micro_mask, mean=advantage_mean, var=advantage_variance
                     )
                 sync = micro == grad_accum_steps - 1
-                if train_actor:
+                if actor_steps_now:
+                    weights = loss_weights(
+                        micro_loss_mask, args.loss_agg, loss_sequence_count, loss_token_count, args.max_new_tokens
+                    )
+                    # token_mean keeps PPO-max's denominator, bit for bit; the other aggregations weigh each token
+                    policy_weights = None if args.loss_agg == "token_mean" else weights
                     if use_ptx:  # LM loss on pre-training text (InstructGPT's PPO-ptx); never the syncing backward
                         ptx_inputs, ptx_targets, ptx_mask = ptx_batches[micro]
                         with _sync(actor, False), amp:
@@ -749,25 +794,43 @@ def ppo_update(
                         logits, _ = response_forward(actor, query, query_mask, response, micro_mask, args.temperature)
                         logprobs = logprobs_from_logits(logits, response)
                         pg_loss, pg_stats = ppo_policy_loss(
-                            logprobs, old_logprobs, micro_advantages, micro_mask, args.cliprange, denom=token_count
+                            logprobs,
+                            old_logprobs,
+                            micro_advantages,
+                            micro_loss_mask,
+                            args.cliprange,
+                            denom=loss_token_count,
+                            weights=policy_weights,
+                            cliprange_high=args.cliprange_high,
+                            dual_clip=args.dual_clip,
                         )
                         loss = pg_loss
+                        if args.kl_penalty == "loss":  # GRPO: beta * k3 against the reference, aggregated alike
+                            micro_ref_logprobs = experience["ref_logprobs"][micro_index, :longest]
+                            kl_term = kl_loss(logprobs, micro_ref_logprobs, weights, kl_coef)
+                            loss = loss + kl_term
+                            _add(step_sums["actor"], "kl_loss", kl_term.detach())
                         if args.entropy_coef > 0:
                             entropy = entropy_from_logits(logits)
-                            loss = loss - args.entropy_coef * (entropy * micro_mask).sum() / token_count
+                            if policy_weights is None:
+                                entropy_term = (entropy * micro_loss_mask).sum() / loss_token_count
+                            else:
+                                entropy_term = (entropy * weights).sum()
+                            loss = loss - args.entropy_coef * entropy_term
                     (loss * world_size).backward()
                     _add(step_sums["actor"], "pg_loss", pg_loss.detach())
-                    _add(step_sums["actor"], "approx_kl", pg_stats["approx_kl"] * micro_tokens)
-                    _add(step_sums["actor"], "clipfrac", pg_stats["clipfrac"] * micro_tokens)
-                    _add(step_sums["actor"], "ratio", pg_stats["ratio_mean"] * micro_tokens)
-                    _add(step_sums["actor"], "tokens", micro_tokens)
-                    if not first:  # must be ratio 1, approx_kl 0, clipfrac 0 (DESIGN §5)
-                        ratio_error = ((logprobs - old_logprobs).exp().sub(1).abs() * micro_mask).max()
+                    for key in ("approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_mean"):
+                        _add(step_sums["actor"], key, _token_sum(pg_stats[key], micro_loss_tokens))
+                    _add(step_sums["actor"], "tokens", micro_loss_tokens)
+                    if not first and micro_loss_tokens > 0:  # must be ratio 1, approx_kl 0, clipfrac 0 (DESIGN §5)
+                        ratio_error = ((logprobs - old_logprobs).exp().sub(1).abs() * micro_loss_mask).max()
                         first = {
                             "ratio_err": ratio_error.item(),
                             "approx_kl": pg_stats["approx_kl"].item(),
                             "clipfrac": pg_stats["clipfrac"].item(),
                         }
+                if critic is None:
+                    continue
                 with _sync(critic, sync), amp:
                     _, new_values = response_forward(critic, query, query_mask, response, micro_mask, args.temperature)
                     vf_loss, vf_stats = ppo_value_loss(
@@ -784,13 +847,15 @@ def ppo_update(
                 _add(step_sums["critic"], "tokens", micro_tokens)
             # separate optimizers and clips; each norm is global after DDP's all-reduce, so every rank takes the
             # same decision; a model whose norm is not finite skips this step (the step is counted once as skipped)
+            stepping = []
+            if actor_steps_now:
+                stepping.append(("actor", actor, actor_optimizer, args.grad_clip))
+            if critic is not None:
+                stepping.append(("critic", critic, critic_optimizer, args.critic_grad_clip))
+            if not stepping:  # critic-free and nothing to train on: neither an update nor a skipped step
+                continue
             step_ok = True
-            for name, model, optimizer, clip in (
-                ("actor", actor, actor_optimizer, args.grad_clip),
-                ("critic", critic, critic_optimizer, args.critic_grad_clip),
-            ):
-                if name == "actor" and not train_actor:
-                    continue
+            for name, model, optimizer, clip in stepping:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
                 if torch.isfinite(norm):  # the model's one host sync per step
                     optimizer.step()
@@ -820,7 +885,11 @@ def ppo_update(
         metrics["policy/loss"] = summed["actor/pg_loss"] / actor_steps
         metrics["policy/approx_kl"] = summed["actor/approx_kl"] / summed["actor/tokens"]
         metrics["policy/clipfrac"] = summed["actor/clipfrac"] / summed["actor/tokens"]
-        metrics["policy/ratio_mean"] = summed["actor/ratio"] / summed["actor/tokens"]
+        metrics["policy/ratio_mean"] = summed["actor/ratio_mean"] / summed["actor/tokens"]
+        metrics["policy/clipfrac_low"] = summed["actor/clipfrac_low"] / summed["actor/tokens"]
+        metrics["policy/clipfrac_high"] = summed["actor/clipfrac_high"] / summed["actor/tokens"]
+        if args.kl_penalty == "loss":
+            metrics["policy/kl_loss"] = summed["actor/kl_loss"] / actor_steps
         metrics["train/grad_norm"] = summed["actor/grad_norm"] / (actor_steps * world_size)
         if use_ptx:
             metrics["ptx/loss"] = summed["actor/ptx_loss"] / actor_steps
@@ -833,15 +902,23 @@ def _add(sums: dict, key: str, value: torch.Tensor) -> None:
     sums[key] = sums[key] + value if key in sums else value
 
 
+def _token_sum(mean: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """A per-token mean times its token count, 0 for a micro-batch without tokens (whose mean is 0/0; no host sync)."""
+    return torch.where(tokens > 0, mean * tokens, torch.zeros_like(mean))
+
+
 def iteration_flops(actor, critic, reward_model, sequence_len: int, sequences: int, ppo_epochs: int) -> float:
     """Training-equivalent FLOPs of one PPO iteration for perf/mfu (flops_per_token counts a forward and a backward,
     a forward is a third of it): generation, old and reference log-probs (three actor-sized forwards), the values and
     the RM score (two forwards), then ppo_epochs forward-backward passes of the actor and the critic over the rollout.
     sequence_len = prompt + response positions; sequences summed over ranks."""
     actor_flops = actor.flops_per_token(sequence_len)
-    critic_flops = critic.flops_per_token(sequence_len)
-    # the RM's forward reads its scalar head only (logits=False), like the critic's: critic-sized
-    reward_flops = critic_flops if reward_model is not None else 0
+    critic_flops = critic.flops_per_token(sequence_len) if critic is not None else 0
+    # the RM's forward reads its scalar head only (logits=False), like the critic's: critic-sized (without a critic,
+    # the RM's own count, its LM head included when it has one)
+    reward_flops = 0
+    if reward_model is not None:
+        reward_flops = critic_flops if critic is not None else reward_model.flops_per_token(sequence_len)
     rollout_flops = (3 * actor_flops + critic_flops + reward_flops) / 3
     update_flops = ppo_epochs * (actor_flops + critic_flops)
     return sequences * sequence_len * (rollout_flops + update_flops)
@@ -893,6 +970,12 @@ def main(args: Args) -> None:
         raise UserError(f"--temperature {args.temperature}: PPO samples from the tempered distribution; use > 0")
     if args.rm_ckpt == "none" and args.reward_fn is None:
         raise UserError("--rm-ckpt none needs --reward-fn module:function (e.g. data:gold_reward)")
+    if args.group_size < 1 or (args.adv_estimator in ("grpo", "rloo") and args.group_size < 2):
+        raise UserError(
+            f"--group-size {args.group_size}: {args.adv_estimator} compares responses within a group, use >= 2"
+        )
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise UserError(f"--dual-clip {args.dual_clip}: the cap -c*A needs c > 1")
     sft = common.load_checkpoint(args.sft_ckpt, kind=("sft", "ppo"), flag="--sft-ckpt")
     rm = None
     if args.rm_ckpt != "none":
@@ -905,11 +988,13 @@ def main(args: Args) -> None:
     tok = Tokenizer.from_state(sft["tokenizer"])
     reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
     # every model from the checkpoints already in memory; PPO-max: the critic starts from the RM (or, with no RM,
-    # from the SFT trunk with a fresh head)
+    # from the SFT trunk with a fresh head); the critic-free estimators build none
     actor = hf.model_from_checkpoint(sft)
     ref_policy = hf.model_from_checkpoint(sft)
     reward_model = None if rm is None else hf.model_from_checkpoint(rm)
-    critic = hf.model_from_checkpoint(rm if rm is not None else sft, lm_head=False, score_head=True)
+    critic = None
+    if uses_critic(args):
+        critic = hf.model_from_checkpoint(rm if rm is not None else sft, lm_head=False, score_head=True)
     builtin = args.prompts is None
     block_size = actor.config.block_size
     task = build_task(args.task_dir, args.task_seed) if builtin else None
@@ -931,6 +1016,9 @@ def main(args: Args) -> None:
     # sizes first, against the launched world size: a mistake ends here, before any process group
     launched = common.launched_world_size()
     rows_per_rank = exact_div(args.rollout_batch_size, launched, "--rollout-batch-size over the world size")
+    # a group never straddles two ranks: each rank samples its prompts' G responses itself
+    prompts_per_rank = exact_div(rows_per_rank, args.group_size, "--rollout-batch-size/world_size over --group-size")
+    prompts_per_iteration = prompts_per_rank * launched
     minibatch_rows = exact_div(
         rows_per_rank, args.num_minibatches, "--rollout-batch-size/world_size over --num-minibatches"
     )
@@ -945,11 +1033,19 @@ def main(args: Args) -> None:
     d = common.setup_dist(args.device)
     dtype = common.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
+    critic_size = f"{critic.num_params() / 1e6:.2f} M" if critic is not None else "none"
     print0(
         f"ppo: {len(prompts)} prompts ({prompts_read - len(prompts)} too long, skipped) | {len(ptx)} ptx texts | "
-        f"actor {actor.num_params() / 1e6:.2f} M, critic {critic.num_params() / 1e6:.2f} M | rollout "
+        f"actor {actor.num_params() / 1e6:.2f} M, critic {critic_size} | rollout "
         f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x {grad_accum_steps} "
         f"accum x {micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}"
+    )
+    print0(
+        f"estimator {args.adv_estimator}: {prompts_per_iteration} prompts x group_size {args.group_size} | kl "
+        f"{args.kl_penalty} ({'k3' if args.kl_penalty == 'loss' else args.kl_estimator}) beta {args.kl_coef} | "
+        f"reward_norm {args.reward_norm} clip {args.reward_clip} | adv_whiten {args.adv_whiten} | loss_agg "
+        f"{args.loss_agg} | cliprange {args.cliprange}/{args.cliprange_high or args.cliprange} dual_clip "
+        f"{args.dual_clip} | mask_truncated {args.mask_truncated} | critic {'yes' if critic else 'no'}"
     )
     for model in (actor, ref_policy, critic, reward_model):
         if model is not None:
@@ -958,7 +1054,9 @@ def main(args: Args) -> None:
         if model is not None:
             model.requires_grad_(False)
     actor_optimizer = actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
-    critic_optimizer = critic.configure_optimizers(args.weight_decay, args.critic_lr, (0.9, 0.95), d.device.type)
+    critic_optimizer = None
+    if critic is not None:
+        critic_optimizer = critic.configure_optimizers(args.weight_decay, args.critic_lr, (0.9, 0.95), d.device.type)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
     kl_controller = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
     reward_moments = RunningMoments()
@@ -978,9 +1076,10 @@ def main(args: Args) -> None:
         inputs = {"sft_hash": ("--sft-ckpt", hashes["sft_hash"]), "rm_hash": ("--rm-ckpt", hashes["rm_hash"])}
         ckpt = common.load_resume(ckpt_path, "ppo", d.world_size, max_steps, inputs)
         actor.load_state_dict(ckpt["model"])
-        critic.load_state_dict(ckpt["critic"])
         actor_optimizer.load_state_dict(ckpt["optimizer"])
-        critic_optimizer.load_state_dict(ckpt["critic_optimizer"])
+        if critic is not None:
+            critic.load_state_dict(ckpt["critic"])
+            critic_optimizer.load_state_dict(ckpt["critic_optimizer"])
         reward_moments.load_state_dict(ckpt["reward_moments"])
         kl_controller.load_state_dict(ckpt["kl_ctl"])
         data_state = ckpt["data_state"]
@@ -996,12 +1095,12 @@ def main(args: Args) -> None:
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     compiled = d.device.type == "cuda" and args.compile
     actor_forward = torch.compile(actor) if compiled else actor
-    critic_forward = torch.compile(critic) if compiled else critic
+    critic_forward = torch.compile(critic) if compiled and critic is not None else critic
     ref_forward = torch.compile(ref_policy) if compiled else ref_policy
     rm_forward = torch.compile(reward_model) if compiled and reward_model is not None else reward_model
     device_ids = [d.local_rank] if d.device.type == "cuda" else None
     actor_trained = DDP(actor_forward, device_ids=device_ids) if d.ddp else actor_forward
-    critic_trained = DDP(critic_forward, device_ids=device_ids) if d.ddp else critic_forward
+    critic_trained = DDP(critic_forward, device_ids=device_ids) if d.ddp and critic is not None else critic_forward
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
 
@@ -1038,14 +1137,15 @@ def main(args: Args) -> None:
             data_state=data_state,
             world_size=d.world_size,
             seconds=seconds + time.time() - t_start,
-            critic=critic.state_dict(),
-            critic_config=asdict(critic.config),
-            critic_optimizer=critic_optimizer.state_dict(),
-            critic_scheduler=schedule | {"lr": args.critic_lr, "delay": 0},
             reward_moments=reward_moments.state_dict(),
             kl_ctl=kl_controller.state_dict(),
             **hashes,
         )
+        if critic is not None:
+            checkpoint["critic"] = critic.state_dict()
+            checkpoint["critic_config"] = asdict(critic.config)
+            checkpoint["critic_optimizer"] = critic_optimizer.state_dict()
+            checkpoint["critic_scheduler"] = schedule | {"lr": args.critic_lr, "delay": 0}
         common.save_checkpoint(checkpoint, ckpt_path)
 
     # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
@@ -1055,8 +1155,9 @@ def main(args: Args) -> None:
     skipped_in_row = 0
     while step < max_steps:
         t_rollout = time.time()
-        global_rows = prompt_order.take(args.rollout_batch_size)
-        rows = global_rows[d.rank * rows_per_rank : (d.rank + 1) * rows_per_rank]
+        global_rows = prompt_order.take(prompts_per_iteration)
+        rows = global_rows[d.rank * prompts_per_rank : (d.rank + 1) * prompts_per_rank]
+        group_prompts = [prompts[row] for row in rows for _ in range(args.group_size)]  # a group's copies in a row
         kl_coef = kl_controller.value
         experience, metrics, samples = rollout(
             actor_forward,
@@ -1064,7 +1165,7 @@ def main(args: Args) -> None:
             critic_forward,
             rm_forward,
             tok,
-            [prompts[row] for row in rows],
+            group_prompts,
             args,
             micro_batch_size=micro_batch_size,
             generator=sampler,
@@ -1083,8 +1184,9 @@ def main(args: Args) -> None:
         critic_lr = common.lr_at(step, max_steps, args.critic_lr, args.warmup_steps)
         for group in actor_optimizer.param_groups:
             group["lr"] = lr
-        for group in critic_optimizer.param_groups:
-            group["lr"] = critic_lr
+        if critic_optimizer is not None:
+            for group in critic_optimizer.param_groups:
+                group["lr"] = critic_lr
         update_metrics, diagnostics = ppo_update(
             actor_trained,
             critic_trained,
@@ -1097,6 +1199,7 @@ def main(args: Args) -> None:
             generator=sampler,
             ptx_sampler=ptx_sampler if ptx_micro_batch_size else None,
             dtype=dtype,
+            kl_coef=kl_coef,
         )
         first = first or diagnostics["first"]
         step += 1
@@ -1118,9 +1221,10 @@ def main(args: Args) -> None:
         sequences = experience["mask"].size(0) * d.world_size
         flops = iteration_flops(actor, critic, reward_model, sequence_len, sequences, args.ppo_epochs)
         metrics |= update_metrics
+        if critic is not None:
+            metrics["train/critic_lr"] = critic_lr
         metrics |= {
             "train/lr": lr,
-            "train/critic_lr": critic_lr,
             "train/kl_coef": kl_coef,
             "train/updates": updates,
             "train/skipped_steps": skipped,

@@ -715,6 +715,54 @@ def test_ppo_smoke_gold_reward(tmp_path, task_dir, sft_ckpt):
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 4
 
 
+CRITIC_KEYS = {"critic", "critic_config", "critic_optimizer", "critic_scheduler"}
+VALUE_TAGS = {"value/loss", "value/clipfrac", "value/explained_variance", "value/grad_norm", "train/critic_lr"}
+
+
+@pytest.mark.parametrize(
+    "estimator, flags",
+    [
+        ("grpo", dict(cliprange_high=0.28, dual_clip=3.0)),
+        ("rloo", dict(loss_agg="seq_sum_norm", kl_penalty="loss", mask_truncated=True)),
+    ],
+)
+def test_ppo_smoke_critic_free(tmp_path, task_dir, sft_ckpt, estimator, flags):
+    """A critic-free estimator on the gold reward: no critic built or saved, the actor trains from iteration 1, the
+    §5b metrics are logged and finite, no value metric; --resume works without critic keys. The tiny SFT policy
+    hardly ever ends a response: under --mask-truncated most steps have nothing to train on and take no actor step
+    (never a NaN)."""
+    out = str(tmp_path / estimator)
+    args = train_ppo.Args(
+        out_dir=out,
+        task_dir=task_dir,
+        sft_ckpt=sft_ckpt,
+        rm_ckpt="none",
+        reward_fn="data:gold_reward",
+        adv_estimator=estimator,
+        max_steps=3,
+        **TINY_PPO,
+        **flags,
+    )
+    train_ppo.main(args)
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert (CKPT_KEYS - CRITIC_KEYS) <= set(ckpt) and not (CRITIC_KEYS & set(ckpt)) and ckpt["step"] == 3
+    assert ckpt["args"]["group_size"] == 4 and ckpt["args"]["critic_warmup_steps"] == 0  # the resolved settings
+    scalars = read_scalars(out)
+    actor_tags = ACTOR_TAGS | {"policy/clipfrac_low", "policy/clipfrac_high", "policy/kl_loss"}
+    tags = (set(PPO_TAGS) - VALUE_TAGS) | actor_tags
+    if args.mask_truncated:
+        tags.add("rollout/truncated_frac")
+    for tag in tags:  # every iteration, the actor's included: no critic warm-up
+        logged = scalars.get(tag, [])
+        assert all(math.isfinite(v) for v in logged), tag
+        assert len(logged) == 3 or (args.mask_truncated and tag in actor_tags), tag
+    assert not (VALUE_TAGS & set(scalars))
+    updates = scalars["train/updates"][-1]
+    assert updates == 3 * 2 * 2 or (args.mask_truncated and updates < 3 * 2 * 2)
+    train_ppo.main(train_ppo.Args(**{**args.__dict__, "max_steps": 4, "resume": True}))
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 4
+
+
 def test_ppo_smoke_with_reward_model(tmp_path, task_dir, sft_ckpt):
     """An RM checkpoint (here an SFT trunk with a fresh score head, kind "rm") scores responses and starts the critic;
     an RM with another tokenizer is refused with one line."""
