@@ -813,10 +813,10 @@ def ppo_update(
                         if args.entropy_coef > 0:
                             entropy = entropy_from_logits(logits)
                             if policy_weights is None:
-                                entropy_term = (entropy * micro_loss_mask).sum() / loss_token_count
+                                entropy_bonus = args.entropy_coef * (entropy * micro_loss_mask).sum() / loss_token_count
                             else:
-                                entropy_term = (entropy * weights).sum()
-                            loss = loss - args.entropy_coef * entropy_term
+                                entropy_bonus = args.entropy_coef * (entropy * weights).sum()
+                            loss = loss - entropy_bonus
                     (loss * world_size).backward()
                     _add(step_sums["actor"], "pg_loss", pg_loss.detach())
                     for key in ("approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_mean"):
