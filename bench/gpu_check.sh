@@ -27,22 +27,24 @@ PY
 COMMON="--device cuda --dtype bfloat16 --task-dir $OUT/data"
 
 if [ "$WHAT" = all ] || [ "$WHAT" = pipeline ]; then
-  rm -rf "$OUT/sft" "$OUT/rm" "$OUT/ppo"
+  rm -rf "$OUT/sft" "$OUT/rm" "$OUT/dpo" "$OUT/ppo"
   t0=$(date +%s)
   # a GPT-2-small-width model on the built-in task: big enough for the GPU to matter, small enough for minutes
   $PY train_sft.py $COMMON --out-dir $OUT/sft --n-layer 12 --n-head 12 --n-embd 768 --batch-size 64 \
       --micro-batch-size 64 --max-steps 300 --eval-every 300 --num-samples 64 --log-every 50
   $PY train_rm.py $COMMON --out-dir $OUT/rm --init $OUT/sft/ckpt.pt --max-steps 100 --eval-every 100 \
       --eval-pairs 512 --log-every 25
+  $PY train_dpo.py $COMMON --out-dir $OUT/dpo --init $OUT/sft/ckpt.pt --max-steps 50 --eval-every 50 \
+      --num-samples 64 --log-every 10
   $PY train_ppo.py $COMMON --out-dir $OUT/ppo --sft-ckpt $OUT/sft/ckpt.pt --rm-ckpt $OUT/rm/ckpt.pt \
       --max-steps 30 --rollout-batch-size 256 --micro-batch-size 64 --log-every 5 --sample-every 10
-  $PY eval.py $COMMON --policy $OUT/sft/ckpt.pt $OUT/ppo/ckpt.pt --names sft ppo --ref $OUT/sft/ckpt.pt \
-      --rm $OUT/rm/ckpt.pt --num-samples 256
+  $PY eval.py --device cuda --task-dir $OUT/data --policy $OUT/sft/ckpt.pt $OUT/dpo/ckpt.pt $OUT/ppo/ckpt.pt --names sft dpo ppo \
+      --ref $OUT/sft/ckpt.pt --rm $OUT/rm/ckpt.pt --num-samples 256 --seeds 2
   echo "gpu_check: pipeline wall $(( $(date +%s) - t0 )) s"
   $PY - "$OUT" <<'PY'
 import statistics, sys
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-for stage in ("sft", "rm", "ppo"):
+for stage in ("sft", "rm", "dpo", "ppo"):
     acc = EventAccumulator(f"{sys.argv[1]}/{stage}", size_guidance={"scalars": 0}); acc.Reload()
     get = lambda tag: [e.value for e in acc.Scalars(tag)][1:] or [e.value for e in acc.Scalars(tag)]  # skip compile
     print(f"gpu_check: {stage:3s} tokens/s {statistics.median(get('perf/tokens_per_sec')):,.0f}  "
