@@ -393,20 +393,38 @@ def fake_experience(B: int = 8, seed: int = 0):
     return actor, critic, exp
 
 
-def update_once(actor, critic, exp, micro_batch_size):
-    """One PPO update over exp (one epoch, one minibatch) -> metrics | diagnostics."""
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (actor, critic)]
-    args = train_ppo.Args(ppo_epochs=1, num_minibatches=1, temperature=1.0, grad_clip=0.5, critic_grad_clip=0.5)
+def update_once(actor, critic, exp, micro_batch_size, **settings):
+    """One PPO update over exp (one epoch, one minibatch) -> metrics | diagnostics. critic None: critic-free."""
+    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-2)
+    critic_optimizer = None if critic is None else torch.optim.AdamW(critic.parameters(), lr=1e-2)
+    args = train_ppo.Args(
+        ppo_epochs=1, num_minibatches=1, temperature=1.0, grad_clip=0.5, critic_grad_clip=0.5, **settings
+    )
     metrics, diagnostics = train_ppo.ppo_update(
         actor,
         critic,
-        *opts,
+        actor_optimizer,
+        critic_optimizer,
         exp,
         args,
         micro_batch_size=micro_batch_size,
         generator=torch.Generator().manual_seed(0),
+        kl_coef=0.1,
     )
     return metrics | diagnostics
+
+
+# a critic-free estimator with the §5b flags on: per-sequence aggregation, KL in the loss, clip-higher, dual-clip,
+# overlong filtering
+CRITIC_FREE = dict(adv_estimator="grpo", cliprange_high=0.28, dual_clip=2.0, mask_truncated=True)
+
+
+def critic_free_experience(exp: dict) -> dict:
+    """exp plus what a critic-free update reads: reference log-probs and which responses ended (rows 2 and 5 not)."""
+    g = torch.Generator().manual_seed(1)
+    ref_logprobs = (exp["logprobs"] + 0.3 * torch.randn(exp["mask"].shape, generator=g)) * exp["mask"]
+    ended = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    return exp | {"ref_logprobs": ref_logprobs, "ended": ended}
 
 
 def _two_rank_worker(rank: int, port: int, q) -> None:
@@ -423,15 +441,22 @@ def _two_rank_worker(rank: int, port: int, q) -> None:
     # one PPO update on this rank's half of the experience
     actor, critic, exp = fake_experience()
     stats = update_once(DDP(actor), DDP(critic), {k: v[rank * 4 : (rank + 1) * 4] for k, v in exp.items()}, 2)
+    # a critic-free update on this rank's half: sequence counts and lengths of the seq_mean weights are global
+    free_actor, _, free_exp = fake_experience()
+    free_exp = critic_free_experience(free_exp)
+    free_half = {k: v[rank * 4 : (rank + 1) * 4] for k, v in free_exp.items()}
+    free_stats = update_once(DDP(free_actor), None, free_half, 2, **CRITIC_FREE)
     buf = io.BytesIO()  # plain bytes: tensors through a queue would need the worker alive to be received
-    torch.save((moments.state_dict(), stats, actor.state_dict(), critic.state_dict()), buf)
+    results = (moments.state_dict(), stats, actor.state_dict(), critic.state_dict())
+    torch.save(results + (free_stats, free_actor.state_dict()), buf)
     q.put(buf.getvalue())
     dist.destroy_process_group()
 
 
 def test_two_gloo_ranks_equal_one_big_batch():
     """Reward moments merged across 2 ranks equal one big batch; the same global minibatch split over 2 ranks x 2
-    micro-batches gives the 1-rank update (weights, losses, clip fractions, grad norms)."""
+    micro-batches gives the 1-rank update (weights, losses, clip fractions, grad norms), for gae and for a critic-free
+    estimator with the §5b flags on."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -447,7 +472,14 @@ def test_two_gloo_ranks_equal_one_big_batch():
     big = torch.cat([torch.randn(n, dtype=torch.float64) for n in (7, 3, 12, 1)])
     actor, critic, exp = fake_experience()
     want = update_once(actor, critic, exp, micro_batch_size=4)
-    for moments, stats, actor_sd, critic_sd in results:
+    free_actor, _, free_exp = fake_experience()
+    free_want = update_once(free_actor, None, critic_free_experience(free_exp), 4, **CRITIC_FREE)
+    assert "value/loss" not in free_want and free_want["updates"] == 1
+    for moments, stats, actor_sd, critic_sd, free_stats, free_actor_sd in results:
+        for k in ("policy/loss", "policy/kl_loss", "policy/approx_kl", "policy/clipfrac_low", "train/grad_norm"):
+            assert free_stats[k] == pytest.approx(free_want[k], rel=1e-4, abs=1e-6), k
+        for k, v in free_actor.state_dict().items():
+            assert torch.allclose(free_actor_sd[k], v, atol=1e-5), k
         rm = RunningMoments()
         rm.load_state_dict(moments)
         assert rm.count == 23 and rm.mean == pytest.approx(big.mean().item(), abs=1e-12)
