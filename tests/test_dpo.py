@@ -317,13 +317,13 @@ def test_dpo_ddp_matches_single_process(tmp_path, task_dir, tiny_ckpts):
 
 def test_dpo_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts):
     base = (
-        f"{sys.executable} train_dpo.py --task-dir {task_dir} --init {tiny_ckpts[0]} {TINY_FLAGS} --max-steps 20 "
-        "--eval-every 10 --save-every 1"
+        f"{sys.executable} train_dpo.py --task-dir {task_dir} --init {tiny_ckpts[0]} {TINY_FLAGS} --max-steps 12 "
+        "--eval-every 6 --save-every 1"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     full = subprocess.run(shlex.split(f"{base} --out-dir {tmp_path}/full"), cwd=ROOT, env=env, capture_output=True)
     assert full.returncode == 0, full.stderr[-3000:]
-    kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=6)
+    kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=4)
     assert_same_weights(tmp_path / "full" / "ckpt.pt", tmp_path / "killed" / "ckpt.pt")
     lines = open(tmp_path / "killed" / "samples.jsonl").read().splitlines()
     assert lines == open(tmp_path / "full" / "samples.jsonl").read().splitlines()
