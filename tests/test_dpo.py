@@ -215,7 +215,9 @@ def test_kwise_records_expand_to_weighted_pairs(task_dir):
 
 def test_dpo_smoke(tmp_path, task_dir, tiny_ckpts):
     out = str(tmp_path / "dpo")
-    train_dpo.main(train_dpo.Args(out_dir=out, task_dir=task_dir, init=tiny_ckpts[0], **TINY))
+    hf_dir = str(tmp_path / "hf")
+    train_dpo.main(train_dpo.Args(out_dir=out, task_dir=task_dir, init=tiny_ckpts[0], export_hf=hf_dir, **TINY))
+    assert os.path.exists(os.path.join(hf_dir, "config.json"))  # --export-hf: a causal LM folder
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
     assert ckpt["kind"] == "dpo" and ckpt["step"] == 6 and ckpt["world_size"] == 1
     json.dumps(ckpt["args"]), json.dumps(ckpt["tokenizer"])  # primitives only
