@@ -261,6 +261,24 @@ def test_dpo_ipo_on_kwise_user_data(tmp_path, tiny_ckpts):
     assert 0 < scalars["train/nll_loss"][0] < 20
 
 
+@pytest.mark.parametrize("init", ["gpt2_dir", "llama_dir"])
+def test_dpo_from_hugging_face_models(tmp_path, init, request):
+    """--init a local GPT-2 folder (native GPT) or hf:<folder> (the adapter, here a tiny Llama) on user pairs: the
+    checkpoint is a dpo policy eval.py loads, with the model's own tokenizer."""
+    path = tmp_path / "prefs.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": f"Q{i}:", "chosen": " yes", "rejected": " no"}) + "\n" for i in range(24))
+    )
+    folder = request.getfixturevalue(init)
+    spec = folder if init == "gpt2_dir" else f"hf:{folder}"
+    out = str(tmp_path / "dpo")
+    tiny = {**TINY, "max_steps": 2, "eval_pairs": 4}
+    train_dpo.main(train_dpo.Args(out_dir=out, data=str(path), init=spec, **tiny))
+    _, _, ckpt = ev.load_model(os.path.join(out, "ckpt.pt"), "--policy", torch.device("cpu"))
+    assert ckpt["kind"] == "dpo" and ckpt["step"] == 2
+    assert all(math.isfinite(v) for v in read_scalars(out)["train/loss"])
+
+
 def test_dpo_nan_step_is_skipped(tmp_path, task_dir, tiny_ckpts, monkeypatch):
     calls = {"n": 0}
     real_loss = train_dpo.dpo_loss
