@@ -11,6 +11,7 @@ timed alone, see GemmRecorder), then one line:
 
 python bench/ppo_throughput.py --iters 10                                  # shape S on 2 CPU threads
 python bench/ppo_throughput.py --iters 10 --dim 512 --layers 8 --vocab 8192  # shape L
+python bench/ppo_throughput.py --iters 10 --adv-estimator grpo              # critic-free, against the gae line
 python bench/ppo_throughput.py --device cuda --dtype bfloat16 --compile --layers 12 --heads 12 --dim 768 \
     --vocab 50257 --resp-len 128 --iters 6                                # GPT-2 small on a GPU
 """
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from train_ppo import Args as PPOArgs  # noqa: E402
-from train_ppo import RunningMoments, ppo_update, rollout  # noqa: E402
+from train_ppo import RunningMoments, ppo_update, resolve_estimator_defaults, rollout, uses_critic  # noqa: E402
 
 
 @dataclass
@@ -76,6 +77,9 @@ class Args(Shape):
     """float32 | bfloat16 (autocast)"""
     compile: bool = False
     """torch.compile the training forward (GPU)"""
+    adv_estimator: str = "gae"
+    """train_ppo's --adv-estimator: gae | grpo | rloo | reinforce_pp (critic-free: no critic built, scored or trained;
+    the same responses per iteration, --batch / group_size prompts)"""
     floor: bool = True
     """record the linear layers' GEMM shapes in the warm-up iteration and time them alone: the `[floor]` line (CPU,
     fp32)"""
@@ -172,17 +176,39 @@ def main(args: Args) -> None:
     ref.load_state_dict(policy.state_dict())
     rm_cfg = GPTConfig(**{**cfg.__dict__, "lm_head": False, "score_head": True})
     reward_model = GPT(rm_cfg).to(device).requires_grad_(False)
-    critic = GPT(rm_cfg).to(device)
-    critic.load_state_dict(reward_model.state_dict())  # the critic starts from the RM (as TRL's examples)
-    for m in (policy, ref, reward_model, critic):
+    # train_ppo's own settings object, with the values this benchmark has always used for gae; a critic-free
+    # estimator keeps its own defaults (group size, KL placement, normalisation, whitening, aggregation)
+    gae_settings = dict(kl_coef=0.1, reward_norm="norm", reward_clip=5.0, adv_whiten="minibatch")
+    ppo_settings = resolve_estimator_defaults(
+        PPOArgs(
+            adv_estimator=args.adv_estimator,
+            max_new_tokens=R,
+            temperature=args.temperature,
+            missing_eos_penalty=-1.0,
+            ppo_epochs=args.ppo_epochs,
+            num_minibatches=args.mini_batches,
+            grad_clip=1.0,
+            critic_grad_clip=1.0,
+            **(gae_settings if args.adv_estimator == "gae" else {}),
+        )
+    )
+    group_size = ppo_settings.group_size
+    critic = None
+    critic_opt = None
+    if uses_critic(ppo_settings):
+        critic = GPT(rm_cfg).to(device)
+        critic.load_state_dict(reward_model.state_dict())  # the critic starts from the RM (as TRL's examples)
+        critic_opt = critic.configure_optimizers(0.0, 3e-6, (0.9, 0.95), device.type)
+    models = [m for m in (policy, ref, reward_model, critic) if m is not None]
+    for m in models:
         m.eval()
     actor_opt = policy.configure_optimizers(0.0, 3e-6, (0.9, 0.95), device.type)
-    critic_opt = critic.configure_optimizers(0.0, 3e-6, (0.9, 0.95), device.type)
-    fwd = {m: torch.compile(m) if args.compile else m for m in (policy, ref, reward_model, critic)}
+    fwd = {m: torch.compile(m) if args.compile else m for m in models}
+    fwd[None] = None
     tok = IdTokenizer(args.vocab)
     g = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, args.vocab, (B * args.iters, P), generator=g).tolist()
-    prompts = [" ".join(map(str, row)) for row in ids]
+    ids = torch.randint(0, args.vocab, (B // group_size * args.iters, P), generator=g).tolist()
+    prompts = [" ".join(map(str, row)) for row in ids for _ in range(group_size)]  # a group's copies in a row
     sampler = torch.Generator(device=device).manual_seed(args.seed)
     moments = RunningMoments()
 
@@ -208,30 +234,18 @@ def main(args: Args) -> None:
 
     policy.generate = timed_generate
     n_params = policy.num_params()
+    policy_size = sum(p.numel() for p in policy.parameters()) / 1e6
     print(
         f"[setup] torch={torch.__version__} threads={torch.get_num_threads()} device={device} dtype={args.dtype} "
-        f"compile={args.compile} | policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f} M params (x4 "
-        f"models) layers={args.layers} heads={args.heads} dim={args.dim} vocab={args.vocab} | B={B} P={P} R={R} "
-        f"ppo_epochs={args.ppo_epochs} mini_batches={args.mini_batches} (minibatch {mb}, micro-batch {micro})",
+        f"compile={args.compile} | policy {policy_size:.2f} M params (x{len(models)} models) layers={args.layers} "
+        f"heads={args.heads} dim={args.dim} vocab={args.vocab} | B={B} P={P} R={R} ppo_epochs={args.ppo_epochs} "
+        f"mini_batches={args.mini_batches} (minibatch {mb}, micro-batch {micro}) | estimator {args.adv_estimator} "
+        f"group_size {group_size} critic {'yes' if critic else 'no'}",
         flush=True,
-    )
-    # train_ppo's own settings object, with the values this benchmark has always used
-    ppo_settings = PPOArgs(
-        max_new_tokens=R,
-        temperature=args.temperature,
-        kl_coef=0.1,
-        reward_norm="norm",
-        reward_clip=5.0,
-        missing_eos_penalty=-1.0,
-        ppo_epochs=args.ppo_epochs,
-        num_minibatches=args.mini_batches,
-        adv_whiten="minibatch",
-        grad_clip=1.0,
-        critic_grad_clip=1.0,
     )
     rows = []
     # the warm-up iteration also records every linear layer's GEMM shape (the hooks cost a little Python time there)
-    recorder = GemmRecorder([policy, ref, reward_model, critic]) if args.floor and device.type == "cpu" else None
+    recorder = GemmRecorder(models) if args.floor and device.type == "cpu" else None
     floor = None
     for it in range(args.iters):
         gen_time[0] = 0.0
@@ -266,6 +280,7 @@ def main(args: Args) -> None:
             micro_batch_size=micro,
             generator=sampler,
             dtype=dtype,
+            kl_coef=0.1,
         )
         sync()
         t2 = time.perf_counter()
@@ -282,11 +297,13 @@ def main(args: Args) -> None:
     med = {k: statistics.median(r[k] for r in steady) for k in rows[0]}
     # FLOPs, PaLM convention (forward = 1/3 of flops_per_token at the full context L = P + R)
     L = P + R
-    fa, fc = policy.flops_per_token(L), critic.flops_per_token(L)
+    fa = policy.flops_per_token(L)
+    fc = reward_model.flops_per_token(L)  # critic-sized: the RM's forward, and the critic's when there is one
+    critic_share = 1 if critic is not None else 0
     flops = {
         "generate": B * L * fa / 3,
-        "scoring": B * L * (2 * fa + 2 * fc) / 3,
-        "update": args.ppo_epochs * B * L * (fa + fc),
+        "scoring": B * L * (2 * fa + (1 + critic_share) * fc) / 3,
+        "update": args.ppo_epochs * B * L * (fa + critic_share * fc),
     }
     # the peak: measured fp32 matmuls on CPU; the vendor's dense bf16 figure on a known GPU (common.GPU_PEAK_FLOPS)
     peak = (
@@ -295,9 +312,10 @@ def main(args: Args) -> None:
         else common.peak_flops(device)
     )
     # TRL takes the old log-probs from its generation's scores: its scoring phase skips the policy forward
+    scoring_without_policy = B * L * (fa + (1 + critic_share) * fc) / 3
     print(
         f"[flops] generate={flops['generate'] / 1e9:.2f} scoring={flops['scoring'] / 1e9:.2f} "
-        f"scoring_without_policy={B * L * (fa + 2 * fc) / 3 / 1e9:.2f} update={flops['update'] / 1e9:.2f} GFLOP "
+        f"scoring_without_policy={scoring_without_policy / 1e9:.2f} update={flops['update'] / 1e9:.2f} GFLOP "
         f"peak={peak / 1e9:.1f} GFLOP/s"
     )
     its = " ".join(f"{r['total']:.3f}" for r in rows)
