@@ -78,6 +78,12 @@ class Args(common.CommonArgs):
     """grpo: divide by the group's std (--no-grpo-std-norm: Dr. GRPO, with --loss-agg seq_sum_norm)"""
     mask_truncated: bool = False
     """DAPO overlong filtering: responses without EOS keep their score but contribute nothing to the policy loss"""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling (group_size > 1): a group whose G scores are all equal carries no signal; sample fresh
+    groups until the iteration has rollout_batch_size / G informative ones or --max-sample-rounds are spent (then the
+    first round's other groups fill the batch without a policy loss)"""
+    max_sample_rounds: int = 3
+    """dynamic sampling: the most rollouts per iteration"""
     # --- reward and KL
     reward_norm: Optional[Literal["none", "scale", "norm"]] = None
     """normalise scores with running moments over all history: scale = s/std, norm = (s-mean)/std (None: norm for
@@ -291,6 +297,13 @@ def compute_group_advantages(scores, group_size: int, estimator: str, std_norm: 
     else:
         raise ValueError(f"no group advantage for estimator {estimator!r}")
     return advantages.flatten()
+
+
+def informative_groups(scores, group_size: int) -> torch.Tensor:
+    """scores (N,), rows g*G .. g*G+G-1 one group -> (N / G,) bool: the group's scores are not all equal (DAPO's
+    dynamic sampling keeps these: a group of ties has no advantage to learn from)."""
+    grouped = scores.view(-1, group_size)  # (N / G, G)
+    return (grouped != grouped[:, :1]).any(1)
 
 
 def loss_weights(mask, agg: str, n_seq, n_tok, max_new_tokens: int) -> torch.Tensor:
@@ -660,6 +673,48 @@ def rollout(
     return experience, metrics, samples
 
 
+def concat_experience(parts: list[dict], pad_id: int) -> dict:
+    """Experience dicts of different widths -> one: prompts left-padded (query with pad_id, query_mask with 0; position
+    ids follow the attention mask, so more left padding changes nothing), responses right-padded with pad_id, every
+    other (B, T) tensor right-padded with 0, (B,) tensors concatenated."""
+    merged = {}
+    for key in parts[0]:
+        tensors = [part[key] for part in parts]
+        if tensors[0].dim() == 1:
+            merged[key] = torch.cat(tensors)
+            continue
+        width = max(tensor.size(1) for tensor in tensors)
+        value = pad_id if key in ("query", "response") else 0
+        padded = []
+        for tensor in tensors:
+            extra = width - tensor.size(1)
+            left = extra if key in ("query", "query_mask") else 0
+            padded.append(torch.nn.functional.pad(tensor, (left, extra - left), value=value))
+        merged[key] = torch.cat(padded)
+    return merged
+
+
+def keep_informative_groups(rounds: list[dict], group_size: int, rows: int, pad_id: int) -> dict:
+    """Dynamic sampling (DAPO) over the experiences of one iteration's rollout rounds: the first rows / group_size
+    informative groups, in round order; when there are fewer, the first round's other groups fill the batch. The
+    result has `rows` rows and a row flag "informative" (1.0, or 0.0 for the filling: no policy loss)."""
+    parts = []
+    kept = 0
+    for experience in rounds:
+        flags = informative_groups(experience["scores"], group_size).repeat_interleave(group_size)  # (B,)
+        index = flags.nonzero().squeeze(1)
+        parts.append({key: value[index] for key, value in experience.items()})
+        kept += len(index)
+    kept = min(kept, rows)
+    first_flags = informative_groups(rounds[0]["scores"], group_size).repeat_interleave(group_size)
+    filling = (~first_flags).nonzero().squeeze(1)[: rows - kept]
+    parts.append({key: value[filling] for key, value in rounds[0].items()})
+    experience = {key: value[:rows] for key, value in concat_experience(parts, pad_id).items()}
+    device = experience["mask"].device
+    experience["informative"] = torch.cat([torch.ones(kept, device=device), torch.zeros(rows - kept, device=device)])
+    return experience
+
+
 def _sync(model, sync: bool):
     """DDP's public no_sync() on the accumulation micro-steps; a plain module needs nothing."""
     return model.no_sync() if isinstance(model, DDP) and not sync else nullcontext()
@@ -703,6 +758,8 @@ def ppo_update(
     loss_mask = mask  # the policy loss's tokens: --mask-truncated drops the responses without EOS
     if args.mask_truncated:
         loss_mask = mask * experience["ended"][:, None]
+    if args.dynamic_sampling:  # the groups that only fill the batch
+        loss_mask = loss_mask * experience["informative"][:, None]
     advantages = experience["advantages"]
     if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (TRL)
         moments = common.all_reduce_dict(
@@ -974,6 +1031,12 @@ def main(args: Args) -> None:
         raise UserError(
             f"--group-size {args.group_size}: {args.adv_estimator} compares responses within a group, use >= 2"
         )
+    if args.dynamic_sampling and args.group_size < 2:
+        raise UserError(
+            f"--dynamic-sampling compares the scores of a group: use --group-size >= 2, not {args.group_size}"
+        )
+    if args.max_sample_rounds < 1:
+        raise UserError(f"--max-sample-rounds {args.max_sample_rounds}: use >= 1")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise UserError(f"--dual-clip {args.dual_clip}: the cap -c*A needs c > 1")
     sft = common.load_checkpoint(args.sft_ckpt, kind=("sft", "ppo"), flag="--sft-ckpt")
@@ -1148,18 +1211,12 @@ def main(args: Args) -> None:
             checkpoint["critic_scheduler"] = schedule | {"lr": args.critic_lr, "delay": 0}
         common.save_checkpoint(checkpoint, ckpt_path)
 
-    # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
-    first = {}  # the first minibatch of this process's first update
-    start_step = step
-    samples = []
-    skipped_in_row = 0
-    while step < max_steps:
-        t_rollout = time.time()
+    def rollout_round(kl_coef: float) -> tuple[dict, dict, list]:
+        """Steps 1-5 on this rank's share of the next prompts, each repeated group_size times in a row."""
         global_rows = prompt_order.take(prompts_per_iteration)
         rows = global_rows[d.rank * prompts_per_rank : (d.rank + 1) * prompts_per_rank]
-        group_prompts = [prompts[row] for row in rows for _ in range(args.group_size)]  # a group's copies in a row
-        kl_coef = kl_controller.value
-        experience, metrics, samples = rollout(
+        group_prompts = [prompts[row] for row in rows for _ in range(args.group_size)]
+        return rollout(
             actor_forward,
             ref_forward,
             critic_forward,
@@ -1175,6 +1232,30 @@ def main(args: Args) -> None:
             gold_fn=gold_fn,
             dtype=dtype,
         )
+
+    # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
+    first = {}  # the first minibatch of this process's first update
+    start_step = step
+    samples = []
+    skipped_in_row = 0
+    while step < max_steps:
+        t_rollout = time.time()
+        kl_coef = kl_controller.value
+        experience, metrics, samples = rollout_round(kl_coef)
+        if args.dynamic_sampling:  # DAPO: fresh groups until enough are informative on every rank (the metrics and
+            # samples are the first round's: what the policy does)
+            rounds = [experience]
+            group_flags = informative_groups(experience["scores"], args.group_size)
+            counts = common.all_reduce_dict({"groups": len(group_flags), "zero_std": (~group_flags).sum()}, d.device)
+            metrics["rollout/zero_std_frac"] = counts["zero_std"] / counts["groups"]
+            while len(rounds) < args.max_sample_rounds:
+                informative = sum(informative_groups(part["scores"], args.group_size).sum() for part in rounds)
+                short = common.all_reduce_dict({"ranks_short": float(informative < prompts_per_rank)}, d.device)
+                if short["ranks_short"] == 0:
+                    break
+                rounds.append(rollout_round(kl_coef)[0])
+            metrics["rollout/sample_rounds"] = len(rounds)
+            experience = keep_informative_groups(rounds, args.group_size, rows_per_rank, tok.pad_id)
         kl_controller.update(metrics["objective/kl"], args.rollout_batch_size)
         t_update = time.time()
         # the actor's schedule starts when it starts moving, after the critic warm-up

@@ -243,6 +243,33 @@ def test_compute_group_advantages(group_size):
     assert (got["grpo"][:group_size] == 0).all()
 
 
+def test_dynamic_sampling_keeps_informative_groups_first():
+    """Informative groups of every round first, in order, padded to the widest prompt and response; the first
+    round's groups of ties fill the batch, flagged informative = 0."""
+
+    def experience(scores, query_width, response_width):
+        B = len(scores)
+        return dict(
+            query=torch.arange(B * query_width).view(B, query_width),
+            query_mask=torch.ones(B, query_width),
+            response=torch.arange(B * response_width).view(B, response_width) + 100,
+            mask=torch.ones(B, response_width),
+            scores=torch.tensor(scores),
+        )
+
+    first = experience([1.0, 1.0, 0.0, 2.0, -1.0, -1.0], 3, 4)  # groups of 2: ties, informative, ties
+    second = experience([0.5, 0.5, 3.0, 1.0, 2.0, 0.0], 2, 5)  # ties, informative, informative
+    assert train_ppo.informative_groups(first["scores"], 2).tolist() == [False, True, False]
+    kept = train_ppo.keep_informative_groups([first, second], 2, 6, pad_id=-7)
+    assert kept["scores"].tolist() == [0.0, 2.0, 3.0, 1.0, 2.0, 0.0] and kept["informative"].tolist() == [1.0] * 6
+    assert kept["query"].shape == (6, 3) and kept["response"].shape == (6, 5)
+    assert kept["query"][2].tolist() == [-7, 2 * 2, 2 * 2 + 1] and kept["query_mask"][2].tolist() == [0, 1, 1]
+    assert kept["response"][0].tolist() == [2 * 4 + 100 + t for t in range(4)] + [-7] and kept["mask"][0, 4] == 0
+    short = train_ppo.keep_informative_groups([first], 2, 6, pad_id=-7)  # one informative group: the ties fill
+    assert short["scores"].tolist() == [0.0, 2.0, 1.0, 1.0, -1.0, -1.0]
+    assert short["informative"].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
 def test_reward_to_go():
     lengths, mask, (rewards, *_) = ragged()
     gamma = 0.9
@@ -755,7 +782,7 @@ VALUE_TAGS = {"value/loss", "value/clipfrac", "value/explained_variance", "value
     "estimator, flags",
     [
         ("grpo", dict(cliprange_high=0.28, dual_clip=3.0)),
-        ("rloo", dict(loss_agg="seq_sum_norm", kl_penalty="loss", mask_truncated=True)),
+        ("rloo", dict(loss_agg="seq_sum_norm", kl_penalty="loss", mask_truncated=True, dynamic_sampling=True)),
     ],
 )
 def test_ppo_smoke_critic_free(tmp_path, task_dir, sft_ckpt, estimator, flags):
@@ -784,6 +811,8 @@ def test_ppo_smoke_critic_free(tmp_path, task_dir, sft_ckpt, estimator, flags):
     tags = (set(PPO_TAGS) - VALUE_TAGS) | actor_tags
     if args.mask_truncated:
         tags.add("rollout/truncated_frac")
+    if args.dynamic_sampling:
+        tags |= {"rollout/zero_std_frac", "rollout/sample_rounds"}
     for tag in tags:  # every iteration, the actor's included: no critic warm-up
         logged = scalars.get(tag, [])
         assert all(math.isfinite(v) for v in logged), tag
@@ -791,6 +820,11 @@ def test_ppo_smoke_critic_free(tmp_path, task_dir, sft_ckpt, estimator, flags):
     assert not (VALUE_TAGS & set(scalars))
     updates = scalars["train/updates"][-1]
     assert updates == 3 * 2 * 2 or (args.mask_truncated and updates < 3 * 2 * 2)
+    if args.dynamic_sampling:  # groups of ties (no response ends: every score is the penalty) ask for more rounds
+        zero_std = scalars["rollout/zero_std_frac"]
+        want_rounds = [args.max_sample_rounds if z == 1.0 else 1.0 for z in zero_std]
+        assert all(rounds >= 1 for rounds in scalars["rollout/sample_rounds"])
+        assert scalars["rollout/sample_rounds"] == want_rounds or min(zero_std) < 1.0
     train_ppo.main(train_ppo.Args(**{**args.__dict__, "max_steps": 4, "resume": True}))
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 4
 
