@@ -783,6 +783,7 @@ VALUE_TAGS = {"value/loss", "value/clipfrac", "value/explained_variance", "value
     [
         ("grpo", dict(cliprange_high=0.28, dual_clip=3.0)),
         ("rloo", dict(loss_agg="seq_sum_norm", kl_penalty="loss", mask_truncated=True, dynamic_sampling=True)),
+        ("reinforce_pp", dict(group_size=2)),
     ],
 )
 def test_ppo_smoke_critic_free(tmp_path, task_dir, sft_ckpt, estimator, flags):
@@ -805,9 +806,12 @@ def test_ppo_smoke_critic_free(tmp_path, task_dir, sft_ckpt, estimator, flags):
     train_ppo.main(args)
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
     assert (CKPT_KEYS - CRITIC_KEYS) <= set(ckpt) and not (CRITIC_KEYS & set(ckpt)) and ckpt["step"] == 3
-    assert ckpt["args"]["group_size"] == 4 and ckpt["args"]["critic_warmup_steps"] == 0  # the resolved settings
+    assert ckpt["args"]["group_size"] == (args.group_size or 4)  # the resolved settings are saved
+    assert ckpt["args"]["critic_warmup_steps"] == 0
     scalars = read_scalars(out)
-    actor_tags = ACTOR_TAGS | {"policy/clipfrac_low", "policy/clipfrac_high", "policy/kl_loss"}
+    actor_tags = ACTOR_TAGS | {"policy/clipfrac_low", "policy/clipfrac_high"}
+    if train_ppo.resolve_estimator_defaults(args).kl_penalty == "loss":
+        actor_tags.add("policy/kl_loss")
     tags = (set(PPO_TAGS) - VALUE_TAGS) | actor_tags
     if args.mask_truncated:
         tags.add("rollout/truncated_frac")
