@@ -1,5 +1,5 @@
 # Two commands set everything up on a fresh machine: `make demo` and `make test` (both idempotent).
-#   make demo            the whole pipeline on the built-in task, default sizes (outputs under out/)
+#   make demo            the whole pipeline on the built-in task (SFT, RM, DPO, PPO, eval), default sizes (out/)
 #   make demo TINY=1     the same chain with tiny sizes in about a minute (outputs under out/tiny/)
 #   make test            ruff format --check, ruff check (pinned in requirements.txt), then the test suite
 #   make ablation        PPO-max vs vanilla vs minus-one-trick, 2 seeds, and a --kl-coef sweep (about 1.5 h;
@@ -13,12 +13,14 @@ ifeq ($(TINY),1)
 OUT       ?= out/tiny
 SFT_FLAGS := --n-layer 2 --n-head 2 --n-embd 64 --max-steps 150 --eval-every 100 --num-samples 64 --warmup-steps 10
 RM_FLAGS  := --max-steps 40 --eval-every 40 --eval-pairs 256 --probe-size 32 --calib-size 256
+DPO_FLAGS := --max-steps 10 --eval-every 10 --eval-pairs 128 --num-samples 64 --warmup-steps 2
 PPO_FLAGS := --max-steps 8 --sample-every 4 --critic-warmup-steps 2 --warmup-steps 2
 EVAL_FLAGS := --num-samples 64
 else
 OUT       ?= out
 SFT_FLAGS :=
 RM_FLAGS  :=
+DPO_FLAGS :=
 PPO_FLAGS :=
 EVAL_FLAGS :=
 endif
@@ -38,11 +40,12 @@ $(VENV)/.installed: requirements.txt
 demo: venv
 	$(PY) train_sft.py $(COMMON) --out-dir $(OUT)/sft --overwrite $(SFT_FLAGS)
 	$(PY) train_rm.py $(COMMON) --out-dir $(OUT)/rm --overwrite --init $(OUT)/sft/ckpt.pt $(RM_FLAGS)
+	$(PY) train_dpo.py $(COMMON) --out-dir $(OUT)/dpo --overwrite --init $(OUT)/sft/ckpt.pt $(DPO_FLAGS)
 	$(PY) train_ppo.py $(COMMON) --out-dir $(OUT)/ppo --overwrite --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt $(PPO_FLAGS)
 	rm -f $(OUT)/results.json
 	$(PY) eval.py $(COMMON) --pairs --rm $(OUT)/rm/ckpt.pt --json $(OUT)/results.json
-	$(PY) eval.py $(COMMON) --policy $(OUT)/sft/ckpt.pt $(OUT)/ppo/ckpt.pt --names sft ppo --ref $(OUT)/sft/ckpt.pt \
-		--rm $(OUT)/rm/ckpt.pt --json $(OUT)/results.json $(EVAL_FLAGS)
+	$(PY) eval.py $(COMMON) --policy $(OUT)/sft/ckpt.pt $(OUT)/ppo/ckpt.pt $(OUT)/dpo/ckpt.pt --names sft ppo dpo \
+		--ref $(OUT)/sft/ckpt.pt --rm $(OUT)/rm/ckpt.pt --json $(OUT)/results.json $(EVAL_FLAGS)
 
 ablation: venv
 	$(PY) bench/ablation.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \
