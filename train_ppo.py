@@ -159,7 +159,12 @@ class Args(common.CommonArgs):
 
 
 # DESIGN §5b's table: what an estimator-dependent flag left at None becomes. beta in the loss (k3) and in the reward
-# (k1, on raw scores for rloo) are not on the same scale.
+# (k1, on raw scores for rloo) are not on the same scale. Measured on the built-in task (make demo's SFT and RM,
+# 12,800 episodes, eval.py on 512 held-out prompts, one seed; SFT gold 0.04, PPO-max 0.69 at KL 2.3):
+# grpo beta 0.15 / 0.2 / 0.3 / 0.6 -> gold 0.59 / 0.56 / 0.51 / 0.38 at KL 2.8 / 2.3 / 1.4 / 0.5 nats, valid_frac
+# 0.92-0.95 (beta 0.1: KL 4.2 and valid_frac 0.85 after 3,200 episodes already); rloo beta 0.3 / 0.6 -> gold
+# 0.63 / 0.55 at KL 1.9 / 1.1, valid_frac 0.93 / 0.94 (beta 0.1: valid_frac 0.86 after 3,200). reinforce_pp keeps
+# gae's 0.3 (normalised scores, like gae), not tuned.
 ESTIMATOR_DEFAULTS = {
     "gae": dict(
         group_size=1,
@@ -173,10 +178,10 @@ ESTIMATOR_DEFAULTS = {
         group_size=1, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="rollout", loss_agg="token_mean"
     ),
     "rloo": dict(
-        group_size=4, kl_penalty="reward", kl_coef=0.1, reward_norm="none", adv_whiten="none", loss_agg="token_mean"
+        group_size=4, kl_penalty="reward", kl_coef=0.3, reward_norm="none", adv_whiten="none", loss_agg="token_mean"
     ),
     "grpo": dict(
-        group_size=4, kl_penalty="loss", kl_coef=0.1, reward_norm="none", adv_whiten="none", loss_agg="seq_mean"
+        group_size=4, kl_penalty="loss", kl_coef=0.15, reward_norm="none", adv_whiten="none", loss_agg="seq_mean"
     ),
 }
 
