@@ -164,6 +164,8 @@ README_TINY = {
     "--micro-batch-size 4 --warmup-steps 1 --log-every 2",
     "train_ppo.py": "--max-steps 3 --rollout-batch-size 8 --micro-batch-size 4 --critic-warmup-steps 1 "
     "--sample-every 2 --max-new-tokens 24 --warmup-steps 1 --log-every 1",
+    "train_dpo.py": "--max-steps 3 --batch-size 8 --micro-batch-size 4 --warmup-steps 1 --eval-every 3 --eval-pairs 16 "
+    "--num-samples 8 --eval-samples 8 --max-new-tokens 16 --log-every 1",
     "eval.py": "--num-samples 16 --max-new-tokens 24",
 }
 
@@ -184,7 +186,7 @@ def test_readme_commands(tmp_path, task_dir, offline_gpt2):
         cmd = cmd.replace("torchrun ", f"{sys.executable} -m torch.distributed.run ", 1)
         r = run(f"{cmd} {README_TINY[script]} --task-dir {task_dir}", cwd=tmp_path)
         assert r.returncode == 0, f"{cmd}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-    for stage in ("sft", "sft_gpt2", "rm", "ppo"):
+    for stage in ("sft", "sft_gpt2", "rm", "dpo", "ppo"):
         assert os.path.exists(tmp_path / "out" / stage / "ckpt.pt"), stage
     assert set(json.load(open(tmp_path / "out" / "results.json"))) >= {"sft", "ppo"}
 
