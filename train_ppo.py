@@ -7,9 +7,14 @@ pre-training text (ptx). The PPO-max tricks: reward normalisation and clipping o
 advantage whitening per minibatch, value clipping, critic initialisation from the RM and critic warm-up, grad-norm
 clipping, ptx, and a collapse detector over the monitoring metrics.
 Paper: https://arxiv.org/abs/2307.04964 (Secrets of RLHF in Large Language Models Part I: PPO).
+The critic-free estimators of DESIGN §5b are one flag away (--adv-estimator grpo | rloo | reinforce_pp: G responses
+per prompt, no critic), with DAPO's clip-higher, dynamic sampling and overlong filtering, dual-clip and the loss
+aggregations as flags; estimator-dependent defaults resolve in resolve_estimator_defaults and are printed at start-up.
 
 python train_ppo.py                                                   # built-in task, CPU, ~4 min (after SFT and RM)
 python train_ppo.py --rm-ckpt none --reward-fn data:gold_reward       # optimise the gold reward itself, no RM
+python train_ppo.py --adv-estimator grpo                              # GRPO: groups of 4, k3 KL in the loss
+python train_ppo.py --adv-estimator grpo --no-grpo-std-norm --loss-agg seq_sum_norm   # Dr. GRPO
 torchrun --standalone --nproc_per_node 8 train_ppo.py --sft-ckpt sft/ckpt.pt --rm-ckpt rm/ckpt.pt --prompts p.jsonl
 """
 
