@@ -1049,7 +1049,7 @@ def main(args: Args) -> None:
         raise UserError(f"--max-sample-rounds {args.max_sample_rounds}: use >= 1")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise UserError(f"--dual-clip {args.dual_clip}: the cap -c*A needs c > 1")
-    sft = common.load_checkpoint(args.sft_ckpt, kind=("sft", "ppo"), flag="--sft-ckpt")
+    sft = common.load_checkpoint(args.sft_ckpt, kind=("sft", "dpo", "ppo"), flag="--sft-ckpt")
     rm = None
     if args.rm_ckpt != "none":
         rm = common.load_checkpoint(args.rm_ckpt, kind="rm", flag="--rm-ckpt")

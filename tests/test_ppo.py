@@ -1038,3 +1038,23 @@ def test_iteration_flops_against_a_hand_count():
     # --rm-ckpt none: no RM forward
     without_rm = train_ppo.iteration_flops(actor, critic, None, seq_len, sequences, epochs)
     assert want - without_rm == pytest.approx(sequences * seq_len * critic_per_token / 3, rel=1e-12)
+
+
+def test_ppo_starts_from_a_dpo_checkpoint(tmp_path, task_dir, sft_ckpt):
+    """PPO after DPO: --sft-ckpt takes a kind "dpo" policy (policy and reference)."""
+    import common
+
+    dpo_path = str(tmp_path / "dpo.pt")
+    common.save_checkpoint(torch.load(sft_ckpt, weights_only=False) | {"kind": "dpo"}, dpo_path)
+    out = str(tmp_path / "ppo")
+    args = train_ppo.Args(
+        out_dir=out,
+        task_dir=task_dir,
+        sft_ckpt=dpo_path,
+        rm_ckpt="none",
+        reward_fn="data:gold_reward",
+        max_steps=1,
+        **TINY_PPO,
+    )
+    train_ppo.main(args)
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 1
