@@ -4,6 +4,8 @@
 #   make test            ruff format --check, ruff check (pinned in requirements.txt), then the test suite
 #   make ablation        PPO-max vs vanilla vs minus-one-trick, 2 seeds, and a --kl-coef sweep (about 1.5 h;
 #                        needs out/sft and out/rm from `make demo`; resumes; table in out/ablation/ablation.md)
+#   make frontier        gold vs KL for PPO-max, GRPO, Dr. GRPO, RLOO, REINFORCE++, the gold-reward oracle, DPO and
+#                        best-of-N (about 1.5 h; needs `make demo`; resumes; out/frontier/frontier.md and .png)
 PYTHON ?= python3
 VENV   := .venv
 PY     ?= $(VENV)/bin/python
@@ -26,7 +28,7 @@ EVAL_FLAGS :=
 endif
 COMMON := --task-dir $(DATA)
 
-.PHONY: demo test venv clean ablation wheels
+.PHONY: demo test venv clean ablation frontier wheels
 
 venv: $(VENV)/.installed
 
@@ -50,6 +52,12 @@ demo: venv
 ablation: venv
 	$(PY) bench/ablation.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \
 		--out-dir $(OUT)/ablation
+
+# matplotlib draws the plot; it is not a dependency of the stages
+frontier: venv
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
+	$(PY) bench/frontier.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \
+		--out-dir $(OUT)/frontier
 
 test: venv
 	$(PY) -m ruff format --check .

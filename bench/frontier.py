@@ -1,0 +1,332 @@
+"""The gold-versus-KL frontier on the built-in task (issue #14): every method at several KL strengths, from the same
+SFT and RM checkpoints and the same budget, each point measured by `eval.py` on the held-out prompts.
+
+A method is one entry of METHODS: the script it trains with, its flags, the strengths it sweeps (PPO's --kl-coef,
+DPO's --beta, best-of-N's N) and the middle strength that gets a second seed. Runs go to
+<out_dir>/<method>/<strength>/<seed> with their TensorBoard files, stdout.txt, eval.json and a summary.json; finished
+runs are skipped, so the script resumes. At the end it writes <out_dir>/frontier.md (the table) and frontier.png
+(gold against KL, one line per method) and prints the table.
+
+python bench/frontier.py                  # after `make demo` (uses out/sft and out/rm); about 90 min on 2 cores
+python bench/frontier.py --only ppo_max grpo --jobs 1
+python bench/frontier.py --table-only     # redraw the table and the plot from finished runs
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import tyro
+from ablation import first_alarm, read_scalars, spread
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ORACLE = ["--rm-ckpt", "none", "--reward-fn", "data:gold_reward"]
+
+
+@dataclass(frozen=True)
+class Method:
+    kind: str
+    """ppo (train_ppo.py, strength = --kl-coef), dpo (train_dpo.py, strength = --beta) or bon (eval.py's best-of-N
+    from the SFT policy, strength = N)"""
+    strengths: tuple
+    """the sweep, strongest KL control first"""
+    middle: Optional[float]
+    """the strength that gets the extra seeds (None: the first seed only)"""
+    flags: tuple = ()
+    """the method's own flags"""
+
+
+# adding a method is one entry; PPO's reward-KL betas 0.3/0.1/0.03 span about 2-8 nats (README, "Ablation"); the
+# loss-KL estimators (grpo, dr_grpo) use k3 on the current log-probs, whose beta is on another scale (0.15 -> 2.8)
+METHODS = {
+    "ppo_max": Method("ppo", (0.3, 0.1, 0.03), 0.1),
+    "grpo": Method("ppo", (0.15, 0.05, 0.015), 0.05, ("--adv-estimator", "grpo")),
+    "dr_grpo": Method(
+        "ppo",
+        (0.15, 0.05, 0.015),
+        0.05,
+        ("--adv-estimator", "grpo", "--no-grpo-std-norm", "--loss-agg", "seq_sum_norm"),
+    ),
+    "rloo": Method("ppo", (0.3, 0.1, 0.03), 0.1, ("--adv-estimator", "rloo")),
+    "reinforce_pp": Method("ppo", (0.3, 0.1, 0.03), 0.1, ("--adv-estimator", "reinforce_pp")),
+    "ppo_max_oracle": Method("ppo", (0.3, 0.1), None, ORACLE),
+    "grpo_oracle": Method("ppo", (0.15, 0.05), None, ("--adv-estimator", "grpo", *ORACLE)),
+    "dpo": Method("dpo", (1.0, 0.3, 0.1), 0.3),
+    "best_of_n": Method("bon", (1, 4, 16, 64), 16),
+}
+
+
+@dataclass
+class Args:
+    out_dir: str = "out/frontier"
+    """where runs go: <out_dir>/<method>/<strength>/<seed>"""
+    sft_ckpt: str = "out/sft/ckpt.pt"
+    """the SFT policy every run starts from (and the KL reference)"""
+    rm_ckpt: str = "out/rm/ckpt.pt"
+    """the reward model every run optimises (the oracle runs optimise the gold reward instead)"""
+    task_dir: str = "out/data"
+    """the built-in task's cache folder"""
+    seeds: list[int] = field(default_factory=lambda: [1, 2])
+    """the first seed runs every strength, the rest the middle strength only"""
+    only: Optional[list[str]] = None
+    """run only these methods (names: the keys of METHODS)"""
+    jobs: int = 2
+    """runs at a time"""
+    threads: Optional[int] = None
+    """torch threads per run (default: cores // jobs)"""
+    eval_samples: int = 512
+    """held-out prompts sampled per point by eval.py"""
+    bon_samples: int = 256
+    """held-out prompts for best-of-N (each gets max(N) samples)"""
+    table_only: bool = False
+    """start nothing: write the table and the plot from the finished runs"""
+    extra: str = ""
+    """more train_ppo.py flags for every PPO run, one string (e.g. --extra "--total-episodes 6400")"""
+
+
+def run_dir(args: Args, method: str, strength: float, seed: int) -> str:
+    return os.path.join(args.out_dir, method, f"{strength:g}", str(seed))
+
+
+def commands(args: Args, method: str, strength: float, seed: int) -> list[list[str]]:
+    """The processes one point runs, in order: train (not for best-of-N), then eval.py into eval.json."""
+    spec = METHODS[method]
+    out = run_dir(args, method, strength, seed)
+    python = sys.executable
+    evaluate = [python, os.path.join(ROOT, "eval.py"), "--task-dir", args.task_dir, "--ref", args.sft_ckpt]
+    evaluate += ["--rm", args.rm_ckpt, "--json", os.path.join(out, "eval.json")]
+    if spec.kind == "bon":
+        evaluate += ["--policy", args.sft_ckpt, "--names", "sft", "--num-samples", str(args.bon_samples)]
+        return [evaluate + ["--best-of-n", *map(str, spec.strengths)]]
+    if spec.kind == "dpo":
+        train = [python, os.path.join(ROOT, "train_dpo.py"), "--init", args.sft_ckpt, "--beta", f"{strength:g}"]
+    else:
+        train = [python, os.path.join(ROOT, "train_ppo.py"), "--sft-ckpt", args.sft_ckpt]
+        train += [] if "--rm-ckpt" in spec.flags else ["--rm-ckpt", args.rm_ckpt]
+        train += ["--kl-coef", f"{strength:g}", "--log-every", "50", *shlex.split(args.extra)]
+    train += ["--out-dir", out, "--overwrite", "--task-dir", args.task_dir, "--seed", str(seed), *spec.flags]
+    evaluate += ["--policy", os.path.join(out, "ckpt.pt"), "--names", method, "--num-samples", str(args.eval_samples)]
+    return [train, evaluate]
+
+
+def time_to_fraction(series: list[tuple[float, float]], fraction: float = 0.9, window: int = 5) -> Optional[float]:
+    """Seconds from the first point until the moving average (over `window` points) of a gold series first reaches
+    `fraction` of its final value (the mean of the last `window` points); series = [(seconds, gold)]."""
+    if len(series) < window:
+        return None
+    values = [value for _, value in series]
+    final = sum(values[-window:]) / window
+    start = series[0][0]
+    for i in range(window, len(values) + 1):
+        if sum(values[i - window : i]) / window >= fraction * final:
+            return series[i - 1][0] - start
+    return None
+
+
+def gold_series(out: str, tag: str) -> list[tuple[float, float]]:
+    """[(wall seconds, value)] of one tag of a run's event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(out, size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(event.wall_time, event.value) for event in acc.Scalars(tag)]
+
+
+def summarize(args: Args, method: str, strength: float, seed: int, seconds: float) -> dict:
+    """strength -> eval.py's numbers for one point, with its training wall time, time to 90% of its gold and first
+    alarm (best-of-N: every N of the method, from the one sampling run)."""
+    import torch
+
+    spec = METHODS[method]
+    out = run_dir(args, method, strength, seed)
+    with open(os.path.join(out, "eval.json")) as f:
+        results = json.load(f)
+    if spec.kind == "bon":
+        return {n: row_of(results[f"sft_bon{n}"], seconds) for n in spec.strengths}
+    row = row_of(results[method], seconds)
+    if spec.kind == "ppo":
+        row["time_to_90"] = time_to_fraction(gold_series(out, "objective/gold"))
+        run_args = torch.load(os.path.join(out, "ckpt.pt"), map_location="cpu", weights_only=False)["args"]
+        row["first_alarm"] = first_alarm(read_scalars(out), run_args) or None
+    else:
+        row["time_to_90"] = time_to_fraction(gold_series(out, "val/gold"), window=1)
+    return {strength: row}
+
+
+def row_of(result: dict, seconds: float) -> dict:
+    row = {key: result[key] for key in ("gold", "gold_se", "score", "kl", "valid_frac", "response_len")}
+    return row | {"seconds": seconds, "time_to_90": None, "first_alarm": None}
+
+
+def start(args: Args, point: tuple, threads: int) -> Optional[subprocess.Popen]:
+    """Start one point's first command unless its summary.json exists; `advance` runs the rest."""
+    out = run_dir(args, *point)
+    if os.path.exists(os.path.join(out, "summary.json")):
+        return None
+    os.makedirs(out, exist_ok=True)
+    print(f"start {'/'.join(map(str, point))}", flush=True)
+    return launch(point, commands(args, *point), threads, open(os.path.join(out, "stdout.txt"), "w"), [])
+
+
+def launch(point: tuple, queue: list, threads: int, log, seconds: list) -> subprocess.Popen:
+    env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+    process = subprocess.Popen(queue[0], stdout=log, stderr=subprocess.STDOUT, env=env)
+    process.point, process.queue, process.threads, process.log = point, queue[1:], threads, log
+    process.seconds, process.t0 = seconds, time.time()
+    return process
+
+
+def advance(args: Args, process: subprocess.Popen) -> Optional[subprocess.Popen]:
+    """After one command of a point: the next command's process, or None once the point is summarised."""
+    out = run_dir(args, *process.point)
+    if process.returncode != 0:
+        raise SystemExit(
+            f"{'/'.join(map(str, process.point))} failed (exit {process.returncode}); see {out}/stdout.txt"
+        )
+    seconds = process.seconds + [time.time() - process.t0]
+    if process.queue:
+        return launch(process.point, process.queue, process.threads, process.log, seconds)
+    process.log.close()
+    summary = summarize(args, *process.point, seconds[0])
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    for strength, row in summary.items():
+        print(f"done {process.point[0]}/{strength}/{process.point[2]}: gold {row['gold']:.3f} kl {row['kl']:.2f}")
+    return None
+
+
+def points(args: Args, names: list[str]) -> list[tuple]:
+    """(method, strength, seed) of every run: each strength with the first seed, the middle with the others
+    (best-of-N: one sampling run for all its N, named by the largest)."""
+    todo = []
+    for name in names:
+        spec = METHODS[name]
+        if spec.kind == "bon":
+            todo.append((name, max(spec.strengths), args.seeds[0]))
+            continue
+        todo += [(name, strength, args.seeds[0]) for strength in spec.strengths]
+    for name in names:  # the extra seeds last: a run cut short has every method's line first
+        spec = METHODS[name]
+        if spec.kind != "bon" and spec.middle is not None:
+            todo += [(name, spec.middle, seed) for seed in args.seeds[1:]]
+    return todo
+
+
+def load(args: Args, names: list[str]) -> dict[str, dict[float, list[dict]]]:
+    """method -> strength -> the finished seeds' rows."""
+    rows = {}
+    for name, strength, seed in points(args, names):
+        path = os.path.join(run_dir(args, name, strength, seed), "summary.json")
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            summary = json.load(f)
+        for key, row in summary.items():
+            rows.setdefault(name, {}).setdefault(float(key), []).append(row)
+    return rows
+
+
+def table(rows: dict[str, dict[float, list[dict]]], args: Args) -> str:
+    lines = [
+        f"Every point is eval.py on {args.eval_samples} held-out prompts (best-of-N: {args.bon_samples}); gold ± its "
+        "standard error for one seed, ± half the range over seeds where there are two; KL to the SFT policy in nats "
+        "(best-of-N: the bound log N - (N-1)/N plus the pick's own KL); time = training wall time (best-of-N: "
+        "sampling); to 90% = until the rollouts' gold first reaches 90% of its final value (5-iteration moving "
+        "average; DPO: its validation gold); alarm = first collapse-alarm iteration (- = none).",
+        "",
+        "| method | strength | gold | RM score | KL (nats) | valid_frac | length | time (s) | to 90% (s) | alarm |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, by_strength in rows.items():
+        for strength, runs in by_strength.items():
+            if len(runs) == 1:
+                gold = f"{runs[0]['gold']:.3f} ± {runs[0]['gold_se']:.3f}"
+            else:
+                gold = spread([run["gold"] for run in runs])
+            alarms = ", ".join(str(run["first_alarm"]) if run["first_alarm"] else "-" for run in runs)
+            cells = [spread([run[key] for run in runs]) for key in ("score", "kl", "valid_frac", "response_len")]
+            cells += [spread([run[key] for run in runs]) for key in ("seconds", "time_to_90")]
+            lines.append(f"| {name} | {strength:g} | {gold} | {' | '.join(cells)} | {alarms} |")
+    return "\n".join(lines)
+
+
+def plot(rows: dict[str, dict[float, list[dict]]], sft_gold: Optional[float], path: str) -> None:
+    """Gold against KL, one line per method (points = strengths, seeds averaged; error bars = gold's SE)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for name, by_strength in rows.items():
+        kls, golds, errors = [], [], []
+        for runs in by_strength.values():
+            kls.append(sum(run["kl"] for run in runs) / len(runs))
+            golds.append(sum(run["gold"] for run in runs) / len(runs))
+            errors.append(max(run["gold_se"] for run in runs))
+        order = sorted(range(len(kls)), key=lambda i: kls[i])
+        style = "--" if "oracle" in name else "-"
+        axes.errorbar(
+            [kls[i] for i in order],
+            [golds[i] for i in order],
+            yerr=[errors[i] for i in order],
+            fmt="o" + style,
+            markersize=4,
+            capsize=2,
+            label=name,
+        )
+    if sft_gold is not None:
+        axes.axhline(sft_gold, color="grey", linewidth=0.8, linestyle=":", label="sft")
+    axes.set_xlabel("KL to the SFT policy (nats per response)")
+    axes.set_ylabel("gold reward (held-out prompts)")
+    axes.set_title("Gold vs KL on the built-in task, equal episodes")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def main(args: Args) -> None:
+    for path, flag in ((args.sft_ckpt, "--sft-ckpt"), (args.rm_ckpt, "--rm-ckpt")):
+        if not os.path.exists(path):
+            raise SystemExit(f"{flag} {path}: not found (run `make demo` first, or pass the checkpoints)")
+    names = args.only or list(METHODS)
+    unknown = [name for name in names if name not in METHODS]
+    if unknown:
+        raise SystemExit(f"--only {' '.join(unknown)}: unknown; choose from {' '.join(METHODS)}")
+    todo = [] if args.table_only else points(args, names)
+    threads = args.threads or max(1, (os.cpu_count() or 2) // args.jobs)
+    running: list[subprocess.Popen] = []
+    while todo or running:
+        while todo and len(running) < args.jobs:
+            process = start(args, todo.pop(0), threads)
+            if process is not None:
+                running.append(process)
+        time.sleep(1)
+        for process in [process for process in running if process.poll() is not None]:
+            running.remove(process)
+            following = advance(args, process)
+            if following is not None:
+                running.append(following)
+
+    rows = load(args, names)
+    markdown = table(rows, args)
+    with open(os.path.join(args.out_dir, "frontier.md"), "w") as f:
+        f.write(markdown + "\n")
+    print(markdown)
+    sft_gold = None
+    bon = os.path.join(run_dir(args, "best_of_n", max(METHODS["best_of_n"].strengths), args.seeds[0]), "eval.json")
+    if os.path.exists(bon):
+        with open(bon) as f:
+            sft_gold = json.load(f)["sft"]["gold"]
+    plot(rows, sft_gold, os.path.join(args.out_dir, "frontier.png"))
+    print(f"wrote {args.out_dir}/frontier.md and frontier.png")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
