@@ -10,14 +10,27 @@ import os
 import random
 import sys
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import add_lora, lora_layers, merge_lora, merged_state_dict
 
 
 class UserError(Exception):
@@ -41,8 +54,23 @@ class CommonArgs:
     """auto | cpu | cuda | cuda:N (auto: cuda if present, else cpu; under torchrun each rank takes cuda:LOCAL_RANK)"""
     dtype: str = "auto"
     """auto | float32 | bfloat16 (auto: bf16 autocast on GPU, fp32 on CPU)"""
-    compile: bool = True
-    """torch.compile the training forward (CUDA only; ignored on CPU where it costs more than it saves)"""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile the training forward: auto = on CUDA only (on CPU it costs more than it saves), on = on CPU too
+    (inductor's CPU backend: for tests and the curious)"""
+    fsdp: bool = False
+    """shard every model's parameters, gradients and optimizer state over the ranks with FSDP2 (under torchrun; gloo
+    on CPU, nccl on GPU; bf16 the FSDP2 way: parameters gathered in bf16, gradients reduced in fp32). Checkpoints
+    still hold full weights"""
+    grad_ckpt: bool = False
+    """activation checkpointing: keep each block's input only and recompute the block in the backward (less memory,
+    about a third more compute)"""
+    lora_rank: int = 0
+    """train low-rank adapters of this rank on a frozen base (0: full fine-tuning); checkpoints hold merged weights"""
+    lora_alpha: float = 16.0
+    """LoRA scale alpha: the update is (alpha / rank) B A"""
+    lora_targets: Optional[list[str]] = None
+    """the linear layers LoRA adapts, by last name part (GPT: c_attn c_proj c_fc; Llama: q_proj k_proj v_proj o_proj
+    gate_proj up_proj down_proj); None: every linear layer but the heads"""
     max_steps: Optional[int] = None
     """stop after this many steps (optimizer steps in SFT/RM, iterations in PPO); None: the stage's default schedule"""
     save_every: int = 0
@@ -62,6 +90,7 @@ class CommonArgs:
 def export_hf(model, tok, out_dir: str) -> None:
     """--export-hf: model.export_hf with the tokenizer's EOS; transformers reads an RM's score at the last token that
     is not its pad id: the tokenizer's pad when that is a vocab id other than EOS, else 0 (right-pad with it)."""
+    merge_lora(model)  # the end of the run: adapters fold into the weights for good
     vocab = model.config.vocab_size
     pad = tok.pad_id if 0 <= tok.pad_id < vocab and tok.pad_id != tok.eos_id else None
     model.export_hf(out_dir, eos_id=tok.eos_id, pad_id=pad)
@@ -191,19 +220,162 @@ def setup_dist(device: str = "auto") -> Dist:
     return Dist(rank, local_rank, world_size, dev, ddp)
 
 
-def wrap_model(model: torch.nn.Module, d: Dist, compile: bool) -> torch.nn.Module:
-    """The training forward: torch.compile on CUDA (with --compile), then DDP under torchrun. Generation, evaluation
-    and saving use the raw module."""
-    if d.device.type == "cuda" and compile:
-        model = torch.compile(model)
-    if d.ddp:
-        model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+def use_compile(setting: str, device: torch.device) -> bool:
+    """--compile auto | on | off: auto compiles on CUDA only."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def prepare_model(model: torch.nn.Module, args: CommonArgs, role: str = "model") -> None:
+    """--grad-ckpt and --lora-rank on a freshly built model (before the optimizer sees its parameters); a LoRA model
+    trains its adapters and its scalar head only. A target that matches nothing is a UserError."""
+    if args.fsdp and "RANK" not in os.environ:
+        raise UserError("--fsdp shards over torchrun's ranks: launch with torchrun --nproc_per_node N (N may be 1)")
+    model.set_grad_ckpt(args.grad_ckpt)
+    if args.lora_rank <= 0:
+        return
+    try:
+        adapted = add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets)
+    except ValueError as error:
+        raise UserError(f"--lora-targets {' '.join(args.lora_targets or [])}: {error}") from None
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    print0(
+        f"{role}: LoRA rank {args.lora_rank} alpha {args.lora_alpha:g} on {len(adapted)} layers | trainable "
+        f"{trainable / 1e6:.3f} M of {total / 1e6:.2f} M params ({100 * trainable / total:.2f}%)"
+    )
+
+
+def model_state(model: torch.nn.Module, key: str = "model") -> dict:
+    """A model's checkpoint entries: `key` = its full state dict with any adapters merged (what later stages load),
+    and with LoRA `<key>_lora` = the trainable parameters (adapters, scalar head), which a resume loads onto the base
+    rebuilt from --init: the base is never re-derived from merged weights, so the resume is exact. Under --fsdp every
+    rank must call it (the shards are gathered); rank 0 gets the entries, the others empty ones."""
+    state = None
+    if isinstance(model, FSDPModule):
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not state:  # not rank 0
+            return {}
+    entries = {key: merged_state_dict(model, state)}
+    if lora_layers(model):
+        state = model.state_dict() if state is None else state
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        entries[f"{key}_lora"] = {name: value.detach() for name, value in state.items() if name in trainable}
+    return entries
+
+
+def load_model_state(model: torch.nn.Module, ckpt: dict, key: str = "model") -> None:
+    """The inverse of model_state on a model built as at the start of the run (the same --init, --lora-rank)."""
+    lora = bool(lora_layers(model))
+    if lora and f"{key}_lora" not in ckpt:
+        raise UserError("--resume with --lora-rank: the checkpoint holds no adapters (it was not a LoRA run)")
+    state = ckpt[f"{key}_lora"] if lora else ckpt[key]
+    if isinstance(model, FSDPModule):
+        options = StateDictOptions(full_state_dict=True, strict=not lora)
+        missing, unexpected = set_model_state_dict(model, state, options=options)
+    else:
+        missing, unexpected = model.load_state_dict(state, strict=not lora)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    if unexpected or any(name in missing for name in trainable):
+        raise UserError("--resume: the checkpoint's adapters do not match --lora-rank/--lora-targets")
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state for the checkpoint; under --fsdp gathered in full, keyed by parameter name (every rank
+    calls it; rank 0 gets it). A gathered optimizer is fine up to a few B parameters on one host."""
+    if isinstance(model, FSDPModule):
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(model, optimizer, options=options)
+    return optimizer.state_dict()
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    sharded = isinstance(model, FSDPModule)
+    saved_sharded = bool(state["param_groups"]) and isinstance(state["param_groups"][0]["params"][0], str)
+    if sharded != saved_sharded:
+        raise UserError(f"--resume: the checkpoint was saved {'with' if saved_sharded else 'without'} --fsdp")
+    if sharded:
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state)
+
+
+def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The repeated blocks FSDP2 shards one by one: GPT's transformer.h, or the Hugging Face model's decoder layers
+    (its ModuleList of n_layer modules)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == model.config.n_layer:
+            return module
+    raise ValueError("no ModuleList of n_layer blocks in the model")
+
+
+def shard_model(model: torch.nn.Module, d: Dist, dtype: torch.dtype) -> torch.nn.Module:
+    """--fsdp: FSDP2 on each block, then on the root (embeddings, final norm, heads), in place. Under bf16 the
+    parameters are gathered in bf16 and gradients reduced in fp32 (MixedPrecisionPolicy); autocast stays on around
+    the forward for the ops it keeps in fp32."""
+    # our forwards return views (scores.squeeze(-1)) but never modify one in place, which is what FSDP2 warns about
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    low_precision = dtype if dtype != torch.float32 else None
+    policy = MixedPrecisionPolicy(param_dtype=low_precision, reduce_dtype=torch.float32)
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # FSDP2 sets up its root at the first root forward; generation calls the blocks directly, and a block called
+    # first would make itself a root: one token through the whole model now, on every rank
+    with torch.no_grad():
+        model(torch.zeros(1, 1, dtype=torch.long, device=d.device))
+    for module in model.modules():  # the root keeps its parameters gathered after a forward: free them
+        if isinstance(module, FSDPModule):
+            module.reshard()
     return model
+
+
+@contextmanager
+def gathered(model: torch.nn.Module):
+    """Under FSDP2, every parameter gathered once for a whole generation and freed after it: generate's token steps
+    call the blocks (and the root's own layers) outside the root forward, which would otherwise gather per block and
+    per token, or not at all. A no-op for an unsharded model."""
+    model = getattr(model, "_orig_mod", model)
+    if not isinstance(model, FSDPModule) or getattr(model, "gathered", False):  # nested: the outer one frees
+        yield
+        return
+    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for module in sharded:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    model.gathered = True
+    try:
+        yield
+    finally:
+        model.gathered = False
+        for module in sharded:
+            module.reshard()
+            module.set_reshard_after_forward(True, recurse=False)
+
+
+def wrap_model(model: torch.nn.Module, d: Dist, compile: str) -> torch.nn.Module:
+    """The training forward: torch.compile (--compile), then DDP under torchrun. Generation, evaluation and saving use
+    the raw module."""
+    if use_compile(compile, d.device):
+        model = torch.compile(model)
+    if d.ddp and not isinstance(getattr(model, "_orig_mod", model), FSDPModule):  # FSDP2 needs no wrapper
+        model = replicate(model, d)
+    return model
+
+
+def replicate(model: torch.nn.Module, d: Dist) -> DDP:
+    """DDP with the gradients as views into its all-reduce buckets: no second copy of every gradient."""
+    device_ids = [d.local_rank] if d.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
 
 def grad_sync(model: torch.nn.Module, sync: bool):
     """Gradient accumulation: DDP all-reduces only where sync (the last micro-batch of a step), through the public
     no_sync(); a plain module needs no context."""
+    bare = getattr(model, "_orig_mod", model)
+    if isinstance(bare, FSDPModule):  # FSDP2 has no no_sync(): reduce-scatter on the last micro-batch only
+        bare.set_requires_gradient_sync(sync)
+        return nullcontext()
     if sync or not isinstance(model, DDP):
         return nullcontext()
     return model.no_sync()
@@ -295,8 +467,8 @@ def resume(path: str, kind: str, d: Dist, max_steps: int, inputs: dict, model, o
     """--resume: the checkpoint (load_resume's checks) restored into the model, the optimizer and this rank's RNG
     states; returns it for the stage's own keys (step, seconds, data_state, ...)."""
     ckpt = load_resume(path, kind, d.world_size, max_steps, inputs)
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    load_model_state(model, ckpt)
+    load_optimizer_state(model, optimizer, ckpt["optimizer"])
     set_rng_state(ckpt["rng"][d.rank], generator)
     print0(f"resumed from {path} at step {ckpt['step']}")
     return ckpt
@@ -358,11 +530,16 @@ class StepGuard:
         return metrics
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (FSDP2's clip_grad_norm_ returns the global norm as one), any other tensor itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def clip_and_step(optimizer, parameters, grad_clip: float, guard: StepGuard, step: int) -> tuple[float, bool]:
     """Clip the global grad norm (grad_clip 0: no clip), step if it is finite, else count the skip; zero the grads.
     The norm is taken after DDP's all-reduce, so every rank decides the same (one host sync). Returns (grad norm,
     stepped); 10 skips in a row stop the run."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip or float("inf")).item()
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(parameters, grad_clip or float("inf"))).item()
     stepped = math.isfinite(grad_norm)
     if stepped:
         optimizer.step()

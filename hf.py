@@ -77,6 +77,7 @@ class HFCausalLM(nn.Module):
             nn.init.normal_(self.score_head.weight, mean=0.0, std=1 / math.sqrt(C + 1))
             nn.init.zeros_(self.score_head.bias)
             self.score_head.to(self.hf.dtype)
+        self.grad_ckpt = False
         params = inspect.signature(self.hf.forward).parameters  # transformers >= 5.24 renamed past_key_values
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" in params
@@ -161,6 +162,27 @@ class HFCausalLM(nn.Module):
             )
 
     # --- what the stages call
+
+    def set_grad_ckpt(self, enabled: bool) -> None:
+        """--grad-ckpt through transformers' own per-layer checkpointing (non-reentrant)."""
+        self.grad_ckpt = enabled
+        if hasattr(self.hf, "activation_checkpointing_enable"):  # transformers >= 5.24's name
+            enable, disable = self.hf.activation_checkpointing_enable, self.hf.activation_checkpointing_disable
+        else:
+            enable, disable = self.hf.gradient_checkpointing_enable, self.hf.gradient_checkpointing_disable
+        if enabled:
+            enable({"use_reentrant": False})
+        else:
+            disable()
+        self.train(self.training)
+
+    def train(self, mode: bool = True) -> "HFCausalLM":
+        """transformers recomputes activations in train mode only: with --grad-ckpt the wrapped model stays in train
+        mode (dropout is 0 in every model here, so nothing else changes; PPO keeps its models in eval mode)."""
+        super().train(mode)
+        if self.grad_ckpt:
+            self.hf.train()
+        return self
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count, tied weights once. non_embedding drops the embedding tables (token and, if any, position)

@@ -10,11 +10,13 @@ References:
 
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor
 
 # GPT-2 stores these as Conv1D (in, out); we use nn.Linear (out, in)
@@ -210,6 +212,139 @@ def score_seqs(model, seqs: list[list[int]], pad_id: int, batch_size: int, devic
     return out
 
 
+# --- LoRA (Hu et al. 2021): low-rank adapters on the linear layers, base frozen, written here (no peft)
+
+
+class LoRALinear(nn.Linear):
+    """nn.Linear plus a low-rank update: y = x Wᵀ + b + (alpha / r) · x Aᵀ Bᵀ. A (r, in) starts like a Linear's
+    weight and B (out, r) at zero, so an adapted model starts equal to its base. With lora_enabled False it is the base
+    alone (PPO's reference is the actor with its adapters off). It is an nn.Linear: weight and bias keep their names,
+    and the adapters add `lora_a`, `lora_b` beside them."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+        self.weight = base.weight  # the base's own tensors: no copy
+        self.bias = base.bias
+        like = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, **like))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, **like))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # nn.Linear's own init
+        self.scaling = alpha / rank
+        self.lora_enabled = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x)
+        if not self.lora_enabled:
+            return y
+        return y + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
+
+    def merged_weight(self) -> Tensor:
+        delta = (self.lora_b @ self.lora_a) * self.scaling
+        return self.weight + delta.to(self.weight.dtype)
+
+
+HEAD_NAMES = ("lm_head", "score_head", "score")  # never adapted: the LM head is tied to wte, scalar heads train whole
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | None = None) -> list[str]:
+    """Replace the model's linear layers by LoRALinear in place and freeze everything but the adapters and the scalar
+    head: targets = the layers' last name parts (GPT: c_attn, c_proj, c_fc; Llama: q_proj, ..., down_proj), None =
+    every nn.Linear outside the heads. Returns the adapted layers' names; no match is a ValueError."""
+    adapted = []
+    for name, module in list(model.named_modules()):
+        last = name.rsplit(".", 1)[-1]
+        if type(module) is not nn.Linear or last in HEAD_NAMES:
+            continue
+        if targets is not None and last not in targets:
+            continue
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        setattr(parent, last, LoRALinear(module, rank, alpha))
+        adapted.append(name)
+    if not adapted:
+        raise ValueError(f"no linear layer matches the LoRA targets {targets}")
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_("lora_" in name or name.startswith("score_head."))
+    return adapted
+
+
+def lora_layers(model: nn.Module) -> list[LoRALinear]:
+    return [module for module in model.modules() if isinstance(module, LoRALinear)]
+
+
+@contextmanager
+def lora_disabled(model: nn.Module):
+    """The base model inside: every adapter of `model` off, restored on exit."""
+    layers = lora_layers(model)
+    for layer in layers:
+        layer.lora_enabled = False
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.lora_enabled = True
+
+
+def merged_state_dict(model: nn.Module, state: dict | None = None) -> dict:
+    """The state dict a model without adapters would have: every adapter folded into its weight, the lora_ keys
+    dropped. What checkpoints store as `model`, so later stages, eval.py and export_hf see merged weights. state: the
+    model's full state dict if gathered elsewhere (FSDP2), else model.state_dict()."""
+    state = dict(model.state_dict() if state is None else state)
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            lora_a, lora_b = state.pop(f"{name}.lora_a"), state.pop(f"{name}.lora_b")
+            weight = state[f"{name}.weight"]
+            state[f"{name}.weight"] = (weight + (lora_b @ lora_a).to(weight.dtype) * module.scaling).detach()
+    return state
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its weight and put a plain nn.Linear back in its place (in place; returns the model)."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoRALinear):
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+            plain.weight = nn.Parameter(module.merged_weight(), requires_grad=False)
+            plain.bias = module.bias
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, name.rsplit(".", 1)[-1], plain)
+    return model
+
+
+class BaseView(nn.Module):
+    """The frozen base under a LoRA-adapted model, as a module of its own, without a second copy of its weights: PPO's
+    reference is BaseView(actor), its reward model BaseView(critic, the RM's own score head). forward and generate run
+    the shared model with its adapters off (and this view's scalar head in place of the model's)."""
+
+    def __init__(self, model: nn.Module, score_head: nn.Module | None = None):
+        super().__init__()
+        self.shared = [model]  # a list: not a submodule, so the view owns no parameters but its head
+        self.score_head = score_head
+        self.config = model.config
+
+    @contextmanager
+    def _base(self):
+        model = self.shared[0]
+        own_head = model.score_head
+        if self.score_head is not None:
+            model.score_head = self.score_head
+        try:
+            with lora_disabled(model):
+                yield model
+        finally:
+            model.score_head = own_head
+
+    def forward(self, *args, **kwargs):
+        with self._base() as model:
+            return model(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        with self._base() as model:
+            return model.generate(*args, **kwargs)
+
+    def flops_per_token(self, T: int) -> int:
+        return self.shared[0].flops_per_token(T)
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -226,6 +361,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False) if config.lm_head else None
         self.score_head = nn.Linear(config.n_embd, 1) if config.score_head else None
+        self.grad_ckpt = False  # --grad-ckpt: activation checkpointing per block (set_grad_ckpt)
         if self.lm_head is not None:
             self.transformer.wte.weight = self.lm_head.weight  # weight tying (Press & Wolf, 2017)
         # init all weights, then the GPT-2 paper's scaled init of the residual projections
@@ -246,6 +382,10 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    def set_grad_ckpt(self, enabled: bool) -> None:
+        """Activation checkpointing per block in every forward with grad (the KV-cache generation never)."""
+        self.grad_ckpt = enabled
+
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count, tied weights once. non_embedding drops wpe, and wte too unless it doubles as the lm head."""
         n = sum(p.numel() for p in self.parameters())
@@ -265,8 +405,12 @@ class GPT(nn.Module):
         """idx, pos (B, T) long (pos may be (T,)) -> final hidden states (B, T, C) after ln_f."""
         idx = idx.masked_fill((idx < 0) | (idx >= self.config.vocab_size), 0)  # pad ids may lie outside the vocab
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        recompute = self.grad_ckpt and torch.is_grad_enabled() and kv_caches is None
         for i, block in enumerate(self.transformer.h):
-            x = block(x, attn_mask, None if kv_caches is None else kv_caches[i])
+            if recompute:  # --grad-ckpt: keep only the block's input, recompute the rest in the backward
+                x = torch.utils.checkpoint.checkpoint(block, x, attn_mask, use_reentrant=False)
+            else:
+                x = block(x, attn_mask, None if kv_caches is None else kv_caches[i])
         return self.transformer.ln_f(x)
 
     def forward(

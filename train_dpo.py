@@ -27,7 +27,7 @@ import common
 import hf
 from common import UserError, print0
 from data import Order, build_task, encode_prefs, gold_reward, is_valid, load_tokenizer, pad_left, pad_right, read_jsonl
-from model import logprobs_from_logits, response_forward
+from model import BaseView, logprobs_from_logits, response_forward
 
 DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5}  # --beta None resolves here (IPO's β works on per-token mean log-probs)
 
@@ -244,7 +244,11 @@ def main(args: Args) -> None:
         )
     evals = evals[: args.eval_pairs]
     prompts = [row["prompt"] for row in read_jsonl(task["eval_prompts"], "prompts")] if builtin else []
-    ref = copy.deepcopy(model).requires_grad_(False)  # the frozen reference: the init, also on --resume
+    common.prepare_model(model, args)
+    if args.lora_rank > 0:
+        ref = BaseView(model)  # the adapters off: the init itself, no second copy of its weights
+    else:
+        ref = copy.deepcopy(model).requires_grad_(False)  # the frozen reference: the init, also on --resume
     average = args.loss == "ipo"  # per-token mean log-probs (IPO), else sums
 
     # 2. distributed set-up, sizes, optimizer, resume
@@ -259,8 +263,12 @@ def main(args: Args) -> None:
         f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | loss {args.loss} beta {beta:g} "
         f"label_smoothing {args.label_smoothing:g} nll_coef {args.nll_coef:g} | device {d.device} {dtype}"
     )
-    model.to(d.device)
-    ref.to(d.device).eval()
+    ref.eval()
+    for module in (model, ref):
+        if args.fsdp and not isinstance(module, BaseView):  # block by block onto the device
+            common.shard_model(module, d, dtype)
+        else:
+            module.to(d.device)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
     order = Order(len(train), args.seed)  # the global record order, the same on every rank
@@ -284,17 +292,19 @@ def main(args: Args) -> None:
 
     def save(step: int) -> None:
         rngs = common.all_rng_states(sampler)
+        weights = common.model_state(raw_model)  # under --fsdp every rank gathers; rank 0 saves
+        optimizer_state = common.optimizer_state(raw_model, optimizer)
         if d.master:
             common.save_checkpoint(
                 dict(
                     kind="dpo",
-                    model=raw_model.state_dict(),
+                    **weights,
                     model_config=asdict(raw_model.config),
                     init_hash=init_hash,
                     tokenizer=tok.state(),
                     args=asdict(args),
                     step=step,
-                    optimizer=optimizer.state_dict(),
+                    optimizer=optimizer_state,
                     scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps, min_lr_ratio=0.0),
                     rng=rngs,
                     data_state=dict(order=order.state_dict(), skipped=guard.skipped),
@@ -417,7 +427,8 @@ def main(args: Args) -> None:
         final = step == max_steps
         with throughput.paused():  # perf/ counts training time only
             if step % args.eval_every == 0 or final:
-                metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
+                with common.gathered(raw_model), common.gathered(ref):  # ranks run unequal numbers of forwards
+                    metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
                 logger.log(step, metrics, max_steps)
                 shown = [f"{s['prompt']}{s['response']}{'' if s['ended'] else ' [no EOS]'}" for s in samples]
                 logger.text("samples", "\n\n".join(shown[:8]), step)

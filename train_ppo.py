@@ -18,24 +18,23 @@ python train_ppo.py --adv-estimator grpo --no-grpo-std-norm --loss-agg seq_sum_n
 torchrun --standalone --nproc_per_node 8 train_ppo.py --sft-ckpt sft/ckpt.pt --rm-ckpt rm/ckpt.pt --prompts p.jsonl
 """
 
+import copy
 import importlib
 import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
 import tyro
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import common
 import hf
 from common import UserError, exact_div, print0
 from data import Order, Tokenizer, build_task, encode_sft, gold_reward, pad_left, pad_right, read_jsonl
-from model import entropy_from_logits, lm_loss, logprobs_from_logits, response_forward
+from model import BaseView, entropy_from_logits, lm_loss, logprobs_from_logits, response_forward
 
 
 @dataclass
@@ -534,7 +533,7 @@ def rollout(
     query, query_mask = pad_left([tok.encode(prompt, bos=True) for prompt in prompts], tok.pad_id)
     query = query.to(device)
     query_mask = query_mask.to(device)
-    with amp:
+    with amp, common.gathered(policy):  # under --fsdp: the actor's parameters gathered once, not per token
         response, mask, generation_logprobs = policy.generate(
             query,
             query_mask,
@@ -725,11 +724,6 @@ def keep_informative_groups(rounds: list[dict], group_size: int, rows: int, pad_
     return experience
 
 
-def _sync(model, sync: bool):
-    """DDP's public no_sync() on the accumulation micro-steps; a plain module needs nothing."""
-    return model.no_sync() if isinstance(model, DDP) and not sync else nullcontext()
-
-
 def ppo_update(
     actor,
     critic,
@@ -852,12 +846,12 @@ def ppo_update(
                     policy_weights = None if args.loss_agg == "token_mean" else weights
                     if use_ptx:  # LM loss on pre-training text (InstructGPT's PPO-ptx); never the syncing backward
                         ptx_inputs, ptx_targets, ptx_mask = ptx_batches[micro]
-                        with _sync(actor, False), amp:
+                        with common.grad_sync(actor, False), amp:
                             ptx_logits, _ = actor(ptx_inputs)
                             ptx_loss = lm_loss(ptx_logits, ptx_targets, ptx_mask, denom=ptx_token_count)
                         (args.ptx_coef * ptx_loss * world_size).backward()
                         _add(step_sums["actor"], "ptx_loss", ptx_loss.detach())
-                    with _sync(actor, sync), amp:
+                    with common.grad_sync(actor, sync), amp:
                         logits, _ = response_forward(actor, query, query_mask, response, micro_mask, args.temperature)
                         logprobs = logprobs_from_logits(logits, response)
                         pg_loss, pg_stats = ppo_policy_loss(
@@ -898,7 +892,7 @@ def ppo_update(
                         }
                 if critic is None:
                     continue
-                with _sync(critic, sync), amp:
+                with common.grad_sync(critic, sync), amp:
                     _, new_values = response_forward(critic, query, query_mask, response, micro_mask, args.temperature)
                     vf_loss, vf_stats = ppo_value_loss(
                         new_values,
@@ -912,7 +906,8 @@ def ppo_update(
                 _add(step_sums["critic"], "vf_loss", vf_loss.detach())
                 _add(step_sums["critic"], "vf_clipfrac", vf_stats["clipfrac"] * micro_tokens)
                 _add(step_sums["critic"], "tokens", micro_tokens)
-            # separate optimizers and clips; each norm is global after DDP's all-reduce, so every rank takes the
+            # separate optimizers and clips; each norm is global (after DDP's all-reduce; FSDP2's is a DTensor whose
+            # full value is the global norm), so every rank takes the
             # same decision; a model whose norm is not finite skips this step (the step is counted once as skipped)
             stepping = []
             if actor_steps_now:
@@ -923,7 +918,7 @@ def ppo_update(
                 continue
             step_ok = True
             for name, model, optimizer, clip in stepping:
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
+                norm = common.full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf")))
                 if torch.isfinite(norm):  # the model's one host sync per step
                     optimizer.step()
                     model_steps[name] += 1
@@ -1062,12 +1057,21 @@ def main(args: Args) -> None:
     reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
     # every model from the checkpoints already in memory; PPO-max: the critic starts from the RM (or, with no RM,
     # from the SFT trunk with a fresh head); the critic-free estimators build none
+    # With LoRA, one base serves two roles: the reference is the actor with its adapters off, and the reward model
+    # the critic's base with the RM's own (frozen) score head
     actor = hf.model_from_checkpoint(sft)
-    ref_policy = hf.model_from_checkpoint(sft)
-    reward_model = None if rm is None else hf.model_from_checkpoint(rm)
+    common.prepare_model(actor, args, "actor")
+    lora = args.lora_rank > 0
+    ref_policy = BaseView(actor) if lora else hf.model_from_checkpoint(sft)
     critic = None
     if uses_critic(args):
         critic = hf.model_from_checkpoint(rm if rm is not None else sft, lm_head=False, score_head=True)
+        common.prepare_model(critic, args, "critic")
+    reward_model = None
+    if rm is not None and lora and critic is not None:
+        reward_model = BaseView(critic, score_head=copy.deepcopy(critic.score_head).requires_grad_(False))
+    elif rm is not None:
+        reward_model = hf.model_from_checkpoint(rm)
     builtin = args.prompts is None
     block_size = actor.config.block_size
     task = build_task(args.task_dir, args.task_seed) if builtin else None
@@ -1120,12 +1124,19 @@ def main(args: Args) -> None:
         f"{args.loss_agg} | cliprange {args.cliprange}/{args.cliprange_high or args.cliprange} dual_clip "
         f"{args.dual_clip} | mask_truncated {args.mask_truncated} | critic {'yes' if critic else 'no'}"
     )
-    for model in (actor, ref_policy, critic, reward_model):
-        if model is not None:
-            model.to(d.device).eval()  # eval mode always: dropout off in all four models
     for model in (ref_policy, reward_model):
         if model is not None:
             model.requires_grad_(False)
+    for model in (actor, ref_policy, critic, reward_model):
+        if model is None:
+            continue
+        model.eval()  # eval mode always: dropout off in all four models
+        # --fsdp shards every model, trained or frozen, block by block onto the device (a LoRA view shares its
+        # base's shards and moves only its own head)
+        if args.fsdp and not isinstance(model, BaseView):
+            common.shard_model(model, d, dtype)
+        else:
+            model.to(d.device)
     actor_optimizer = actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     critic_optimizer = None
     if critic is not None:
@@ -1148,11 +1159,11 @@ def main(args: Args) -> None:
     if args.resume:
         inputs = {"sft_hash": ("--sft-ckpt", hashes["sft_hash"]), "rm_hash": ("--rm-ckpt", hashes["rm_hash"])}
         ckpt = common.load_resume(ckpt_path, "ppo", d.world_size, max_steps, inputs)
-        actor.load_state_dict(ckpt["model"])
-        actor_optimizer.load_state_dict(ckpt["optimizer"])
+        common.load_model_state(actor, ckpt)
+        common.load_optimizer_state(actor, actor_optimizer, ckpt["optimizer"])
         if critic is not None:
-            critic.load_state_dict(ckpt["critic"])
-            critic_optimizer.load_state_dict(ckpt["critic_optimizer"])
+            common.load_model_state(critic, ckpt, "critic")
+            common.load_optimizer_state(critic, critic_optimizer, ckpt["critic_optimizer"])
         reward_moments.load_state_dict(ckpt["reward_moments"])
         kl_controller.load_state_dict(ckpt["kl_ctl"])
         data_state = ckpt["data_state"]
@@ -1166,14 +1177,16 @@ def main(args: Args) -> None:
         common.set_rng_state(ckpt["rng"][d.rank], sampler)
         print0(f"resumed from {ckpt_path} at step {step}")
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
-    compiled = d.device.type == "cuda" and args.compile
+    # (a LoRA view switches its base's adapters off in eager code around the call: not compiled)
+    compiled = common.use_compile(args.compile, d.device)
     actor_forward = torch.compile(actor) if compiled else actor
     critic_forward = torch.compile(critic) if compiled and critic is not None else critic
-    ref_forward = torch.compile(ref_policy) if compiled else ref_policy
-    rm_forward = torch.compile(reward_model) if compiled and reward_model is not None else reward_model
-    device_ids = [d.local_rank] if d.device.type == "cuda" else None
-    actor_trained = DDP(actor_forward, device_ids=device_ids) if d.ddp else actor_forward
-    critic_trained = DDP(critic_forward, device_ids=device_ids) if d.ddp and critic is not None else critic_forward
+    ref_forward = torch.compile(ref_policy) if compiled and not lora else ref_policy
+    compile_rm = compiled and reward_model is not None and not isinstance(reward_model, BaseView)
+    rm_forward = torch.compile(reward_model) if compile_rm else reward_model
+    replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
+    actor_trained = common.replicate(actor_forward, d) if replicated else actor_forward
+    critic_trained = common.replicate(critic_forward, d) if replicated and critic is not None else critic_forward
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
 
@@ -1187,6 +1200,12 @@ def main(args: Args) -> None:
 
     def save(step: int) -> None:
         rng_states = common.all_rng_states(sampler)
+        # under --fsdp every rank gathers the weights and optimizer states; rank 0 saves
+        actor_state = common.model_state(actor) | {"optimizer": common.optimizer_state(actor, actor_optimizer)}
+        critic_state = {}
+        if critic is not None:
+            critic_state = common.model_state(critic, "critic")
+            critic_state["critic_optimizer"] = common.optimizer_state(critic, critic_optimizer)
         if not d.master:
             return
         schedule = dict(warmup_steps=args.warmup_steps, max_steps=max_steps, delay=args.critic_warmup_steps)
@@ -1199,12 +1218,11 @@ def main(args: Args) -> None:
         )
         checkpoint = dict(
             kind="ppo",
-            model=actor.state_dict(),
+            **actor_state,
             model_config=asdict(actor.config),
             tokenizer=tok.state(),
             args=asdict(args),
             step=step,
-            optimizer=actor_optimizer.state_dict(),
             scheduler=schedule | {"lr": args.lr},
             rng=rng_states,
             data_state=data_state,
@@ -1215,9 +1233,8 @@ def main(args: Args) -> None:
             **hashes,
         )
         if critic is not None:
-            checkpoint["critic"] = critic.state_dict()
+            checkpoint |= critic_state
             checkpoint["critic_config"] = asdict(critic.config)
-            checkpoint["critic_optimizer"] = critic_optimizer.state_dict()
             checkpoint["critic_scheduler"] = schedule | {"lr": args.critic_lr, "delay": 0}
         common.save_checkpoint(checkpoint, ckpt_path)
 

@@ -216,7 +216,11 @@ def main(args: Args) -> None:
         f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | lm_coef {args.lm_coef} | "
         f"device {d.device} {dtype}"
     )
-    model.to(d.device)
+    common.prepare_model(model, args)
+    if args.fsdp:  # block by block onto the device: a whole model is never there
+        common.shard_model(model, d, dtype)
+    else:
+        model.to(d.device)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     order = Order(len(train), args.seed)  # the global record order, the same on every rank
     guard = common.StepGuard()
@@ -241,7 +245,8 @@ def main(args: Args) -> None:
 
     def score_all(seqs: list) -> torch.Tensor:
         """Scores (N,) on every rank; rank r scores seqs[r::world_size]."""
-        mine = score_seqs(raw_model, seqs[d.rank :: d.world_size], tok.pad_id, 64, d.device, dtype)
+        with common.gathered(raw_model):  # rank slices differ in length: no per-forward collectives
+            mine = score_seqs(raw_model, seqs[d.rank :: d.world_size], tok.pad_id, 64, d.device, dtype)
         if not d.ddp:
             return mine
         parts = [None] * d.world_size
@@ -259,17 +264,19 @@ def main(args: Args) -> None:
         fold_score_offset(raw_model, offset)
         score_offset += offset
         rngs = common.all_rng_states()
+        weights = common.model_state(raw_model)  # under --fsdp every rank gathers; rank 0 saves
+        optimizer_state = common.optimizer_state(raw_model, optimizer)
         if d.master:
             common.save_checkpoint(
                 dict(
                     kind="rm",
-                    model=raw_model.state_dict(),
+                    **weights,
                     model_config=asdict(raw_model.config),
                     init_hash=init_hash,
                     tokenizer=tok.state(),
                     args=asdict(args),
                     step=step,
-                    optimizer=optimizer.state_dict(),
+                    optimizer=optimizer_state,
                     scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps, min_lr_ratio=0.0),
                     rng=rngs,
                     data_state=dict(order=order.state_dict(), skipped=guard.skipped),
@@ -387,7 +394,8 @@ def main(args: Args) -> None:
                 # between, subtract the mean score of the first calibration examples (cheaper than folding)
                 offset = 0.0 if final else score_all(calib[: args.eval_pairs]).mean().item()
                 n_records = len(evals) if final else min(args.eval_pairs, len(evals))
-                metrics, gaps, scored = evaluate(n_records, offset)
+                with common.gathered(raw_model):  # no collectives inside: ranks run unequal numbers of forwards
+                    metrics, gaps, scored = evaluate(n_records, offset)
                 logger.log(step, metrics, max_steps)
                 if logger.writer is not None:
                     logger.writer.add_histogram("val/score_gap", gaps, step)

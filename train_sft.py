@@ -160,7 +160,11 @@ def main(args: Args) -> None:
         f"{model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
         f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | device {d.device} {dtype}"
     )
-    model.to(d.device)
+    common.prepare_model(model, args)
+    if args.fsdp:  # block by block onto the device: a whole model is never there
+        common.shard_model(model, d, dtype)
+    else:
+        model.to(d.device)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
     order = Order(len(train), args.seed)  # the global sample order, the same on every rank
@@ -184,17 +188,19 @@ def main(args: Args) -> None:
 
     def save(step: int) -> None:
         rngs = common.all_rng_states(sampler)
+        weights = common.model_state(raw_model)  # under --fsdp every rank gathers; rank 0 saves
+        optimizer_state = common.optimizer_state(raw_model, optimizer)
         if d.master:
             common.save_checkpoint(
                 dict(
                     kind="sft",
-                    model=raw_model.state_dict(),
+                    **weights,
                     model_config=asdict(raw_model.config),
                     init_hash=init_hash,
                     tokenizer=tok.state(),
                     args=asdict(args),
                     step=step,
-                    optimizer=optimizer.state_dict(),
+                    optimizer=optimizer_state,
                     scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps),
                     rng=rngs,
                     data_state=dict(order=order.state_dict(), skipped=guard.skipped),
@@ -266,7 +272,8 @@ def main(args: Args) -> None:
         final = step == max_steps
         with throughput.paused():  # perf/ counts training time only
             if step % args.eval_every == 0 or final:
-                metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
+                with common.gathered(raw_model):  # no collectives inside: ranks run unequal numbers of forwards
+                    metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
                 logger.log(step, metrics, max_steps)
                 shown = [f"{prompt}{response}{'' if ended else ' [no EOS]'}" for prompt, response, ended in samples]
                 logger.text("samples", "\n\n".join(shown[:8]), step)

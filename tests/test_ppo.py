@@ -454,11 +454,21 @@ def critic_free_experience(exp: dict) -> dict:
     return exp | {"ref_logprobs": ref_logprobs, "ended": ended}
 
 
-def _two_rank_worker(rank: int, port: int, q) -> None:
+def _two_rank_worker(rank: int, port: int, q, wrap: str) -> None:
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    import common
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    d = common.Dist(rank, rank, 2, torch.device("cpu"), True)
+
+    def wrapped(model):  # DDP replicates (as the stages do), FSDP2 shards (blocks, then the root) as --fsdp does
+        return common.replicate(model, d) if wrap == "ddp" else common.shard_model(model, d, torch.float32)
+
+    def full_state(model):
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
     # reward moments: rank 0 sees 7 then 12 scores, rank 1 sees 3 then 1
     torch.manual_seed(0)
     data = [torch.randn(n, dtype=torch.float64) for n in (7, 3, 12, 1)]
@@ -467,29 +477,30 @@ def _two_rank_worker(rank: int, port: int, q) -> None:
     moments.update(data[2 + rank])
     # one PPO update on this rank's half of the experience
     actor, critic, exp = fake_experience()
-    stats = update_once(DDP(actor), DDP(critic), {k: v[rank * 4 : (rank + 1) * 4] for k, v in exp.items()}, 2)
+    stats = update_once(wrapped(actor), wrapped(critic), {k: v[rank * 4 : (rank + 1) * 4] for k, v in exp.items()}, 2)
     # a critic-free update on this rank's half: sequence counts and lengths of the seq_mean weights are global
     free_actor, _, free_exp = fake_experience()
     free_exp = critic_free_experience(free_exp)
     free_half = {k: v[rank * 4 : (rank + 1) * 4] for k, v in free_exp.items()}
-    free_stats = update_once(DDP(free_actor), None, free_half, 2, **CRITIC_FREE)
+    free_stats = update_once(wrapped(free_actor), None, free_half, 2, **CRITIC_FREE)
     buf = io.BytesIO()  # plain bytes: tensors through a queue would need the worker alive to be received
-    results = (moments.state_dict(), stats, actor.state_dict(), critic.state_dict())
-    torch.save(results + (free_stats, free_actor.state_dict()), buf)
+    results = (moments.state_dict(), stats, full_state(actor), full_state(critic))
+    torch.save(results + (free_stats, full_state(free_actor)), buf)
     q.put(buf.getvalue())
     dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_equal_one_big_batch():
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_two_gloo_ranks_equal_one_big_batch(wrap):
     """Reward moments merged across 2 ranks equal one big batch; the same global minibatch split over 2 ranks x 2
     micro-batches gives the 1-rank update (weights, losses, clip fractions, grad norms), for gae and for a critic-free
-    estimator with the §5b flags on."""
+    estimator with the §5b flags on; under DDP and under FSDP2 (--fsdp)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, q)) for r in range(2)]
+    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, q, wrap)) for r in range(2)]
     for p in procs:
         p.start()
     results = [torch.load(io.BytesIO(q.get()), weights_only=False) for _ in range(2)]  # read before join: big pickles

@@ -153,7 +153,11 @@ CRITIC_FREE_FLAGS = (
 )
 
 
-@pytest.mark.parametrize("estimator_flags", ["", CRITIC_FREE_FLAGS], ids=["gae", "grpo"])
+# LoRA on actor and critic (the reference and the RM are their bases), with activation checkpointing
+LORA_FLAGS = "--lora-rank 4 --lora-alpha 8 --grad-ckpt"
+
+
+@pytest.mark.parametrize("estimator_flags", ["", CRITIC_FREE_FLAGS, LORA_FLAGS], ids=["gae", "grpo", "lora"])
 def test_ppo_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts, estimator_flags):
     sft, rm = tiny_ckpts
     base = f"{sys.executable} train_ppo.py --task-dir {task_dir} --sft-ckpt {sft} --rm-ckpt {rm} {PPO_FLAGS}"
@@ -162,7 +166,9 @@ def test_ppo_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts, estimator_
     assert r.returncode == 0, r.stderr[-3000:]
     kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=5)
     full, killed = (torch.load(tmp_path / p / "ckpt.pt", weights_only=False) for p in ("full", "killed"))
-    keys = ("model", "critic") if not estimator_flags else ("model",)
+    keys = ("model",) if estimator_flags == CRITIC_FREE_FLAGS else ("model", "critic")
+    if estimator_flags == LORA_FLAGS:  # the adapters themselves, and the merged weights above
+        keys += ("model_lora", "critic_lora")
     assert ("critic" in full) == ("critic" in keys)
     for key in keys:
         assert_same_weights(tmp_path / "full" / "ckpt.pt", tmp_path / "killed" / "ckpt.pt", key)

@@ -1,0 +1,193 @@
+"""LoRA adapters, the base views PPO and DPO build on them, and activation checkpointing (issue #16)."""
+
+import copy
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+import common
+import hf
+import train_ppo
+import train_sft
+from model import GPT, BaseView, GPTConfig, LoRALinear, add_lora, lora_disabled, merge_lora, merged_state_dict
+
+CFG = GPTConfig(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=16)
+
+
+def randomize_adapters(model: torch.nn.Module, seed: int = 0) -> None:
+    """B starts at zero (the adapted model equals its base): give it values so the tests can see it."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_b" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+
+
+def test_lora_starts_at_its_base_freezes_it_and_merges_exactly():
+    torch.manual_seed(0)
+    base = GPT(replace(CFG, score_head=True)).double()
+    model = copy.deepcopy(base)
+    adapted = add_lora(model, rank=4, alpha=8, targets=None)
+    # every linear layer in the blocks, never the tied LM head or the scalar head
+    assert adapted == [
+        f"transformer.h.{i}.{n}" for i in range(2) for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
+    trainable = sorted(name for name, p in model.named_parameters() if p.requires_grad)
+    assert all("lora_" in name or name.startswith("score_head.") for name in trainable)
+    assert "score_head.weight" in trainable and not model.lm_head.weight.requires_grad
+    idx = torch.randint(0, 50, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    logits, scores = model(idx, mask)
+    base_logits, base_scores = base(idx, mask)
+    assert torch.equal(logits, base_logits) and torch.equal(scores, base_scores)  # B = 0: the base exactly
+    randomize_adapters(model)
+    logits, scores = model(idx, mask)
+    assert (logits - base_logits).abs().max() > 1e-3
+    with lora_disabled(model):
+        off_logits, _ = model(idx, mask)
+    assert torch.equal(off_logits, base_logits)
+    # the merged state dict is a plain GPT's, with the same outputs
+    plain = GPT(replace(CFG, score_head=True)).double()
+    plain.load_state_dict(merged_state_dict(model))
+    plain_logits, plain_scores = plain(idx, mask)
+    assert torch.allclose(plain_logits, logits, atol=1e-10) and torch.allclose(plain_scores, scores, atol=1e-10)
+    # merge_lora in place: plain Linear layers back, the same outputs, the base tensors were shared, not copied
+    merged_logits, _ = merge_lora(model)(idx, mask)
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    assert torch.allclose(merged_logits, logits, atol=1e-10)
+
+
+def test_lora_shares_the_base_tensors_and_targets_by_name():
+    model = GPT(CFG)
+    weight = model.transformer.h[0].attn.c_attn.weight
+    add_lora(model, rank=2, alpha=2, targets=["c_attn"])
+    assert model.transformer.h[0].attn.c_attn.weight is weight  # no copy of the base
+    assert isinstance(model.transformer.h[0].attn.c_attn, LoRALinear)
+    assert not isinstance(model.transformer.h[0].mlp.c_fc, LoRALinear)
+    with pytest.raises(ValueError, match="no linear layer"):
+        add_lora(GPT(CFG), rank=2, alpha=2, targets=["q_proj"])
+
+
+def test_base_view_is_the_base_with_its_own_head():
+    """PPO's reference = BaseView(actor); its RM = BaseView(critic, the RM's head): equal to separate frozen copies."""
+    torch.manual_seed(1)
+    rm = GPT(replace(CFG, score_head=True, lm_head=False))
+    critic = copy.deepcopy(rm)
+    add_lora(critic, rank=4, alpha=8)
+    view = BaseView(critic, score_head=copy.deepcopy(critic.score_head))
+    randomize_adapters(critic)
+    with torch.no_grad():
+        critic.score_head.weight.add_(1.0)  # the critic's head trains away from the RM's
+    idx = torch.randint(0, 50, (2, 10))
+    _, view_scores = view(idx, logits=False)
+    _, rm_scores = rm(idx, logits=False)
+    assert torch.allclose(view_scores, rm_scores, atol=1e-6)
+    _, critic_scores = critic(idx, logits=False)
+    assert (critic_scores - rm_scores).abs().max() > 1e-2  # the view restored the critic's adapters and head
+    assert len(list(view.parameters())) == 2  # the view owns its head, not the base
+
+
+@pytest.mark.parametrize("make", ["gpt", "llama"])
+def test_grad_ckpt_gives_the_same_loss_and_gradients(make, llama_dir):
+    torch.manual_seed(0)
+    if make == "gpt":
+        model = GPT(replace(CFG, score_head=True)).double()
+    else:
+        model = hf.HFCausalLM.from_pretrained(llama_dir, score_head=True).double()
+    idx = torch.randint(0, 50, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    # a module inside the first block: the recompute runs it again (transformers checkpoints forward, not __call__)
+    attention = model.transformer.h[0].attn if make == "gpt" else model.hf.model.layers[0].self_attn
+    calls = []
+    attention.register_forward_pre_hook(lambda *_: calls.append(1))
+    results = []
+    for enabled in (False, True):
+        model.zero_grad()
+        model.set_grad_ckpt(enabled)
+        model.eval()  # PPO's models run in eval mode: the recompute must happen there too
+        calls.clear()
+        logits, scores = model(idx, mask)
+        loss = logits.logsumexp(-1).mean() + scores.pow(2).mean()
+        loss.backward()
+        assert len(calls) == (2 if enabled else 1)  # checkpointing runs the block again in the backward
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.allclose(loss_a, loss_b, atol=1e-12)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.allclose(grads_a[name], grads_b[name], atol=1e-10), name
+
+
+def test_sft_lora_checkpoint_holds_merged_weights_and_resumes(tmp_path, task_dir, tiny_ckpts):
+    """SFT with --lora-rank: `model` is the merged full state dict (a later stage loads it as any), `model_lora` the
+    adapters; --resume continues on the base rebuilt from --init."""
+    args = train_sft.Args(
+        out_dir=str(tmp_path / "lora"),
+        task_dir=task_dir,
+        init=tiny_ckpts[0],
+        batch_size=8,
+        micro_batch_size=4,
+        max_steps=4,
+        eval_every=4,
+        num_samples=4,
+        eval_samples=4,
+        log_every=1,
+        max_new_tokens=8,
+        lr=1e-2,
+        lora_rank=4,
+        lora_alpha=8,
+        save_every=1,
+    )
+    train_sft.main(args)
+    ckpt = torch.load(tmp_path / "lora" / "ckpt.pt", weights_only=False)
+    assert not any("lora_" in key for key in ckpt["model"])
+    assert ckpt["model_lora"] and all("lora_" in key for key in ckpt["model_lora"])
+    init = torch.load(tiny_ckpts[0], weights_only=False)["model"]
+    moved = [key for key in init if not torch.equal(init[key], ckpt["model"][key])]
+    assert moved and all(key.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) for key in moved)
+    model = hf.model_from_checkpoint(ckpt)  # the plain loader: merged weights
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    # 2 steps, then --resume to 4: the same adapters as the straight run
+    train_sft.main(replace(args, out_dir=str(tmp_path / "split"), max_steps=2))
+    os.remove(tmp_path / "split" / "samples.jsonl")
+    train_sft.main(replace(args, out_dir=str(tmp_path / "split"), resume=True))
+    split = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)
+    for key in ckpt["model_lora"]:
+        assert torch.allclose(ckpt["model_lora"][key], split["model_lora"][key], atol=1e-6), key
+
+
+def test_ppo_lora_shares_bases_and_trains(tmp_path, task_dir, tiny_ckpts, capsys):
+    sft, rm = tiny_ckpts
+    train_ppo.main(
+        train_ppo.Args(
+            out_dir=str(tmp_path / "ppo"),
+            task_dir=task_dir,
+            sft_ckpt=sft,
+            rm_ckpt=rm,
+            max_steps=3,
+            rollout_batch_size=8,
+            num_minibatches=2,
+            micro_batch_size=4,
+            ptx_batch_size=4,
+            max_new_tokens=8,
+            critic_warmup_steps=1,
+            warmup_steps=1,
+            log_every=1,
+            sample_every=1,
+            lora_rank=4,
+            grad_ckpt=True,
+        )
+    )
+    out = capsys.readouterr().out
+    assert "actor: LoRA rank 4" in out and "critic: LoRA rank 4" in out
+    ckpt = torch.load(tmp_path / "ppo" / "ckpt.pt", weights_only=False)
+    assert {"model", "model_lora", "critic", "critic_lora"} <= set(ckpt)
+    assert not any("lora_" in key for key in ckpt["model"]) and not any("lora_" in key for key in ckpt["critic"])
+    actor = hf.model_from_checkpoint(ckpt)
+    reference = hf.model_from_checkpoint(common.load_checkpoint(sft))
+    differs = [n for n, p in actor.state_dict().items() if not torch.equal(p, reference.state_dict()[n])]
+    assert differs  # the actor's adapters moved (the ptx loss trains them even when no response ends)
