@@ -116,27 +116,36 @@ def commands(args: Args, method: str, strength: float, seed: int) -> list[list[s
     return [train, evaluate]
 
 
-def time_to_fraction(series: list[tuple[float, float]], fraction: float = 0.9, window: int = 5) -> Optional[float]:
-    """Seconds from the first point until the moving average (over `window` points) of a gold series first reaches
-    `fraction` of its final value (the mean of the last `window` points); series = [(seconds, gold)]."""
+def time_to_fraction(
+    series: list, start: float, fraction: float = 0.9, window: int = 5, min_gain: float = 0.1
+) -> Optional[float]:
+    """Seconds from `start` (the run's first logged event) until the moving average (over `window` points) of a gold
+    series first covers `fraction` of the way from its first value to its final one (the mean of its last `window`
+    points); None for a run that gained less than min_gain. series = [(wall seconds, gold)]."""
     if len(series) < window:
         return None
     values = [value for _, value in series]
+    first = values[0]
     final = sum(values[-window:]) / window
-    start = series[0][0]
+    if final - first < min_gain:
+        return None
     for i in range(window, len(values) + 1):
-        if sum(values[i - window : i]) / window >= fraction * final:
+        if sum(values[i - window : i]) / window >= first + fraction * (final - first):
             return series[i - 1][0] - start
     return None
 
 
-def gold_series(out: str, tag: str) -> list[tuple[float, float]]:
-    """[(wall seconds, value)] of one tag of a run's event files."""
+def event_series(out: str) -> tuple[dict[str, list], float]:
+    """tag -> [(wall seconds, value)] of a run's event files, and the wall time of its first event."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(out, size_guidance={"scalars": 0})
-    acc.Reload()
-    return [(event.wall_time, event.value) for event in acc.Scalars(tag)]
+    accumulator = EventAccumulator(out, size_guidance={"scalars": 0})
+    accumulator.Reload()
+    series = {
+        tag: [(event.wall_time, event.value) for event in accumulator.Scalars(tag)]
+        for tag in accumulator.Tags()["scalars"]
+    }
+    return series, min(points[0][0] for points in series.values())
 
 
 def summarize(args: Args, method: str, strength: float, seed: int, seconds: float) -> dict:
@@ -152,12 +161,11 @@ def summarize(args: Args, method: str, strength: float, seed: int, seconds: floa
         return {n: row_of(results[f"sft_bon{n}"], seconds) for n in spec.strengths}
     row = row_of(results[method], seconds)
     if spec.kind == "ppo":
-        row["time_to_90"] = time_to_fraction(gold_series(out, "objective/gold"))
+        series, start = event_series(out)
+        row["time_to_90"] = time_to_fraction(series["objective/gold"], start)
         run_args = torch.load(os.path.join(out, "ckpt.pt"), map_location="cpu", weights_only=False)["args"]
         row["first_alarm"] = first_alarm(read_scalars(out), run_args) or None
-    else:
-        row["time_to_90"] = time_to_fraction(gold_series(out, "val/gold"), window=1)
-    return {strength: row}
+    return {strength: row}  # (DPO measures gold at two evaluations a run: too coarse for a time to 90%)
 
 
 def row_of(result: dict, seconds: float) -> dict:
@@ -228,6 +236,8 @@ def load(args: Args, names: list[str]) -> dict[str, dict[float, list[dict]]]:
             continue
         with open(path) as f:
             summary = json.load(f)
+        seconds = next(iter(summary.values()))["seconds"]
+        summary = summarize(args, name, strength, seed, seconds)  # from the run's files, by the code as it is now
         for key, row in summary.items():
             rows.setdefault(name, {}).setdefault(float(key), []).append(row)
     return rows
@@ -238,8 +248,9 @@ def table(rows: dict[str, dict[float, list[dict]]], args: Args) -> str:
         f"Every point is eval.py on {args.eval_samples} held-out prompts (best-of-N: {args.bon_samples}); gold ± its "
         "standard error for one seed, ± half the range over seeds where there are two; KL to the SFT policy in nats "
         "(best-of-N: the bound log N - (N-1)/N plus the pick's own KL); time = training wall time (best-of-N: "
-        "sampling); to 90% = until the rollouts' gold first reaches 90% of its final value (5-iteration moving "
-        "average; DPO: its validation gold); alarm = first collapse-alarm iteration (- = none).",
+        "sampling; runs shared 2 cores two at a time); to 90% = from the first logged step until the rollouts' gold "
+        "(5-iteration moving average) covers 90% of its gain (- = a gain under 0.1, or DPO: it measures gold twice "
+        "a run); alarm = first collapse-alarm iteration (- = none).",
         "",
         "| method | strength | gold | RM score | KL (nats) | valid_frac | length | time (s) | to 90% (s) | alarm |",
         "|---|---|---|---|---|---|---|---|---|---|",

@@ -7,8 +7,10 @@
 # no network, no venv. tyro and its pure-Python dependencies travel as wheels in .whl/ beside the repo: run
 # `make wheels` on a machine with network first (wheels are zip files; they go on PYTHONPATH as they are).
 #
-#   bash bench/gpu_check.sh              # pipeline + benchmark
+#   bash bench/gpu_check.sh              # pipeline + scale + benchmark
 #   bash bench/gpu_check.sh pipeline     # pipeline only
+#   bash bench/gpu_check.sh scale        # issue #16 on the pipeline's checkpoints: PPO with LoRA, then bf16 FSDP2 on
+#                                        # one rank (the multi-rank paths are tested on CPU)
 #   bash bench/gpu_check.sh bench        # benchmark only
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +52,19 @@ for stage in ("sft", "rm", "dpo", "ppo"):
     print(f"gpu_check: {stage:3s} tokens/s {statistics.median(get('perf/tokens_per_sec')):,.0f}  "
           f"mfu {100 * statistics.median(get('perf/mfu')):.1f}% (median over logged steps, first dropped)")
 PY
+fi
+
+if [ "$WHAT" = all ] || [ "$WHAT" = scale ]; then
+  # issue #16: LoRA (reference and RM as views of the actor's and critic's bases, --grad-ckpt), then --fsdp on one
+  # rank under bf16 (MixedPrecisionPolicy; --compile auto compiles there too); peak memory of each
+  rm -rf "$OUT/ppo_lora" "$OUT/ppo_fsdp"
+  PPO_SCALE="--sft-ckpt $OUT/sft/ckpt.pt --rm-ckpt $OUT/rm/ckpt.pt --max-steps 10 --rollout-batch-size 256 \
+      --micro-batch-size 64 --log-every 5 --sample-every 10"
+  $PY train_ppo.py $COMMON --out-dir $OUT/ppo_lora $PPO_SCALE --lora-rank 8 --grad-ckpt
+  $PY -m torch.distributed.run --standalone --nproc_per_node 1 train_ppo.py $COMMON --out-dir $OUT/ppo_fsdp \
+      $PPO_SCALE --fsdp
+  $PY eval.py --device cuda --task-dir $OUT/data --policy $OUT/ppo_lora/ckpt.pt $OUT/ppo_fsdp/ckpt.pt \
+      --names ppo_lora ppo_fsdp --ref $OUT/sft/ckpt.pt --rm $OUT/rm/ckpt.pt --num-samples 256
 fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
