@@ -199,11 +199,12 @@ PPO = dict(
 )
 
 
-def run_chain(tmp_path, init: str, user_data: dict) -> dict:
-    """SFT (from init) -> RM (from the SFT checkpoint) -> PPO (SFT policy, RM score and critic), all in-process."""
+def run_chain(tmp_path, init: str, user_data: dict, **extra) -> dict:
+    """SFT (from init) -> RM (from the SFT checkpoint) -> PPO (SFT policy, RM score and critic), all in-process;
+    extra: flags every stage gets (--lora-rank, --grad-ckpt, ...)."""
     out = {stage: str(tmp_path / stage) for stage in ("sft", "rm", "ppo")}
     ckpt = {stage: os.path.join(out[stage], "ckpt.pt") for stage in out}
-    common_args = dict(task_dir=str(tmp_path / "data"), device="cpu")
+    common_args = dict(task_dir=str(tmp_path / "data"), device="cpu", **extra)
     train_sft.main(train_sft.Args(out_dir=out["sft"], init=init, data=user_data["sft"], **common_args, **SFT))
     train_rm.main(
         train_rm.Args(
@@ -252,6 +253,24 @@ def test_llama_chain_sft_rm_ppo(tmp_path, llama_dir, user_data):
         assert critic(idx)[0] is None and torch.isfinite(critic(idx)[1]).all()
     # the RM's calibration (folded into the head's bias) survives the round trip
     assert rm.score_head.bias.item() == pytest.approx(-ckpts["rm"]["score_offset"], abs=1e-3)
+
+
+def test_llama_chain_with_lora_and_grad_ckpt(tmp_path, llama_dir, user_data):
+    """--lora-rank and --grad-ckpt on the Hugging Face adapter through SFT, RM and PPO: adapters on q/k/v/o and the
+    MLP projections, checkpoints with merged weights (plain adapter models load them) and the adapters beside them,
+    and the exports merged."""
+    ckpts = run_chain(tmp_path, f"hf:{llama_dir}", user_data, lora_rank=2, lora_alpha=4, grad_ckpt=True)
+    for stage in ("sft", "rm", "ppo"):
+        adapters = ckpts[stage]["model_lora"]
+        assert any(name.endswith("q_proj.lora_a") for name in adapters), stage
+        assert not any("lora_" in name for name in ckpts[stage]["model"]), stage
+    assert any(name.endswith("lora_b") for name in ckpts["ppo"]["critic_lora"])
+    sft, policy = (model_from_checkpoint(ckpts[s]).eval() for s in ("sft", "ppo"))
+    idx = torch.randint(3, 83, (2, 7))
+    with torch.no_grad():
+        assert (sft(idx)[0] - policy(idx)[0]).abs().max() > 0  # the adapters moved the actor
+    exported = json.load(open(tmp_path / "hf_policy" / "config.json"))
+    assert exported["model_type"] == "llama"
 
 
 def test_gpt2_chain_then_export(tmp_path, gpt2_dir, user_data):
