@@ -765,10 +765,15 @@ def ppo_update(
     if args.dynamic_sampling:  # the groups that only fill the batch
         loss_mask = loss_mask * experience["informative"][:, None]
     advantages = experience["advantages"]
+    # whitening statistics come from the tokens the policy loss sees (with neither --mask-truncated nor
+    # --dynamic-sampling, every token, bit for bit): a dropped response's advantages never move the update
+    loss_advantages = advantages * loss_mask
     if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (TRL)
         moments = common.all_reduce_dict(
-            {"tokens": mask.sum(), "sum": advantages.sum(), "sum_squared": (advantages**2).sum()}, device
+            {"tokens": loss_mask.sum(), "sum": loss_advantages.sum(), "sum_squared": (loss_advantages**2).sum()},
+            device,
         )
+        moments["tokens"] = max(moments["tokens"], 1.0)  # every response dropped: no actor step, no NaN
         mean = moments["sum"] / moments["tokens"]
         variance = moments["sum_squared"] / moments["tokens"] - mean**2
         advantages = masked_whiten(
@@ -796,7 +801,7 @@ def ppo_update(
             # the step's global token counts (loss denominators) and whitening statistics: one all-reduce per step
             minibatch_mask = mask[minibatch_index]
             minibatch_loss_mask = loss_mask[minibatch_index]
-            minibatch_advantages = advantages[minibatch_index]
+            minibatch_advantages = loss_advantages[minibatch_index]
             ptx_tokens = sum((batch[2].sum() for batch in ptx_batches), torch.zeros((), device=device))
             counts = common.all_reduce_dict(
                 {
@@ -809,8 +814,9 @@ def ppo_update(
                 },
                 device,
             )
-            advantage_mean = counts["advantages"] / counts["tokens"]
-            advantage_variance = counts["advantages_squared"] / counts["tokens"] - advantage_mean**2
+            whitened_tokens = max(counts["loss_tokens"], 1.0)
+            advantage_mean = counts["advantages"] / whitened_tokens
+            advantage_variance = counts["advantages_squared"] / whitened_tokens - advantage_mean**2
             advantage_mean = torch.tensor(advantage_mean, dtype=torch.float32, device=device)
             advantage_variance = torch.tensor(advantage_variance, dtype=torch.float32, device=device)
             token_count = torch.tensor(counts["tokens"], dtype=torch.float32, device=device)

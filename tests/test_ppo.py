@@ -454,6 +454,22 @@ def critic_free_experience(exp: dict) -> dict:
     return exp | {"ref_logprobs": ref_logprobs, "ended": ended}
 
 
+@pytest.mark.parametrize("whiten", ["minibatch", "rollout"])
+def test_dropped_responses_never_move_the_whitening(whiten):
+    """--mask-truncated drops the responses without EOS from the policy loss; the advantage whitening (PPO-max's per
+    minibatch, and the rollout one) takes its statistics from the same tokens, so the dropped rows' advantages, here
+    scaled 100-fold, leave the update unchanged."""
+    weights = []
+    for scale in (1.0, 100.0):
+        actor, _, exp = fake_experience()
+        exp = critic_free_experience(exp)  # rows 2 and 5 end without EOS
+        exp["advantages"] = exp["advantages"] * torch.where(exp["ended"] == 0, scale, 1.0)[:, None]
+        update_once(actor, None, exp, 4, adv_estimator="reinforce_pp", mask_truncated=True, adv_whiten=whiten)
+        weights.append(actor.state_dict())
+    for name in weights[0]:
+        assert torch.allclose(weights[0][name], weights[1][name], atol=1e-6), name
+
+
 def _two_rank_worker(rank: int, port: int, q, wrap: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
