@@ -5,7 +5,7 @@
 #   make ablation        PPO-max vs vanilla vs minus-one-trick, 2 seeds, and a --kl-coef sweep (about 1.5 h;
 #                        needs out/sft and out/rm from `make demo`; resumes; table in out/ablation/ablation.md)
 #   make frontier        gold vs KL for PPO-max, GRPO, Dr. GRPO, RLOO, REINFORCE++, the gold-reward oracle, DPO and
-#                        best-of-N (about 1.5 h; needs `make demo`; resumes; out/frontier/frontier.md and .png)
+#                        best-of-N (about 1 h; needs `make demo`; resumes; out/frontier/frontier.md and .png)
 PYTHON ?= python3
 VENV   := .venv
 PY     ?= $(VENV)/bin/python
