@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import add_lora, lora_layers, merge_lora, merged_state_dict
+from model import BaseView, add_lora, lora_layers, merge_lora, merged_state_dict
 
 
 class UserError(Exception):
@@ -250,17 +250,24 @@ def model_state(model: torch.nn.Module, key: str = "model") -> dict:
     and with LoRA `<key>_lora` = the trainable parameters (adapters, scalar head), which a resume loads onto the base
     rebuilt from --init: the base is never re-derived from merged weights, so the resume is exact. Under --fsdp every
     rank must call it (the shards are gathered); rank 0 gets the entries, the others empty ones."""
-    state = None
     if isinstance(model, FSDPModule):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not state:  # not rank 0
             return {}
+    else:
+        state = model.state_dict()
     entries = {key: merged_state_dict(model, state)}
     if lora_layers(model):
-        state = model.state_dict() if state is None else state
         trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         entries[f"{key}_lora"] = {name: value.detach() for name, value in state.items() if name in trainable}
     return entries
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, key: str = "model") -> dict:
+    """model_state plus the optimizer's state (`optimizer` for the model, `<key>_optimizer` for another key, e.g.
+    critic_optimizer): what a checkpoint holds of one trained model. Every rank calls it under --fsdp."""
+    optimizer_key = "optimizer" if key == "model" else f"{key}_optimizer"
+    return model_state(model, key) | {optimizer_key: optimizer_state(model, optimizer)}
 
 
 def load_model_state(model: torch.nn.Module, ckpt: dict, key: str = "model") -> None:
@@ -328,6 +335,15 @@ def shard_model(model: torch.nn.Module, d: Dist, dtype: torch.dtype) -> torch.nn
         if isinstance(module, FSDPModule):
             module.reshard()
     return model
+
+
+def place_model(model: torch.nn.Module, args: CommonArgs, d: Dist, dtype: torch.dtype) -> None:
+    """The model onto the device: under --fsdp sharded block by block (a whole model is never there), else moved
+    whole. A LoRA BaseView moves only its own head: its base is placed as a model of its own."""
+    if args.fsdp and not isinstance(model, BaseView):
+        shard_model(model, d, dtype)
+    else:
+        model.to(d.device)
 
 
 @contextmanager

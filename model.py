@@ -312,8 +312,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 class BaseView(nn.Module):
     """The frozen base under a LoRA-adapted model, as a module of its own, without a second copy of its weights: PPO's
-    reference is BaseView(actor), its reward model BaseView(critic, the RM's own score head). forward and generate run
-    the shared model with its adapters off (and this view's scalar head in place of the model's)."""
+    reference is BaseView(actor), its reward model BaseView(critic, the RM's own score head). forward runs the shared
+    model with its adapters off (and this view's scalar head in place of the model's)."""
 
     def __init__(self, model: nn.Module, score_head: nn.Module | None = None):
         super().__init__()
@@ -336,13 +336,6 @@ class BaseView(nn.Module):
     def forward(self, *args, **kwargs):
         with self._base() as model:
             return model(*args, **kwargs)
-
-    def generate(self, *args, **kwargs):
-        with self._base() as model:
-            return model.generate(*args, **kwargs)
-
-    def flops_per_token(self, T: int) -> int:
-        return self.shared[0].flops_per_token(T)
 
 
 class GPT(nn.Module):

@@ -264,11 +264,8 @@ def main(args: Args) -> None:
         f"label_smoothing {args.label_smoothing:g} nll_coef {args.nll_coef:g} | device {d.device} {dtype}"
     )
     ref.eval()
-    for module in (model, ref):
-        if args.fsdp and not isinstance(module, BaseView):  # block by block onto the device
-            common.shard_model(module, d, dtype)
-        else:
-            module.to(d.device)
+    common.place_model(model, args, d, dtype)
+    common.place_model(ref, args, d, dtype)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
     order = Order(len(train), args.seed)  # the global record order, the same on every rank
@@ -292,19 +289,17 @@ def main(args: Args) -> None:
 
     def save(step: int) -> None:
         rngs = common.all_rng_states(sampler)
-        weights = common.model_state(raw_model)  # under --fsdp every rank gathers; rank 0 saves
-        optimizer_state = common.optimizer_state(raw_model, optimizer)
+        state = common.training_state(raw_model, optimizer)  # under --fsdp every rank gathers; rank 0 saves
         if d.master:
             common.save_checkpoint(
                 dict(
                     kind="dpo",
-                    **weights,
+                    **state,
                     model_config=asdict(raw_model.config),
                     init_hash=init_hash,
                     tokenizer=tok.state(),
                     args=asdict(args),
                     step=step,
-                    optimizer=optimizer_state,
                     scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps, min_lr_ratio=0.0),
                     rng=rngs,
                     data_state=dict(order=order.state_dict(), skipped=guard.skipped),

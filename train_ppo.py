@@ -1137,12 +1137,7 @@ def main(args: Args) -> None:
         if model is None:
             continue
         model.eval()  # eval mode always: dropout off in all four models
-        # --fsdp shards every model, trained or frozen, block by block onto the device (a LoRA view shares its
-        # base's shards and moves only its own head)
-        if args.fsdp and not isinstance(model, BaseView):
-            common.shard_model(model, d, dtype)
-        else:
-            model.to(d.device)
+        common.place_model(model, args, d, dtype)  # --fsdp shards the frozen models too
     actor_optimizer = actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     critic_optimizer = None
     if critic is not None:
@@ -1207,11 +1202,8 @@ def main(args: Args) -> None:
     def save(step: int) -> None:
         rng_states = common.all_rng_states(sampler)
         # under --fsdp every rank gathers the weights and optimizer states; rank 0 saves
-        actor_state = common.model_state(actor) | {"optimizer": common.optimizer_state(actor, actor_optimizer)}
-        critic_state = {}
-        if critic is not None:
-            critic_state = common.model_state(critic, "critic")
-            critic_state["critic_optimizer"] = common.optimizer_state(critic, critic_optimizer)
+        actor_state = common.training_state(actor, actor_optimizer)
+        critic_state = common.training_state(critic, critic_optimizer, "critic") if critic is not None else {}
         if not d.master:
             return
         schedule = dict(warmup_steps=args.warmup_steps, max_steps=max_steps, delay=args.critic_warmup_steps)

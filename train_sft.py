@@ -161,10 +161,7 @@ def main(args: Args) -> None:
         f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | device {d.device} {dtype}"
     )
     common.prepare_model(model, args)
-    if args.fsdp:  # block by block onto the device: a whole model is never there
-        common.shard_model(model, d, dtype)
-    else:
-        model.to(d.device)
+    common.place_model(model, args, d, dtype)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
     order = Order(len(train), args.seed)  # the global sample order, the same on every rank
@@ -188,19 +185,17 @@ def main(args: Args) -> None:
 
     def save(step: int) -> None:
         rngs = common.all_rng_states(sampler)
-        weights = common.model_state(raw_model)  # under --fsdp every rank gathers; rank 0 saves
-        optimizer_state = common.optimizer_state(raw_model, optimizer)
+        state = common.training_state(raw_model, optimizer)  # under --fsdp every rank gathers; rank 0 saves
         if d.master:
             common.save_checkpoint(
                 dict(
                     kind="sft",
-                    **weights,
+                    **state,
                     model_config=asdict(raw_model.config),
                     init_hash=init_hash,
                     tokenizer=tok.state(),
                     args=asdict(args),
                     step=step,
-                    optimizer=optimizer_state,
                     scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps),
                     rng=rngs,
                     data_state=dict(order=order.state_dict(), skipped=guard.skipped),
