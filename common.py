@@ -69,8 +69,9 @@ class CommonArgs:
     lora_alpha: float = 16.0
     """LoRA scale alpha: the update is (alpha / rank) B A"""
     lora_targets: Optional[list[str]] = None
-    """the linear layers LoRA adapts, by last name part (GPT: c_attn c_proj c_fc; Llama: q_proj k_proj v_proj o_proj
-    gate_proj up_proj down_proj); None: every linear layer but the heads"""
+    """the modules LoRA adapts, by last name part: linear layers (GPT: c_attn c_proj c_fc; Llama: q_proj k_proj v_proj
+    o_proj gate_proj up_proj down_proj) and the token embedding (GPT: wte, Llama: embed_tokens; a tied LM head shares
+    its adapter, its base stays frozen); None: every linear layer but the heads"""
     max_steps: Optional[int] = None
     """stop after this many steps (optimizer steps in SFT/RM, iterations in PPO); None: the stage's default schedule"""
     save_every: int = 0

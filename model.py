@@ -212,23 +212,28 @@ def score_seqs(model, seqs: list[list[int]], pad_id: int, batch_size: int, devic
     return out
 
 
-# --- LoRA (Hu et al. 2021): low-rank adapters on the linear layers, base frozen, written here (no peft)
+# --- LoRA (Hu et al. 2021): low-rank adapters on linear layers and the embedding, base frozen, written here (no peft)
+
+
+def lora_pair(base: Tensor, rank: int) -> tuple[nn.Parameter, nn.Parameter]:
+    """Adapters for a base weight (out, in): A (r, in) initialised like an nn.Linear's weight and B (out, r) at zero,
+    so B A = 0 and an adapted model starts equal to its base."""
+    lora_a = nn.Parameter(torch.empty(rank, base.shape[1], device=base.device, dtype=base.dtype))
+    lora_b = nn.Parameter(torch.zeros(base.shape[0], rank, device=base.device, dtype=base.dtype))
+    nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5))  # nn.Linear's own init
+    return lora_a, lora_b
 
 
 class LoRALinear(nn.Linear):
-    """nn.Linear plus a low-rank update: y = x Wᵀ + b + (alpha / r) · x Aᵀ Bᵀ. A (r, in) starts like a Linear's
-    weight and B (out, r) at zero, so an adapted model starts equal to its base. With lora_enabled False it is the base
-    alone (PPO's reference is the actor with its adapters off). It is an nn.Linear: weight and bias keep their names,
-    and the adapters add `lora_a`, `lora_b` beside them."""
+    """nn.Linear plus a low-rank update: y = x Wᵀ + b + (alpha / r) · x Aᵀ Bᵀ, with A and B from lora_pair. With
+    lora_enabled False it is the base alone (PPO's reference is the actor with its adapters off). It is an nn.Linear:
+    weight and bias keep their names, and the adapters add `lora_a`, `lora_b` beside them."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float):
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
         self.weight = base.weight  # the base's own tensors: no copy
         self.bias = base.bias
-        like = dict(device=base.weight.device, dtype=base.weight.dtype)
-        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, **like))
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, **like))
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # nn.Linear's own init
+        self.lora_a, self.lora_b = lora_pair(base.weight, rank)
         self.scaling = alpha / rank
         self.lora_enabled = True
 
@@ -243,32 +248,62 @@ class LoRALinear(nn.Linear):
         return self.weight + delta.to(self.weight.dtype)
 
 
-HEAD_NAMES = ("lm_head", "score_head", "score")  # never adapted: the LM head is tied to wte, scalar heads train whole
+class LoRAEmbedding(nn.Embedding):
+    """nn.Embedding plus a low-rank update of its table (num, dim): E + (alpha / r) · B A, A and B from lora_pair.
+    When the LM head is tied to this table (GPT: lm_head.weight is wte.weight), pass the head's LoRALinear as `tied`:
+    the two share A and B, so the input and output embeddings move together and stay one matrix when merged."""
+
+    def __init__(self, base: nn.Embedding, rank: int, alpha: float, tied: LoRALinear | None = None):
+        super().__init__(base.num_embeddings, base.embedding_dim, padding_idx=base.padding_idx, device="meta")
+        self.weight = base.weight
+        if tied is not None:
+            self.lora_a, self.lora_b = tied.lora_a, tied.lora_b  # the same Parameters: one adapter, two uses
+        else:
+            self.lora_a, self.lora_b = lora_pair(base.weight, rank)
+        self.scaling = alpha / rank
+        self.lora_enabled = True
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = super().forward(idx)
+        if not self.lora_enabled:
+            return x
+        return x + F.embedding(idx, self.lora_b) @ self.lora_a * self.scaling
+
+    merged_weight = LoRALinear.merged_weight
+
+
+HEAD_NAMES = ("lm_head", "score_head", "score")  # adapted only through a tied embedding target; scalar heads train
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | None = None) -> list[str]:
-    """Replace the model's linear layers by LoRALinear in place and freeze everything but the adapters and the scalar
-    head: targets = the layers' last name parts (GPT: c_attn, c_proj, c_fc; Llama: q_proj, ..., down_proj), None =
-    every nn.Linear outside the heads. Returns the adapted layers' names; no match is a ValueError."""
+    """Put adapters on the model in place and freeze everything but them and the scalar head. targets = the modules'
+    last name parts: linear layers (GPT: c_attn, c_proj, c_fc; Llama: q_proj, ..., down_proj) or the token embedding
+    (GPT: wte; Llama: embed_tokens), whose tied LM head then shares its adapter; None = every nn.Linear outside the
+    heads. Returns the adapted modules' names; no match is a ValueError."""
     adapted = []
     for name, module in list(model.named_modules()):
         last = name.rsplit(".", 1)[-1]
-        if type(module) is not nn.Linear or last in HEAD_NAMES:
-            continue
-        if targets is not None and last not in targets:
-            continue
-        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        setattr(parent, last, LoRALinear(module, rank, alpha))
-        adapted.append(name)
+        if type(module) is nn.Embedding and targets is not None and last in targets:
+            head = None
+            for head_name, other in list(model.named_modules()):
+                if type(other) is nn.Linear and other.weight is module.weight:  # tied LM head
+                    head = LoRALinear(other, rank, alpha)
+                    model.set_submodule(head_name, head)
+                    adapted.append(head_name)
+            model.set_submodule(name, LoRAEmbedding(module, rank, alpha, tied=head))
+            adapted.append(name)
+        elif type(module) is nn.Linear and last not in HEAD_NAMES and (targets is None or last in targets):
+            model.set_submodule(name, LoRALinear(module, rank, alpha))
+            adapted.append(name)
     if not adapted:
-        raise ValueError(f"no linear layer matches the LoRA targets {targets}")
+        raise ValueError(f"no linear layer or embedding matches the LoRA targets {targets}")
     for name, parameter in model.named_parameters():
         parameter.requires_grad_("lora_" in name or name.startswith("score_head."))
     return adapted
 
 
-def lora_layers(model: nn.Module) -> list[LoRALinear]:
-    return [module for module in model.modules() if isinstance(module, LoRALinear)]
+def lora_layers(model: nn.Module) -> list[LoRALinear | LoRAEmbedding]:
+    return [module for module in model.modules() if isinstance(module, (LoRALinear, LoRAEmbedding))]
 
 
 @contextmanager
@@ -289,24 +324,34 @@ def merged_state_dict(model: nn.Module, state: dict | None = None) -> dict:
     dropped. What checkpoints store as `model`, so later stages, eval.py and export_hf see merged weights. state: the
     model's full state dict if gathered elsewhere (FSDP2), else model.state_dict()."""
     state = dict(model.state_dict() if state is None else state)
+    merged = {}  # base weight's storage -> merged weight: a tied embedding and LM head stay one tensor
     for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
+        if isinstance(module, (LoRALinear, LoRAEmbedding)):
             lora_a, lora_b = state.pop(f"{name}.lora_a"), state.pop(f"{name}.lora_b")
             weight = state[f"{name}.weight"]
-            state[f"{name}.weight"] = (weight + (lora_b @ lora_a).to(weight.dtype) * module.scaling).detach()
+            if weight.data_ptr() not in merged:
+                merged[weight.data_ptr()] = (weight + (lora_b @ lora_a).to(weight.dtype) * module.scaling).detach()
+            state[f"{name}.weight"] = merged[weight.data_ptr()]
     return state
 
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its weight and put a plain nn.Linear back in its place (in place; returns the model)."""
+    """Fold every adapter into its weight and put a plain nn.Linear or nn.Embedding back in its place (in place;
+    returns the model). A tied embedding and LM head get one merged weight, still tied."""
+    merged = {}  # id(base weight) -> merged Parameter
     for name, module in list(model.named_modules()):
+        if not isinstance(module, (LoRALinear, LoRAEmbedding)):
+            continue
+        if id(module.weight) not in merged:
+            merged[id(module.weight)] = nn.Parameter(module.merged_weight(), requires_grad=False)
         if isinstance(module, LoRALinear):
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-            plain.weight = nn.Parameter(module.merged_weight(), requires_grad=False)
             plain.bias = module.bias
-            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-            setattr(parent, name.rsplit(".", 1)[-1], plain)
+        else:
+            plain = nn.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx, device="meta")
+        plain.weight = merged[id(module.weight)]
+        model.set_submodule(name, plain)
     return model
 
 

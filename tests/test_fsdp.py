@@ -68,7 +68,9 @@ def test_sft_fsdp_equals_one_process_and_resumes_after_sigkill(tmp_path, task_di
     assert isinstance(resumed["optimizer"]["param_groups"][0]["params"][0], str)
 
 
-@pytest.mark.parametrize("extra", ["", "--lora-rank 4 --dtype bfloat16"], ids=["fp32", "lora_bf16"])
+@pytest.mark.parametrize(
+    "extra", ["", "--lora-rank 4 --lora-targets c_attn wte --dtype bfloat16"], ids=["fp32", "lora_bf16"]
+)
 def test_every_stage_runs_sharded(tmp_path, task_dir, tiny_ckpts, extra):
     """RM, DPO and PPO (gae with a critic; grpo critic-free) under --fsdp on 2 ranks, full precision, and with LoRA
     under bf16 mixed precision (FSDP2's MixedPrecisionPolicy); each checkpoint loads in one process."""

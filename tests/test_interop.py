@@ -256,13 +256,17 @@ def test_llama_chain_sft_rm_ppo(tmp_path, llama_dir, user_data):
 
 
 def test_llama_chain_with_lora_and_grad_ckpt(tmp_path, llama_dir, user_data):
-    """--lora-rank and --grad-ckpt on the Hugging Face adapter through SFT, RM and PPO: adapters on q/k/v/o and the
-    MLP projections, checkpoints with merged weights (plain adapter models load them) and the adapters beside them,
-    and the exports merged."""
-    ckpts = run_chain(tmp_path, f"hf:{llama_dir}", user_data, lora_rank=2, lora_alpha=4, grad_ckpt=True)
+    """--lora-rank and --grad-ckpt on the Hugging Face adapter through SFT, RM and PPO: adapters on q/k/v/o, the MLP
+    projections and the (untied) token embedding, checkpoints with merged weights (plain adapter models load them)
+    and the adapters beside them, and the exports merged."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"]
+    ckpts = run_chain(
+        tmp_path, f"hf:{llama_dir}", user_data, lora_rank=2, lora_alpha=4, lora_targets=targets, grad_ckpt=True
+    )
     for stage in ("sft", "rm", "ppo"):
         adapters = ckpts[stage]["model_lora"]
         assert any(name.endswith("q_proj.lora_a") for name in adapters), stage
+        assert any(name.endswith("embed_tokens.lora_b") for name in adapters), stage
         assert not any("lora_" in name for name in ckpts[stage]["model"]), stage
     assert any(name.endswith("lora_b") for name in ckpts["ppo"]["critic_lora"])
     sft, policy = (model_from_checkpoint(ckpts[s]).eval() for s in ("sft", "ppo"))

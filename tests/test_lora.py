@@ -11,7 +11,17 @@ import common
 import hf
 import train_ppo
 import train_sft
-from model import GPT, BaseView, GPTConfig, LoRALinear, add_lora, lora_disabled, merge_lora, merged_state_dict
+from model import (
+    GPT,
+    BaseView,
+    GPTConfig,
+    LoRAEmbedding,
+    LoRALinear,
+    add_lora,
+    lora_disabled,
+    merge_lora,
+    merged_state_dict,
+)
 
 CFG = GPTConfig(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=16)
 
@@ -69,6 +79,59 @@ def test_lora_shares_the_base_tensors_and_targets_by_name():
     assert not isinstance(model.transformer.h[0].mlp.c_fc, LoRALinear)
     with pytest.raises(ValueError, match="no linear layer"):
         add_lora(GPT(CFG), rank=2, alpha=2, targets=["q_proj"])
+
+
+def test_embedding_adapter_is_shared_with_the_tied_lm_head():
+    """--lora-targets wte: one low-rank update of the tied table, E + s B A, for the input embedding and the LM head
+    alike; checked against a plain GPT given that table by hand, and merged it stays one tied matrix."""
+    torch.manual_seed(2)
+    model = GPT(CFG).double()
+    table = model.transformer.wte.weight
+    adapted = add_lora(model, rank=3, alpha=6, targets=["wte"])
+    assert adapted == ["lm_head", "transformer.wte"]
+    wte, head = model.transformer.wte, model.lm_head
+    assert isinstance(wte, LoRAEmbedding) and isinstance(head, LoRALinear)
+    assert wte.weight is table and head.weight is table and not table.requires_grad  # the base: shared and frozen
+    assert wte.lora_a is head.lora_a and wte.lora_b is head.lora_b  # one adapter
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable == ["transformer.wte.lora_a", "transformer.wte.lora_b"]
+    randomize_adapters(model)
+    idx = torch.randint(0, 50, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[2, :5] = 0
+    logits, _ = model(idx, mask)
+    reference = GPT(CFG).double()
+    reference.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad():
+        reference.transformer.wte.weight.copy_(table + 2.0 * wte.lora_b @ wte.lora_a)  # tied: the head moves too
+    assert torch.allclose(logits, reference(idx, mask)[0], atol=1e-10)
+    with lora_disabled(model):
+        reference.transformer.wte.weight.data.copy_(table)
+        assert torch.equal(model(idx, mask)[0], reference(idx, mask)[0])
+    state = merged_state_dict(model)
+    assert state["lm_head.weight"] is state["transformer.wte.weight"]  # one tensor in the checkpoint
+    plain = GPT(CFG).double()
+    plain.load_state_dict(state)
+    assert torch.allclose(plain(idx, mask)[0], logits, atol=1e-10)
+    merge_lora(model)
+    assert type(model.transformer.wte) is torch.nn.Embedding and model.lm_head.weight is model.transformer.wte.weight
+    assert torch.allclose(model(idx, mask)[0], logits, atol=1e-10)
+
+
+def test_untied_embedding_adapter(llama_dir):
+    """Llama's embed_tokens is not tied to its head: its adapter is its own, and the head stays frozen and plain."""
+    torch.manual_seed(3)
+    model = hf.HFCausalLM.from_pretrained(llama_dir).double()
+    base = copy.deepcopy(model)
+    assert add_lora(model, rank=2, alpha=4, targets=["embed_tokens"]) == ["hf.model.embed_tokens"]
+    assert type(model.hf.lm_head) is torch.nn.Linear and not model.hf.lm_head.weight.requires_grad
+    randomize_adapters(model)
+    idx = torch.randint(3, 50, (2, 9))
+    logits, _ = model(idx)
+    assert (logits - base(idx)[0]).abs().max() > 1e-3
+    plain = copy.deepcopy(base)
+    plain.load_state_dict(merged_state_dict(model))
+    assert torch.allclose(plain(idx)[0], logits, atol=1e-10)
 
 
 def test_base_view_is_the_base_with_its_own_head():

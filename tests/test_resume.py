@@ -153,8 +153,9 @@ CRITIC_FREE_FLAGS = (
 )
 
 
-# LoRA on actor and critic (the reference and the RM are their bases), with activation checkpointing
-LORA_FLAGS = "--lora-rank 4 --lora-alpha 8 --grad-ckpt"
+# LoRA on actor and critic (the reference and the RM are their bases), the tied embedding adapter among them, with
+# activation checkpointing
+LORA_FLAGS = "--lora-rank 4 --lora-alpha 8 --lora-targets c_attn c_proj c_fc wte --grad-ckpt"
 
 
 # DAPO's dynamic sampling: the tiny random policy seldom ends a response, so most groups score the missing-EOS
