@@ -20,7 +20,7 @@ import train_ppo
 import train_rm
 import train_sft
 from hf import HFCausalLM, model_from_checkpoint
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, add_lora
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -258,7 +258,7 @@ def test_llama_chain_sft_rm_ppo(tmp_path, llama_dir, user_data):
 def test_llama_chain_with_lora_and_grad_ckpt(tmp_path, llama_dir, user_data):
     """--lora-rank and --grad-ckpt on the Hugging Face adapter through SFT, RM and PPO: adapters on q/k/v/o, the MLP
     projections and the (untied) token embedding, checkpoints with merged weights (plain adapter models load them)
-    and the adapters beside them, and the exports merged."""
+    and the adapters beside them, and an export with the unmerged actor's logits."""
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"]
     ckpts = run_chain(
         tmp_path, f"hf:{llama_dir}", user_data, lora_rank=2, lora_alpha=4, lora_targets=targets, grad_ckpt=True
@@ -273,8 +273,15 @@ def test_llama_chain_with_lora_and_grad_ckpt(tmp_path, llama_dir, user_data):
     idx = torch.randint(3, 83, (2, 7))
     with torch.no_grad():
         assert (sft(idx)[0] - policy(idx)[0]).abs().max() > 0  # the adapters moved the actor
-    exported = json.load(open(tmp_path / "hf_policy" / "config.json"))
-    assert exported["model_type"] == "llama"
+    # the merged export against the unmerged actor: the SFT model (PPO's base) with PPO's adapters on it
+    from transformers import AutoModelForCausalLM
+
+    add_lora(sft, rank=2, alpha=4, targets=targets)
+    sft.load_state_dict(ckpts["ppo"]["model_lora"], strict=False)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_policy").eval()
+    assert exported.config.model_type == "llama"
+    with torch.no_grad():
+        assert (sft(idx)[0] - exported(idx).logits).abs().max() <= 1e-4
 
 
 def test_gpt2_chain_then_export(tmp_path, gpt2_dir, user_data):

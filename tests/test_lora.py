@@ -186,8 +186,9 @@ def test_grad_ckpt_gives_the_same_loss_and_gradients(make, llama_dir):
 
 
 def test_sft_lora_checkpoint_holds_merged_weights_and_resumes(tmp_path, task_dir, tiny_ckpts):
-    """SFT with --lora-rank: `model` is the merged full state dict (a later stage loads it as any), `model_lora` the
-    adapters; --resume continues on the base rebuilt from --init."""
+    """SFT with --lora-rank, the tied embedding among the targets: `model` is the merged full state dict (a later
+    stage loads it as any), `model_lora` the adapters; the --export-hf folder gives the unmerged model's logits;
+    --resume continues on the base rebuilt from --init."""
     args = train_sft.Args(
         out_dir=str(tmp_path / "lora"),
         task_dir=task_dir,
@@ -203,17 +204,29 @@ def test_sft_lora_checkpoint_holds_merged_weights_and_resumes(tmp_path, task_dir
         lr=1e-2,
         lora_rank=4,
         lora_alpha=8,
+        lora_targets=["c_attn", "c_proj", "c_fc", "wte"],
         save_every=1,
     )
-    train_sft.main(args)
+    train_sft.main(replace(args, export_hf=str(tmp_path / "hf")))
     ckpt = torch.load(tmp_path / "lora" / "ckpt.pt", weights_only=False)
     assert not any("lora_" in key for key in ckpt["model"])
     assert ckpt["model_lora"] and all("lora_" in key for key in ckpt["model_lora"])
     init = torch.load(tiny_ckpts[0], weights_only=False)["model"]
     moved = [key for key in init if not torch.equal(init[key], ckpt["model"][key])]
-    assert moved and all(key.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) for key in moved)
+    targets = ("c_attn.weight", "c_proj.weight", "c_fc.weight", "wte.weight", "lm_head.weight")
+    assert "transformer.wte.weight" in moved and all(key.endswith(targets) for key in moved)
     model = hf.model_from_checkpoint(ckpt)  # the plain loader: merged weights
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    # the export (merged) against the unmerged model: the base from --init with the checkpoint's adapters
+    from transformers import AutoModelForCausalLM
+
+    unmerged = hf.model_from_checkpoint(tiny_ckpts[0])
+    add_lora(unmerged, rank=4, alpha=8, targets=args.lora_targets)
+    unmerged.load_state_dict(ckpt["model_lora"], strict=False)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, unmerged.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert (unmerged(idx)[0] - exported(idx).logits).abs().max() <= 1e-4
     # 2 steps, then --resume to 4: the same adapters as the straight run
     train_sft.main(replace(args, out_dir=str(tmp_path / "split"), max_steps=2))
     os.remove(tmp_path / "split" / "samples.jsonl")
