@@ -55,12 +55,14 @@ PY
 fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = scale ]; then
-  # issue #16: LoRA (reference and RM as views of the actor's and critic's bases, --grad-ckpt), then --fsdp on one
-  # rank under bf16 (MixedPrecisionPolicy; --compile auto compiles there too); peak memory of each
+  # issue #16: LoRA (reference and RM as views of the actor's and critic's bases, the tied embedding adapter among the
+  # targets, --grad-ckpt), then --fsdp on one rank under bf16 (MixedPrecisionPolicy; --compile auto compiles there
+  # too); peak memory of each
   rm -rf "$OUT/ppo_lora" "$OUT/ppo_fsdp"
   PPO_SCALE="--sft-ckpt $OUT/sft/ckpt.pt --rm-ckpt $OUT/rm/ckpt.pt --max-steps 10 --rollout-batch-size 256 \
       --micro-batch-size 64 --log-every 5 --sample-every 10"
-  $PY train_ppo.py $COMMON --out-dir $OUT/ppo_lora $PPO_SCALE --lora-rank 8 --grad-ckpt
+  $PY train_ppo.py $COMMON --out-dir $OUT/ppo_lora $PPO_SCALE --lora-rank 8 --lora-targets c_attn c_proj c_fc wte \
+      --grad-ckpt
   $PY -m torch.distributed.run --standalone --nproc_per_node 1 train_ppo.py $COMMON --out-dir $OUT/ppo_fsdp \
       $PPO_SCALE --fsdp
   $PY eval.py --device cuda --task-dir $OUT/data --policy $OUT/ppo_lora/ckpt.pt $OUT/ppo_fsdp/ckpt.pt \
