@@ -8,8 +8,10 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
+import uuid
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from typing import Callable, Literal, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -138,8 +141,8 @@ def run_main(main: Callable, args) -> None:
 
 def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
     """Called by every stage before any work: a fresh run (no --resume) refuses an out_dir that holds ckpt.pt, unless
-    --overwrite, which deletes its ckpt.pt, samples.jsonl and old TensorBoard event files (rank 0; before any process
-    group, so the other ranks only check)."""
+    --overwrite, which deletes its ckpt.pt, samples.jsonl, old TensorBoard event files and sharded optimizer folders
+    (rank 0; before any process group, so the other ranks only check)."""
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     if resume or not os.path.exists(ckpt_path):
         return
@@ -150,6 +153,8 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
     for name in os.listdir(out_dir):
         if name.startswith("events.out.tfevents.") or name in ("samples.jsonl", "ckpt.pt"):
             os.remove(os.path.join(out_dir, name))
+        elif name.endswith(".dcp"):
+            shutil.rmtree(os.path.join(out_dir, name))
 
 
 # -----------------------------------------------------------------------------
@@ -264,11 +269,11 @@ def model_state(model: torch.nn.Module, key: str = "model") -> dict:
     return entries
 
 
-def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, key: str = "model") -> dict:
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out_dir: str, key: str = "model") -> dict:
     """model_state plus the optimizer's state (`optimizer` for the model, `<key>_optimizer` for another key, e.g.
-    critic_optimizer): what a checkpoint holds of one trained model. Every rank calls it under --fsdp."""
+    critic_optimizer): what a checkpoint in out_dir holds of one trained model. Every rank calls it under --fsdp."""
     optimizer_key = "optimizer" if key == "model" else f"{key}_optimizer"
-    return model_state(model, key) | {optimizer_key: optimizer_state(model, optimizer)}
+    return model_state(model, key) | {optimizer_key: optimizer_state(model, optimizer, out_dir, optimizer_key)}
 
 
 def load_model_state(model: torch.nn.Module, ckpt: dict, key: str = "model") -> None:
@@ -287,24 +292,32 @@ def load_model_state(model: torch.nn.Module, ckpt: dict, key: str = "model") -> 
         raise UserError("--resume: the checkpoint's adapters do not match --lora-rank/--lora-targets")
 
 
-def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's state for the checkpoint; under --fsdp gathered in full, keyed by parameter name (every rank
-    calls it; rank 0 gets it). A gathered optimizer is fine up to a few B parameters on one host."""
-    if isinstance(model, FSDPModule):
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(model, optimizer, options=options)
-    return optimizer.state_dict()
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out_dir: str, name: str) -> dict:
+    """The optimizer's state for a checkpoint in out_dir. Under --fsdp every rank writes its own shard with DCP into a
+    new folder beside ckpt.pt (a 7 B model's gathered optimizer state would not fit one host) and the entry is
+    {"dcp": the folder's name}; save_checkpoint removes the folders that the new ckpt.pt no longer names."""
+    if not isinstance(model, FSDPModule):
+        return optimizer.state_dict()
+    folder = [f"{name}.{uuid.uuid4().hex[:12]}.dcp"]  # a fresh name: the folder ckpt.pt names now stays whole
+    dist.broadcast_object_list(folder, src=0)
+    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=os.path.join(out_dir, folder[0]))
+    return {"dcp": folder[0]}
 
 
-def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, ckpt_dir: str) -> None:
+    """The inverse of optimizer_state; ckpt_dir: the folder of the checkpoint that holds `state`."""
     sharded = isinstance(model, FSDPModule)
-    saved_sharded = bool(state["param_groups"]) and isinstance(state["param_groups"][0]["params"][0], str)
-    if sharded != saved_sharded:
-        raise UserError(f"--resume: the checkpoint was saved {'with' if saved_sharded else 'without'} --fsdp")
-    if sharded:
-        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-    else:
+    if sharded != ("dcp" in state):
+        raise UserError(f"--resume: the checkpoint was saved {'with' if 'dcp' in state else 'without'} --fsdp")
+    if not sharded:
         optimizer.load_state_dict(state)
+        return
+    folder = os.path.join(ckpt_dir, state["dcp"])
+    if not os.path.isdir(folder):
+        raise UserError(f"--resume: {folder}, the sharded optimizer state beside the checkpoint, is missing")
+    sharded_state = get_optimizer_state_dict(model, optimizer)  # the layout DCP loads into, shard by shard
+    dcp.load(sharded_state, checkpoint_id=folder)
+    set_optimizer_state_dict(model, optimizer, sharded_state)
 
 
 def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -491,7 +504,7 @@ def resume(path: str, kind: str, d: Dist, max_steps: int, inputs: dict, model, o
     states; returns it for the stage's own keys (step, seconds, data_state, ...)."""
     ckpt = load_resume(path, kind, d.world_size, max_steps, inputs)
     load_model_state(model, ckpt)
-    load_optimizer_state(model, optimizer, ckpt["optimizer"])
+    load_optimizer_state(model, optimizer, ckpt["optimizer"], os.path.dirname(path))
     set_rng_state(ckpt["rng"][d.rank], generator)
     print0(f"resumed from {path} at step {ckpt['step']}")
     return ckpt
@@ -511,6 +524,11 @@ def save_checkpoint(obj: dict, path: str) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+    # sharded optimizer folders (optimizer_state under --fsdp) that the new checkpoint does not name
+    named = {entry["dcp"] for entry in obj.values() if isinstance(entry, dict) and "dcp" in entry}
+    for name in os.listdir(os.path.dirname(path) or "."):
+        if name.endswith(".dcp") and name not in named:
+            shutil.rmtree(os.path.join(os.path.dirname(path) or ".", name), ignore_errors=True)
 
 
 def load_checkpoint(path: str, kind: Optional[str | tuple] = None, flag: str = "--init") -> dict:

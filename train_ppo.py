@@ -1161,10 +1161,10 @@ def main(args: Args) -> None:
         inputs = {"sft_hash": ("--sft-ckpt", hashes["sft_hash"]), "rm_hash": ("--rm-ckpt", hashes["rm_hash"])}
         ckpt = common.load_resume(ckpt_path, "ppo", d.world_size, max_steps, inputs)
         common.load_model_state(actor, ckpt)
-        common.load_optimizer_state(actor, actor_optimizer, ckpt["optimizer"])
+        common.load_optimizer_state(actor, actor_optimizer, ckpt["optimizer"], args.out_dir)
         if critic is not None:
             common.load_model_state(critic, ckpt, "critic")
-            common.load_optimizer_state(critic, critic_optimizer, ckpt["critic_optimizer"])
+            common.load_optimizer_state(critic, critic_optimizer, ckpt["critic_optimizer"], args.out_dir)
         reward_moments.load_state_dict(ckpt["reward_moments"])
         kl_controller.load_state_dict(ckpt["kl_ctl"])
         data_state = ckpt["data_state"]
@@ -1201,9 +1201,11 @@ def main(args: Args) -> None:
 
     def save(step: int) -> None:
         rng_states = common.all_rng_states(sampler)
-        # under --fsdp every rank gathers the weights and optimizer states; rank 0 saves
-        actor_state = common.training_state(actor, actor_optimizer)
-        critic_state = common.training_state(critic, critic_optimizer, "critic") if critic is not None else {}
+        # under --fsdp every rank gathers the weights and saves its optimizer shards; rank 0 writes ckpt.pt
+        actor_state = common.training_state(actor, actor_optimizer, args.out_dir)
+        critic_state = (
+            common.training_state(critic, critic_optimizer, args.out_dir, "critic") if critic is not None else {}
+        )
         if not d.master:
             return
         schedule = dict(warmup_steps=args.warmup_steps, max_steps=max_steps, delay=args.critic_warmup_steps)

@@ -261,7 +261,8 @@ def main(args: Args) -> None:
         fold_score_offset(raw_model, offset)
         score_offset += offset
         rngs = common.all_rng_states()
-        state = common.training_state(raw_model, optimizer)  # under --fsdp every rank gathers; rank 0 saves
+        # under --fsdp every rank gathers the weights and saves its optimizer shard; rank 0 writes ckpt.pt
+        state = common.training_state(raw_model, optimizer, args.out_dir)
         if d.master:
             common.save_checkpoint(
                 dict(

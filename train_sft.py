@@ -185,7 +185,8 @@ def main(args: Args) -> None:
 
     def save(step: int) -> None:
         rngs = common.all_rng_states(sampler)
-        state = common.training_state(raw_model, optimizer)  # under --fsdp every rank gathers; rank 0 saves
+        # under --fsdp every rank gathers the weights and saves its optimizer shard; rank 0 writes ckpt.pt
+        state = common.training_state(raw_model, optimizer, args.out_dir)
         if d.master:
             common.save_checkpoint(
                 dict(

@@ -184,7 +184,7 @@ def probe(sft: str, rm: str, task_dir: str, out_dir: str, fsdp: bool, lora: bool
 
     train_ppo.hf.model_from_checkpoint = first_build
     common.model_state = lambda model, key="model": {}
-    common.optimizer_state = lambda model, optimizer: {}
+    common.optimizer_state = lambda *args: {}
     args = train_ppo.Args(
         sft_ckpt=sft,
         rm_ckpt=rm,

@@ -64,8 +64,11 @@ def test_sft_fsdp_equals_one_process_and_resumes_after_sigkill(tmp_path, task_di
     resumed = torch.load(ckpt, weights_only=False)
     assert resumed["step"] == 30
     assert_close(resumed["model"], sharded, atol=1e-6)
-    # the optimizer was saved gathered, keyed by parameter name
-    assert isinstance(resumed["optimizer"]["param_groups"][0]["params"][0], str)
+    # the optimizer state: one shard per rank in a DCP folder beside ckpt.pt, the only one left (the older ones and
+    # any the kill cut short are gone)
+    folder = resumed["optimizer"]["dcp"]
+    assert sorted(os.listdir(tmp_path / "killed" / folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert [name for name in os.listdir(tmp_path / "killed") if name.endswith(".dcp")] == [folder]
 
 
 @pytest.mark.parametrize(
@@ -90,6 +93,11 @@ def test_every_stage_runs_sharded(tmp_path, task_dir, tiny_ckpts, extra):
         f"--critic-warmup-steps 1 --warmup-steps 1 --log-every 1 --sample-every 1 --fsdp {extra}"
     )
     run(f"{ppo} --out-dir {tmp_path}/gae")
+    run(f"{ppo} --out-dir {tmp_path}/gae --resume --max-steps 3")  # both optimizers back from their DCP folders
+    resumed = torch.load(tmp_path / "gae" / "ckpt.pt", weights_only=False)
+    assert resumed["step"] == 3
+    folders = sorted(name for name in os.listdir(tmp_path / "gae") if name.endswith(".dcp"))
+    assert folders == sorted([resumed["optimizer"]["dcp"], resumed["critic_optimizer"]["dcp"]])
     run(f"{ppo} --out-dir {tmp_path}/grpo --adv-estimator grpo --group-size 2")
     for stage in ("rm", "dpo", "gae", "grpo"):
         ckpt = torch.load(tmp_path / stage / "ckpt.pt", weights_only=False)
