@@ -269,7 +269,7 @@ class LoRAEmbedding(nn.Embedding):
             return x
         return x + F.embedding(idx, self.lora_b) @ self.lora_a * self.scaling
 
-    merged_weight = LoRALinear.merged_weight
+    merged_weight = LoRALinear.merged_weight  # the same fold: weight + (alpha / r) B A
 
 
 HEAD_NAMES = ("lm_head", "score_head", "score")  # adapted only through a tied embedding target; scalar heads train
