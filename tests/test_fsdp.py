@@ -4,6 +4,7 @@ batch, an exact resume after SIGKILL, full-weight checkpoints any later stage lo
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -22,8 +23,11 @@ SFT_FLAGS = (
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+CAPTURE = dict(cwd=ROOT, capture_output=True, text=True, env=ENV)
+
+
 def run(cmd: str) -> None:
-    result = subprocess.run(shlex.split(cmd), cwd=ROOT, capture_output=True, text=True, env=ENV)
+    result = subprocess.run(shlex.split(cmd), **CAPTURE)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
 
 
@@ -98,6 +102,9 @@ def test_every_stage_runs_sharded(tmp_path, task_dir, tiny_ckpts, extra):
     assert resumed["step"] == 3
     folders = sorted(name for name in os.listdir(tmp_path / "gae") if name.endswith(".dcp"))
     assert folders == sorted([resumed["optimizer"]["dcp"], resumed["critic_optimizer"]["dcp"]])
+    shutil.rmtree(tmp_path / "gae" / resumed["critic_optimizer"]["dcp"])  # a checkpoint copied without its folders
+    result = subprocess.run(shlex.split(f"{ppo} --out-dir {tmp_path}/gae --resume --max-steps 4"), **CAPTURE)
+    assert result.returncode != 0 and "the sharded optimizer state beside the checkpoint, is missing" in result.stderr
     run(f"{ppo} --out-dir {tmp_path}/grpo --adv-estimator grpo --group-size 2")
     for stage in ("rm", "dpo", "gae", "grpo"):
         ckpt = torch.load(tmp_path / stage / "ckpt.pt", weights_only=False)
