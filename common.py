@@ -511,24 +511,25 @@ def resume(path: str, kind: str, d: Dist, max_steps: int, inputs: dict, model, o
 
 
 def save_checkpoint(obj: dict, path: str) -> None:
-    """Atomic save: write a temp file, fsync it, os.replace; a kill at any moment leaves the old file or the new one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    """Atomic save: write a temp file, fsync it, os.replace; a kill at any moment leaves the old file or the new one.
+    Then the sharded optimizer folders beside it (optimizer_state under --fsdp) that the new file does not name go."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    # sharded optimizer folders (optimizer_state under --fsdp) that the new checkpoint does not name
     named = {entry["dcp"] for entry in obj.values() if isinstance(entry, dict) and "dcp" in entry}
-    for name in os.listdir(os.path.dirname(path) or "."):
+    for name in os.listdir(folder):
         if name.endswith(".dcp") and name not in named:
-            shutil.rmtree(os.path.join(os.path.dirname(path) or ".", name), ignore_errors=True)
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
 def load_checkpoint(path: str, kind: Optional[str | tuple] = None, flag: str = "--init") -> dict:

@@ -284,12 +284,13 @@ def add_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | Non
     for name, module in list(model.named_modules()):
         last = name.rsplit(".", 1)[-1]
         if type(module) is nn.Embedding and targets is not None and last in targets:
+            linears = [(other_name, other) for other_name, other in model.named_modules() if type(other) is nn.Linear]
+            tied = [other_name for other_name, other in linears if other.weight is module.weight]
             head = None
-            for head_name, other in list(model.named_modules()):
-                if type(other) is nn.Linear and other.weight is module.weight:  # tied LM head
-                    head = LoRALinear(other, rank, alpha)
-                    model.set_submodule(head_name, head)
-                    adapted.append(head_name)
+            if tied:  # an LM head tied to this table shares its adapter
+                head = LoRALinear(model.get_submodule(tied[0]), rank, alpha)
+                model.set_submodule(tied[0], head)
+                adapted.append(tied[0])
             model.set_submodule(name, LoRAEmbedding(module, rank, alpha, tied=head))
             adapted.append(name)
         elif type(module) is nn.Linear and last not in HEAD_NAMES and (targets is None or last in targets):
