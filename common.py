@@ -101,6 +101,14 @@ def export_hf(model, tok, out_dir: str) -> None:
     print0(f"exported a Hugging Face model to {out_dir} (transformers' from_pretrained loads it)")
 
 
+def write_atomic(path: str, text: str) -> None:
+    """Write text to path through a temp file and os.replace: a reader never sees half of it."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def file_sha256(path: str) -> str:
     """The sha256 of a file: checkpoints record the hashes of the checkpoints they started from (--resume checks)."""
     h = hashlib.sha256()
@@ -619,8 +627,6 @@ class Logger:
         if not master:
             return
         from torch.utils.tensorboard import SummaryWriter
-
-        from data import write_atomic  # data imports common: a local import
 
         # a resumed run hides the scalars logged after its checkpoint (steps > resume_step); those of the checkpoint's
         # own step were logged before it was saved and stay

@@ -39,19 +39,10 @@ import tyro
 
 import common
 import hf
-from common import UserError
-from data import (
-    build_task,
-    calibration_error,
-    encode_prefs,
-    gold_reward,
-    is_valid,
-    pad_left,
-    read_jsonl,
-    responses_of,
-    write_atomic,
-)
+from common import UserError, write_atomic
+from data import calibration_error, encode_prefs, pad_left, read_jsonl, responses_of
 from model import logprobs_from_logits, response_forward, score_seqs, sequence_scores
+from task import build_task, gold_reward, is_valid
 
 
 @dataclass

@@ -26,8 +26,9 @@ import tyro
 import common
 import hf
 from common import UserError, print0
-from data import Order, build_task, encode_prefs, gold_reward, is_valid, load_tokenizer, pad_left, pad_right, read_jsonl
+from data import Order, encode_prefs, load_tokenizer, pad_left, pad_right, read_jsonl
 from model import BaseView, logprobs_from_logits, response_forward
+from task import build_task, gold_reward, is_valid
 
 DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5}  # --beta None resolves here (IPO's β works on per-token mean log-probs)
 

@@ -33,8 +33,9 @@ import tyro
 import common
 import hf
 from common import UserError, exact_div, print0
-from data import Order, Tokenizer, build_task, encode_sft, gold_reward, pad_left, pad_right, read_jsonl
+from data import Order, Tokenizer, encode_sft, pad_left, pad_right, read_jsonl
 from model import BaseView, entropy_from_logits, lm_loss, logprobs_from_logits, response_forward
+from task import build_task, gold_reward
 
 
 @dataclass
@@ -997,8 +998,9 @@ def iteration_flops(actor, critic, reward_model, sequence_len: int, sequences: i
 
 
 def load_reward_fn(spec: str) -> Callable:
-    """--reward-fn module:function -> the function."""
-    module, _, name = spec.partition(":")
+    """--reward-fn module:function -> the function; data:gold_reward (its name before the task had a file of its own,
+    still in older checkpoints' args) is task:gold_reward."""
+    module, _, name = {"data:gold_reward": "task:gold_reward"}.get(spec, spec).partition(":")
     try:
         fn = getattr(importlib.import_module(module), name) if module and name else None
     except (ImportError, AttributeError) as e:

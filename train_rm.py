@@ -24,20 +24,9 @@ import tyro
 import common
 import hf
 from common import UserError, print0
-from data import (
-    PROBE_KINDS,
-    Order,
-    build_task,
-    calibration_error,
-    encode_prefs,
-    gold_reward,
-    load_tokenizer,
-    pad_right,
-    probe_texts,
-    read_jsonl,
-    responses_of,
-)
+from data import Order, calibration_error, encode_prefs, load_tokenizer, pad_right, read_jsonl, responses_of
 from model import lm_loss, score_seqs, sequence_scores
+from task import PROBE_KINDS, build_task, gold_reward, probe_texts
 
 
 @dataclass

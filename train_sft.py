@@ -20,8 +20,9 @@ import tyro
 import common
 import hf
 from common import UserError, print0
-from data import Order, build_task, encode_sft, is_valid, load_tokenizer, pad_left, pad_right, read_jsonl
+from data import Order, encode_sft, load_tokenizer, pad_left, pad_right, read_jsonl
 from model import lm_loss
+from task import build_task, is_valid
 
 
 @dataclass

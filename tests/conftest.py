@@ -12,7 +12,7 @@ from test_hf import gpt2_dir, llama_dir  # noqa: E402, F401  tiny Hugging Face m
 @pytest.fixture(scope="session")
 def task_dir(tmp_path_factory):
     """The built-in task, built once per test session (it is deterministic and cached)."""
-    from data import build_task
+    from task import build_task
 
     d = str(tmp_path_factory.mktemp("data"))
     build_task(d, 1337)
@@ -28,8 +28,9 @@ def tiny_ckpts(task_dir, tmp_path_factory):
     import torch
 
     import common
-    from data import build_task, load_tokenizer
+    from data import load_tokenizer
     from model import GPT, GPTConfig
+    from task import build_task
 
     tok, d, paths = load_tokenizer(build_task(task_dir, 1337)["tokenizer"]), tmp_path_factory.mktemp("tiny_ckpts"), []
     for seed, kind in enumerate(("sft", "rm")):

@@ -1,4 +1,4 @@
-"""Tests for data.py: tokenizers, the reviews task and its gold reward, JSONL validation, batching."""
+"""Tests for data.py and task.py: tokenizers, the reviews task and its gold reward, JSONL validation, batching."""
 
 import base64
 import hashlib
@@ -13,6 +13,7 @@ import regex
 import torch
 
 import data
+import task
 from common import UserError
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "assets")  # vendored GPT-2 ranks
@@ -21,13 +22,14 @@ PROMPT = "Review of The Silent River (music, ending):"
 
 
 @pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    return data.build_task(str(tmp_path_factory.mktemp("data")), task_seed=1337, tiny=True)
+def files(tmp_path_factory):
+    """The tiny built-in task's files: name -> path."""
+    return task.build_task(str(tmp_path_factory.mktemp("data")), task_seed=1337, tiny=True)
 
 
 @pytest.fixture(scope="module")
-def tok(task):
-    return data.load_tokenizer(task["tokenizer"])
+def tok(files):
+    return data.load_tokenizer(files["tokenizer"])
 
 
 def _roundtrip(tok, texts):
@@ -43,10 +45,10 @@ def _roundtrip(tok, texts):
 # tokenizers
 
 
-def test_task_tokenizer(task, tok):
+def test_task_tokenizer(files, tok):
     assert tok.name == "reviews"
     assert tok.pad_id != tok.eos_id and tok.eos_id == tok.vocab_size - 1 and tok.pad_id == tok.vocab_size
-    rows = data.read_jsonl(task["sft"], "sft")[:50]
+    rows = data.read_jsonl(files["sft"], "sft")[:50]
     _roundtrip(tok, [r["prompt"] + r["response"] for r in rows] + ["Hello, wörld! <|endoftext|> 123"])
     assert tok.eos_id not in tok.encode(data.EOT)  # never parsed as a special token
     # state survives JSON and rebuilds the same tokenizer
@@ -61,17 +63,17 @@ def test_task_tokenizer(task, tok):
         data.Tokenizer.from_state(bad)
 
 
-def test_task_tokenizer_matches_trainer(task, tok):
+def test_task_tokenizer_matches_trainer(files, tok):
     # every grammar word is one token, and tiktoken's encoding agrees with the trainer's final segmentation
     ranks = [base64.b64decode(r) for r in tok.state()["ranks"]]
     rank_of = {b: i for i, b in enumerate(ranks)}
     assert len(rank_of) == len(ranks) and ranks[:256] == [bytes([i]) for i in range(256)]
-    for w in data.GRAMMAR_WORDS:
+    for w in task.GRAMMAR_WORDS:
         assert tok.encode(w) == [rank_of[w.encode()]], w
     # the task text holds no other pre-tokenized word, and sentences encode word by word
     pat = regex.compile(data.GPT2_PAT)
-    words = {w for r in data.read_jsonl(task["pretrain"], "text") for w in pat.findall(r["text"])}
-    assert words <= set(data.GRAMMAR_WORDS)
+    words = {w for r in data.read_jsonl(files["pretrain"], "text") for w in pat.findall(r["text"])}
+    assert words <= set(task.GRAMMAR_WORDS)
     text = PROMPT + " the music was very wonderful. i loved the ending."
     assert tok.encode(text) == [rank_of[w.encode()] for w in pat.findall(text)]
 
@@ -148,33 +150,33 @@ def _read_all(paths):
     return {k: open(p, "rb").read() for k, p in sorted(paths.items())}
 
 
-def test_build_task_deterministic_and_idempotent(tmp_path, task):
-    assert set(task) == set(data.TASK_FILES) | {"tokenizer"}
-    a = data.build_task(str(tmp_path / "a"), task_seed=1337, tiny=True)
-    assert _read_all(a) == _read_all(task)
+def test_build_task_deterministic_and_idempotent(tmp_path, files):
+    assert set(files) == set(task.TASK_FILES) | {"tokenizer"}
+    a = task.build_task(str(tmp_path / "a"), task_seed=1337, tiny=True)
+    assert _read_all(a) == _read_all(files)
     mtimes = {k: os.stat(p).st_mtime_ns for k, p in a.items()}
-    assert data.build_task(str(tmp_path / "a"), task_seed=1337, tiny=True) == a
+    assert task.build_task(str(tmp_path / "a"), task_seed=1337, tiny=True) == a
     assert {k: os.stat(p).st_mtime_ns for k, p in a.items()} == mtimes
-    other = _read_all(data.build_task(str(tmp_path / "a"), task_seed=7, tiny=True))
+    other = _read_all(task.build_task(str(tmp_path / "a"), task_seed=7, tiny=True))
     first = _read_all(a)
-    assert all(other[k] != first[k] for k in data.TASK_FILES)
+    assert all(other[k] != first[k] for k in task.TASK_FILES)
     assert not [f for f in os.listdir(os.path.dirname(a["sft"])) if ".tmp" in f]
     # a lost file is rebuilt identically
     os.remove(a["pairs"])
-    data.build_task(str(tmp_path / "a"), task_seed=1337, tiny=True)
+    task.build_task(str(tmp_path / "a"), task_seed=1337, tiny=True)
     assert _read_all(a) == first
-    for name in data.TASK_FILES:
-        assert len(first[name].splitlines()) == data.TINY_SIZES[name]
+    for name in task.TASK_FILES:
+        assert len(first[name].splitlines()) == task.TINY_SIZES[name]
 
 
-def test_eval_titles_held_out(task):
-    train_titles, eval_titles = data.split_titles(1337)
+def test_eval_titles_held_out(files):
+    train_titles, eval_titles = task.split_titles(1337)
     assert len(eval_titles) == round(0.15 * 256) and not set(train_titles) & set(eval_titles)
 
     def title_of(text: str) -> str:
         return " ".join(text.split(" ")[2:5])
 
-    for r in data.read_jsonl(task["eval_prompts"], "prompts"):
+    for r in data.read_jsonl(files["eval_prompts"], "prompts"):
         assert title_of(r["prompt"]) in eval_titles
     for name, kind, key in [
         ("prompts", "prompts", "prompt"),
@@ -183,17 +185,17 @@ def test_eval_titles_held_out(task):
         ("pretrain", "text", "text"),
         ("sft_eval", "sft", "prompt"),
     ]:
-        assert all(title_of(r[key]) in train_titles for r in data.read_jsonl(task[name], kind))
+        assert all(title_of(r[key]) in train_titles for r in data.read_jsonl(files[name], kind))
 
 
-def test_generated_responses_valid(task):
-    sft = data.read_jsonl(task["sft"], "sft") + data.read_jsonl(task["sft_eval"], "sft")
-    pairs = data.read_jsonl(task["pairs"], "pairs") + data.read_jsonl(task["pairs_eval"], "pairs")
+def test_generated_responses_valid(files):
+    sft = data.read_jsonl(files["sft"], "sft") + data.read_jsonl(files["sft_eval"], "sft")
+    pairs = data.read_jsonl(files["pairs"], "pairs") + data.read_jsonl(files["pairs_eval"], "pairs")
     cases = [(r["prompt"], r["response"]) for r in sft]
     cases += [(r["prompt"], r[k]) for r in pairs for k in ("chosen", "rejected")]
     for prompt, response in cases:
-        assert data.is_valid(response, True), response
-        assert -1 <= data.gold_reward(prompt, response, True) <= 1
+        assert task.is_valid(response, True), response
+        assert -1 <= task.gold_reward(prompt, response, True) <= 1
     assert all(r["chosen"] != r["rejected"] for r in pairs)
 
 
@@ -203,8 +205,8 @@ def test_generated_responses_valid(task):
 
 def test_gold_hand_made():
     good = " the music was very wonderful. i loved the ending. the music was truly brilliant. overall it was superb."
-    assert data.is_valid(good, True) and data.gold_reward(PROMPT, good, True) > 0.9
-    assert not data.is_valid(good, False) and data.gold_reward(PROMPT, good, False) == -1.0
+    assert task.is_valid(good, True) and task.gold_reward(PROMPT, good, True) > 0.9
+    assert not task.is_valid(good, False) and task.gold_reward(PROMPT, good, False) == -1.0
     invalid = [
         " the music was very wonderful. the music was very wonderful.",  # repeated sentence
         " the music was good. the ending was good. i loved the music. i loved the ending. overall it was good.",  # 5
@@ -217,21 +219,21 @@ def test_gold_hand_made():
         "",
     ]
     # S3 takes any two adjectives and aspects (the demonstrations contrast them, the validator does not insist)
-    assert data.is_valid(" the music was good but the ending was nice.", True)
-    assert data.is_valid(" the music was good but the music was awful.", True)
+    assert task.is_valid(" the music was good but the ending was nice.", True)
+    assert task.is_valid(" the music was good but the music was awful.", True)
     for response in invalid:
-        assert not data.is_valid(response, True), response
-        assert data.gold_reward(PROMPT, response, True) == -1.0, response
+        assert not task.is_valid(response, True), response
+        assert task.gold_reward(PROMPT, response, True) == -1.0, response
     # hand-computed values; mentions of aspects not requested count 0
-    assert data.gold_reward(PROMPT, " the music was very wonderful.", True) == pytest.approx(math.tanh(1.5) / 2)
-    assert data.gold_reward(PROMPT, " the plot was very wonderful. i loved the acting.", True) == 0.0
+    assert task.gold_reward(PROMPT, " the music was very wonderful.", True) == pytest.approx(math.tanh(1.5) / 2)
+    assert task.gold_reward(PROMPT, " the plot was very wonderful. i loved the acting.", True) == 0.0
     s3 = " the music was awful but the plot was good. overall it was slightly good."
     want = (math.tanh(-1 + 0.5 * 0.25) + math.tanh(0.5 * 0.25)) / 2
-    assert data.gold_reward(PROMPT, s3, True) == pytest.approx(want)
-    assert data.prompt_aspects(PROMPT) == ["music", "ending"]
+    assert task.gold_reward(PROMPT, s3, True) == pytest.approx(want)
+    assert task.prompt_aspects(PROMPT) == ["music", "ending"]
     # more positive requested sentences score higher, with diminishing returns
     g = [
-        data.gold_reward("Review of The Iron Tower (plot):", r, True)
+        task.gold_reward("Review of The Iron Tower (plot):", r, True)
         for r in [
             " the plot was good.",
             " the plot was good. i liked the plot.",
@@ -242,25 +244,25 @@ def test_gold_hand_made():
 
 
 def test_sft_mean_gold():
-    rng, (titles, _) = random.Random(0), data.split_titles(1337)
+    rng, (titles, _) = random.Random(0), task.split_titles(1337)
     golds = []
     for _ in range(2000):
-        prompt = data.sample_prompt(rng, titles)
-        golds.append(data.gold_reward(prompt, data.sample_response(rng, prompt), True))
+        prompt = task.sample_prompt(rng, titles)
+        golds.append(task.gold_reward(prompt, task.sample_response(rng, prompt), True))
     assert -0.2 <= sum(golds) / len(golds) <= 0.2
 
 
 def test_pair_labels_follow_bradley_terry():
-    rng, (titles, _) = random.Random(1), data.split_titles(1337)
+    rng, (titles, _) = random.Random(1), task.split_titles(1337)
     agree, expected, var = 0, 0.0, 0.0
     n = 0
     while n < 2500:
-        prompt = data.sample_prompt(rng, titles)
-        pair = data.sample_pair(rng, prompt)
-        gc, gr = (data.gold_reward(prompt, pair[k], True) for k in ("chosen", "rejected"))
+        prompt = task.sample_prompt(rng, titles)
+        pair = task.sample_pair(rng, prompt)
+        gc, gr = (task.gold_reward(prompt, pair[k], True) for k in ("chosen", "rejected"))
         if gc == gr:
             continue  # a tie carries no label information
-        p = 1 / (1 + math.exp(-abs(gc - gr) / data.BT_TEMPERATURE))  # P(label agrees with gold)
+        p = 1 / (1 + math.exp(-abs(gc - gr) / task.BT_TEMPERATURE))  # P(label agrees with gold)
         agree += gc > gr
         expected += p
         var += p * (1 - p)

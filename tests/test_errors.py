@@ -12,7 +12,7 @@ import torch
 
 import common
 import train_sft
-from data import build_task
+from task import build_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT = (

@@ -14,8 +14,9 @@ import torch
 
 import common
 import eval as ev
-from data import build_task, load_tokenizer
+from data import load_tokenizer
 from model import GPT, GPTConfig, sequence_scores
+from task import build_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICY_KEYS = [

@@ -16,6 +16,7 @@ from test_hf import EOS, PAD
 
 import common
 import data
+import task
 import train_ppo
 import train_rm
 import train_sft
@@ -322,7 +323,7 @@ def test_gpt2_chain_then_export(tmp_path, gpt2_dir, user_data):
 def test_ppo_two_ranks_torchrun(tmp_path, task_dir):
     """train_ppo.py under torchrun with 2 CPU ranks (built-in task, ptx on, a tiny random SFT policy and RM) runs to the
     end: a checkpoint with both ranks' RNG states and finite metrics."""
-    tok = data.load_tokenizer(data.build_task(task_dir, 1337)["tokenizer"])
+    tok = data.load_tokenizer(task.build_task(task_dir, 1337)["tokenizer"])
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32, block_size=64)
     base = dict(

@@ -12,8 +12,8 @@ import torch
 import torch.multiprocessing as mp
 
 import train_ppo
-from data import build_task
 from model import GPT, GPTConfig, response_forward
+from task import build_task
 from train_ppo import (
     CollapseDetector,
     KLController,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import common
-import data
+import task
 import train_ppo
 import train_sft
 
@@ -128,7 +128,7 @@ def test_sft_nan_step_is_skipped(tmp_path, task_dir, monkeypatch):
 
 def test_rm_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts):
     held_out = tmp_path / "pairs_eval.jsonl"
-    with open(data.build_task(task_dir, 1337)["pairs_eval"]) as f:  # a small held-out set keeps the final eval short
+    with open(task.build_task(task_dir, 1337)["pairs_eval"]) as f:  # a small held-out set keeps the final eval short
         held_out.write_text("".join(f.readline() for _ in range(32)))
     base = (
         f"{sys.executable} train_rm.py --task-dir {task_dir} --init {tiny_ckpts[0]} --eval-data {held_out} {RM_FLAGS}"

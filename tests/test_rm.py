@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import common
 import data
 import hf
+import task
 import train_rm
 from model import GPT, GPTConfig, score_seqs, sequence_scores
 
@@ -69,7 +70,7 @@ TINY = dict(
 
 @pytest.fixture(scope="module")
 def tok(task_dir):
-    return data.load_tokenizer(data.build_task(task_dir, 1337)["tokenizer"])
+    return data.load_tokenizer(task.build_task(task_dir, 1337)["tokenizer"])
 
 
 @pytest.fixture(scope="module")
@@ -219,25 +220,25 @@ def test_load_init_adds_fresh_score_head(sft_ckpt):
 
 
 def test_probe_texts(task_dir):
-    rows = data.read_jsonl(data.build_task(task_dir, 1337)["eval_prompts"], "prompts")
+    rows = data.read_jsonl(task.build_task(task_dir, 1337)["eval_prompts"], "prompts")
     prompts = [r["prompt"] for r in rows]
-    texts = data.probe_texts(prompts, 64, seed=3)
-    assert texts == data.probe_texts(prompts, 64, seed=3) and texts != data.probe_texts(prompts, 64, seed=4)
-    assert [t["kind"] for t in texts] == [k for k in data.PROBE_KINDS for _ in range(64)]
-    negative = {w for table in (data.ADJECTIVES, data.VERBS) for w, p in table.items() if p < 0}
+    texts = task.probe_texts(prompts, 64, seed=3)
+    assert texts == task.probe_texts(prompts, 64, seed=3) and texts != task.probe_texts(prompts, 64, seed=4)
+    assert [t["kind"] for t in texts] == [k for k in task.PROBE_KINDS for _ in range(64)]
+    negative = {w for table in (task.ADJECTIVES, task.VERBS) for w, p in table.items() if p < 0}
     for t in texts:
         words = set(re.findall(r"[a-z]+", t["response"]))
-        assert not words & negative and words & {w for w, p in data.ADJECTIVES.items() if p > 0} | {
+        assert not words & negative and words & {w for w, p in task.ADJECTIVES.items() if p > 0} | {
             "loved",
             "adored",
             "liked",
             "enjoyed",
         }
-        gold = data.gold_reward(t["prompt"], t["response"], t["ended"])
+        gold = task.gold_reward(t["prompt"], t["response"], t["ended"])
         if t["kind"] == "fluent":
-            assert data.is_valid(t["response"], True) and gold >= 0.5
+            assert task.is_valid(t["response"], True) and gold >= 0.5
         else:  # the gold punishes every degenerate kind whatever its words
-            assert gold == -1.0 and not data.is_valid(t["response"], t["ended"])
+            assert gold == -1.0 and not task.is_valid(t["response"], t["ended"])
     sentences = [t["response"].strip().rstrip(".").split(". ") for t in texts]
     assert all(len(s) >= 5 for s, t in zip(sentences, texts) if t["kind"] in ("repeat", "long"))
     assert all(len(set(s)) == 1 for s, t in zip(sentences, texts) if t["kind"] == "repeat")
@@ -277,7 +278,7 @@ def test_bad_preference_file_is_one_line_exit_2(tmp_path, line, message):
 
 def test_rm_smoke(tmp_path, task_dir, sft_ckpt, tok):
     out, held_out = str(tmp_path / "rm"), tmp_path / "pairs_eval.jsonl"
-    with open(data.build_task(task_dir, 1337)["pairs_eval"]) as f:  # the first 300 held-out pairs
+    with open(task.build_task(task_dir, 1337)["pairs_eval"]) as f:  # the first 300 held-out pairs
         held_out.write_text("".join(f.readline() for _ in range(300)))
     train_rm.main(train_rm.Args(out_dir=out, task_dir=task_dir, init=sft_ckpt, eval_data=str(held_out), **TINY))
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
@@ -289,7 +290,7 @@ def test_rm_smoke(tmp_path, task_dir, sft_ckpt, tok):
     assert model.score_head.bias.item() == pytest.approx(-ckpt["score_offset"], abs=1e-3)
     calib = [
         tok.encode(r["prompt"]) + tok.encode(r["response"]) + [tok.eos_id]
-        for r in data.read_jsonl(data.build_task(task_dir, 1337)["sft"], "sft")[:128]
+        for r in data.read_jsonl(task.build_task(task_dir, 1337)["sft"], "sft")[:128]
     ]
     assert score_seqs(model, calib, tok.pad_id, 64, "cpu", torch.float32).mean().item() == pytest.approx(0.0, abs=1e-4)
     scalars, histograms = read_events(out)
