@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import BaseView, add_lora, lora_layers, merge_lora, merged_state_dict
+from lora import BaseView, add_lora, lora_layers, merge_lora, merged_state_dict
 
 
 class UserError(Exception):

@@ -27,7 +27,8 @@ import common
 import hf
 from common import UserError, print0
 from data import Order, encode_prefs, load_tokenizer, pad_left, pad_right, read_jsonl
-from model import BaseView, logprobs_from_logits, response_forward
+from lora import BaseView
+from model import logprobs_from_logits, response_forward
 from task import build_task, gold_reward, is_valid
 
 DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5}  # --beta None resolves here (IPO's β works on per-token mean log-probs)

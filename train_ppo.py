@@ -34,7 +34,8 @@ import common
 import hf
 from common import UserError, exact_div, print0
 from data import Order, Tokenizer, encode_sft, pad_left, pad_right, read_jsonl
-from model import BaseView, entropy_from_logits, lm_loss, logprobs_from_logits, response_forward
+from lora import BaseView
+from model import entropy_from_logits, lm_loss, logprobs_from_logits, response_forward
 from task import build_task, gold_reward
 
 

@@ -21,7 +21,8 @@ import train_ppo
 import train_rm
 import train_sft
 from hf import HFCausalLM, model_from_checkpoint
-from model import GPT, GPTConfig, add_lora
+from lora import add_lora
+from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,17 +11,8 @@ import common
 import hf
 import train_ppo
 import train_sft
-from model import (
-    GPT,
-    BaseView,
-    GPTConfig,
-    LoRAEmbedding,
-    LoRALinear,
-    add_lora,
-    lora_disabled,
-    merge_lora,
-    merged_state_dict,
-)
+from lora import BaseView, LoRAEmbedding, LoRALinear, add_lora, lora_disabled, merge_lora, merged_state_dict
+from model import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=16)
 
