@@ -1,39 +1,26 @@
-"""Plumbing every stage shares: DDP set-up, printing, seeding, checkpoints, logging, LR schedule, MFU.
+"""Plumbing every stage shares and nothing else: the user-error type, the shared flags, printing, seeding, the
+NaN-guarded optimizer step, logging, the LR schedule, MFU, reward functions. It imports nothing of this repo
+(parallel.py holds devices, DDP and FSDP2; ckpt.py checkpoints and resume).
 
 Nothing algorithmic lives here; each stage's algorithm is inline in its own train_*.py.
 """
 
-import hashlib
+import importlib
+import importlib.util
 import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
-import uuid
-import warnings
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 from typing import Callable, Literal, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-from lora import BaseView, add_lora, lora_layers, merge_lora, merged_state_dict
 
 
 class UserError(Exception):
@@ -91,14 +78,15 @@ class CommonArgs:
     """at the end, also write the model as a Hugging Face folder here (policy: causal LM; RM: sequence classifier)"""
 
 
-def export_hf(model, tok, out_dir: str) -> None:
-    """--export-hf: model.export_hf with the tokenizer's EOS; transformers reads an RM's score at the last token that
-    is not its pad id: the tokenizer's pad when that is a vocab id other than EOS, else 0 (right-pad with it)."""
-    merge_lora(model)  # the end of the run: adapters fold into the weights for good
-    vocab = model.config.vocab_size
-    pad = tok.pad_id if 0 <= tok.pad_id < vocab and tok.pad_id != tok.eos_id else None
-    model.export_hf(out_dir, eos_id=tok.eos_id, pad_id=pad)
-    print0(f"exported a Hugging Face model to {out_dir} (transformers' from_pretrained loads it)")
+def stage_args(cls):
+    """Decorator of a stage's Args (a dataclass subclass of CommonArgs): --help lists the stage's own flags first and
+    the shared ones after them. Dataclasses put a base class's fields first; this reorders the field table that
+    dataclasses.fields(), asdict() and tyro read (keyword construction is unchanged)."""
+    own = cls.__dict__.get("__annotations__", {})
+    table = cls.__dataclass_fields__
+    ordered = [name for name in table if name in own] + [name for name in table if name not in own]
+    cls.__dataclass_fields__ = {name: table[name] for name in ordered}
+    return cls
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -107,15 +95,6 @@ def write_atomic(path: str, text: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
-
-
-def file_sha256(path: str) -> str:
-    """The sha256 of a file: checkpoints record the hashes of the checkpoints they started from (--resume checks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -147,326 +126,9 @@ def run_main(main: Callable, args) -> None:
         sys.exit(2)
 
 
-def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
-    """Called by every stage before any work: a fresh run (no --resume) refuses an out_dir that holds ckpt.pt, unless
-    --overwrite, which deletes its ckpt.pt, samples.jsonl, old TensorBoard event files and sharded optimizer folders
-    (rank 0; before any process group, so the other ranks only check)."""
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    if resume or not os.path.exists(ckpt_path):
-        return
-    if not overwrite:
-        raise UserError(f"{ckpt_path} exists: pass --resume to continue that run, or --overwrite to start over")
-    if not is_master():
-        return
-    for name in os.listdir(out_dir):
-        if name.startswith("events.out.tfevents.") or name in ("samples.jsonl", "ckpt.pt"):
-            os.remove(os.path.join(out_dir, name))
-        elif name.endswith(".dcp"):
-            shutil.rmtree(os.path.join(out_dir, name))
-
-
-# -----------------------------------------------------------------------------
-# devices and DDP
-
-
-@dataclass
-class Dist:
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-    ddp: bool
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-
-def launched_world_size() -> int:
-    """The world size torchrun announces (1 for a plain process), known before any process group: batch sizes are
-    checked against it first, so a mistake ends with one line before init_process_group."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def batch_split(batch_size: int, micro_batch_size: int) -> tuple[int, int, int]:
-    """--batch-size over the launched world size, then over the micro-batch (capped at a rank's share: it never
-    exceeds it) -> (rows per rank, micro-batch rows, accumulation steps); a mistake is one line, before any process
-    group."""
-    per_rank = exact_div(batch_size, launched_world_size(), "--batch-size over the world size")
-    mbs = min(micro_batch_size, per_rank)
-    return per_rank, mbs, exact_div(per_rank, mbs, "--batch-size/world_size over --micro-batch-size")
-
-
-def load_resume(path: str, kind: str, world_size: int, max_steps: int, inputs: dict) -> dict:
-    """--resume: the checkpoint at path, refused if saved with another world size, if it already reached max_steps,
-    or if an input checkpoint it started from changed. inputs: {ckpt key of a sha256: (the flag to name, the sha256
-    now)}."""
-    ck = load_checkpoint(path, kind=kind, flag="--resume")
-    if ck["world_size"] != world_size:
-        raise UserError(f"--resume {path}: saved with world size {ck['world_size']}, now {world_size}")
-    if ck["step"] >= max_steps:
-        raise UserError(f"--resume {path}: already at step {ck['step']} of {max_steps} (raise --max-steps)")
-    for key, (flag, digest) in inputs.items():
-        if ck.get(key, digest) != digest:  # a checkpoint from before hashes were recorded has none to compare
-            raise UserError(f"--resume {path}: {flag} changed since the run started (sha256 differs)")
-    return ck
-
-
-def setup_dist(device: str = "auto") -> Dist:
-    """Initialise DDP when launched by torchrun (nccl on GPU, gloo on CPU); a plain process otherwise."""
-    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    rank, local_rank, world_size = 0, 0, 1
-    if ddp:
-        rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device}: CUDA is not available here (use --device cpu)")
-    if device == "cuda":
-        device = f"cuda:{local_rank}"
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    if ddp and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
-    return Dist(rank, local_rank, world_size, dev, ddp)
-
-
-def use_compile(setting: str, device: torch.device) -> bool:
-    """--compile auto | on | off: auto compiles on CUDA only."""
-    return setting == "on" or (setting == "auto" and device.type == "cuda")
-
-
-def prepare_model(model: torch.nn.Module, args: CommonArgs, role: str = "model") -> None:
-    """--grad-ckpt and --lora-rank on a freshly built model (before the optimizer sees its parameters); a LoRA model
-    trains its adapters and its scalar head only. A target that matches nothing is a UserError."""
-    if args.fsdp and "RANK" not in os.environ:
-        raise UserError("--fsdp shards over torchrun's ranks: launch with torchrun --nproc_per_node N (N may be 1)")
-    model.set_grad_ckpt(args.grad_ckpt)
-    if args.lora_rank <= 0:
-        return
-    try:
-        adapted = add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets)
-    except ValueError as error:
-        raise UserError(f"--lora-targets {' '.join(args.lora_targets or [])}: {error}") from None
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    print0(
-        f"{role}: LoRA rank {args.lora_rank} alpha {args.lora_alpha:g} on {len(adapted)} layers | trainable "
-        f"{trainable / 1e6:.3f} M of {total / 1e6:.2f} M params ({100 * trainable / total:.2f}%)"
-    )
-
-
-def model_state(model: torch.nn.Module, key: str = "model") -> dict:
-    """A model's checkpoint entries: `key` = its full state dict with any adapters merged (what later stages load),
-    and with LoRA `<key>_lora` = the trainable parameters (adapters, scalar head), which a resume loads onto the base
-    rebuilt from --init: the base is never re-derived from merged weights, so the resume is exact. Under --fsdp every
-    rank must call it (the shards are gathered); rank 0 gets the entries, the others empty ones."""
-    if isinstance(model, FSDPModule):
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not state:  # not rank 0
-            return {}
-    else:
-        state = model.state_dict()
-    entries = {key: merged_state_dict(model, state)}
-    if lora_layers(model):
-        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-        entries[f"{key}_lora"] = {name: value.detach() for name, value in state.items() if name in trainable}
-    return entries
-
-
-def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out_dir: str, key: str = "model") -> dict:
-    """model_state plus the optimizer's state (`optimizer` for the model, `<key>_optimizer` for another key, e.g.
-    critic_optimizer): what a checkpoint in out_dir holds of one trained model. Every rank calls it under --fsdp."""
-    optimizer_key = "optimizer" if key == "model" else f"{key}_optimizer"
-    return model_state(model, key) | {optimizer_key: optimizer_state(model, optimizer, out_dir, optimizer_key)}
-
-
-def load_model_state(model: torch.nn.Module, ckpt: dict, key: str = "model") -> None:
-    """The inverse of model_state on a model built as at the start of the run (the same --init, --lora-rank)."""
-    lora = bool(lora_layers(model))
-    if lora and f"{key}_lora" not in ckpt:
-        raise UserError("--resume with --lora-rank: the checkpoint holds no adapters (it was not a LoRA run)")
-    state = ckpt[f"{key}_lora"] if lora else ckpt[key]
-    if isinstance(model, FSDPModule):
-        options = StateDictOptions(full_state_dict=True, strict=not lora)
-        missing, unexpected = set_model_state_dict(model, state, options=options)
-    else:
-        missing, unexpected = model.load_state_dict(state, strict=not lora)
-    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
-    if unexpected or any(name in missing for name in trainable):
-        raise UserError("--resume: the checkpoint's adapters do not match --lora-rank/--lora-targets")
-
-
-def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out_dir: str, name: str) -> dict:
-    """The optimizer's state for a checkpoint in out_dir. Under --fsdp every rank writes its own shard with DCP into a
-    new folder beside ckpt.pt (a 7 B model's gathered optimizer state would not fit one host) and the entry is
-    {"dcp": the folder's name}; save_checkpoint removes the folders that the new ckpt.pt no longer names."""
-    if not isinstance(model, FSDPModule):
-        return optimizer.state_dict()
-    folder = [f"{name}.{uuid.uuid4().hex[:12]}.dcp"]  # a fresh name: the folder ckpt.pt names now stays whole
-    dist.broadcast_object_list(folder, src=0)
-    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=os.path.join(out_dir, folder[0]))
-    return {"dcp": folder[0]}
-
-
-def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, ckpt_dir: str) -> None:
-    """The inverse of optimizer_state; ckpt_dir: the folder of the checkpoint that holds `state`."""
-    sharded = isinstance(model, FSDPModule)
-    if sharded != ("dcp" in state):
-        raise UserError(f"--resume: the checkpoint was saved {'with' if 'dcp' in state else 'without'} --fsdp")
-    if not sharded:
-        optimizer.load_state_dict(state)
-        return
-    folder = os.path.join(ckpt_dir, state["dcp"])
-    if not os.path.isdir(folder):
-        raise UserError(f"--resume: {folder}, the sharded optimizer state beside the checkpoint, is missing")
-    sharded_state = get_optimizer_state_dict(model, optimizer)  # the layout DCP loads into, shard by shard
-    dcp.load(sharded_state, checkpoint_id=folder)
-    set_optimizer_state_dict(model, optimizer, sharded_state)
-
-
-def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The repeated blocks FSDP2 shards one by one: GPT's transformer.h, or the Hugging Face model's decoder layers
-    (its ModuleList of n_layer modules)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == model.config.n_layer:
-            return module
-    raise ValueError("no ModuleList of n_layer blocks in the model")
-
-
-def shard_model(model: torch.nn.Module, d: Dist, dtype: torch.dtype) -> torch.nn.Module:
-    """--fsdp: FSDP2 on each block, then on the root (embeddings, final norm, heads), in place. Under bf16 the
-    parameters are gathered in bf16 and gradients reduced in fp32 (MixedPrecisionPolicy); autocast stays on around
-    the forward for the ops it keeps in fp32."""
-    # our forwards return views (scores.squeeze(-1)) but never modify one in place, which is what FSDP2 warns about
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    mesh = init_device_mesh(d.device.type, (d.world_size,))
-    low_precision = dtype if dtype != torch.float32 else None
-    policy = MixedPrecisionPolicy(param_dtype=low_precision, reduce_dtype=torch.float32)
-    for block in transformer_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    # FSDP2 sets up its root at the first root forward; generation calls the blocks directly, and a block called
-    # first would make itself a root: one token through the whole model now, on every rank
-    with torch.no_grad():
-        model(torch.zeros(1, 1, dtype=torch.long, device=d.device))
-    for module in model.modules():  # the root keeps its parameters gathered after a forward: free them
-        if isinstance(module, FSDPModule):
-            module.reshard()
-    return model
-
-
-def place_model(model: torch.nn.Module, args: CommonArgs, d: Dist, dtype: torch.dtype) -> None:
-    """The model onto the device: under --fsdp sharded block by block (a whole model is never there), else moved
-    whole. A LoRA BaseView moves only its own head: its base is placed as a model of its own."""
-    if args.fsdp and not isinstance(model, BaseView):
-        shard_model(model, d, dtype)
-    else:
-        model.to(d.device)
-
-
-@contextmanager
-def gathered(model: torch.nn.Module):
-    """Under FSDP2, every parameter gathered once for a whole generation and freed after it: generate's token steps
-    call the blocks (and the root's own layers) outside the root forward, which would otherwise gather per block and
-    per token, or not at all. A no-op for an unsharded model."""
-    model = getattr(model, "_orig_mod", model)
-    if not isinstance(model, FSDPModule) or getattr(model, "gathered", False):  # nested: the outer one frees
-        yield
-        return
-    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    for module in sharded:
-        module.unshard()
-        module.set_reshard_after_forward(False, recurse=False)
-    model.gathered = True
-    try:
-        yield
-    finally:
-        model.gathered = False
-        for module in sharded:
-            module.reshard()
-            module.set_reshard_after_forward(True, recurse=False)
-
-
-def wrap_model(model: torch.nn.Module, d: Dist, compile: str) -> torch.nn.Module:
-    """The training forward: torch.compile (--compile), then DDP under torchrun. Generation, evaluation and saving use
-    the raw module."""
-    if use_compile(compile, d.device):
-        model = torch.compile(model)
-    if d.ddp and not isinstance(getattr(model, "_orig_mod", model), FSDPModule):  # FSDP2 needs no wrapper
-        model = replicate(model, d)
-    return model
-
-
-def replicate(model: torch.nn.Module, d: Dist) -> DDP:
-    """DDP with the gradients as views into its all-reduce buckets: no second copy of every gradient."""
-    device_ids = [d.local_rank] if d.device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
-
-
-def grad_sync(model: torch.nn.Module, sync: bool):
-    """Gradient accumulation: DDP all-reduces only where sync (the last micro-batch of a step), through the public
-    no_sync(); a plain module needs no context."""
-    bare = getattr(model, "_orig_mod", model)
-    if isinstance(bare, FSDPModule):  # FSDP2 has no no_sync(): reduce-scatter on the last micro-batch only
-        bare.set_requires_gradient_sync(sync)
-        return nullcontext()
-    if sync or not isinstance(model, DDP):
-        return nullcontext()
-    return model.no_sync()
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in ("float32", "bfloat16"):
-        raise UserError(f"--dtype {dtype}: expected auto, float32 or bfloat16")
-    return getattr(torch, dtype)
-
-
-def autocast(device: torch.device, dtype: torch.dtype):
-    """bf16 autocast context (weights stay fp32); a no-op for fp32."""
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks in place (identity without DDP); returns x."""
-    if dist.is_initialized():
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
-
-
-def all_reduce_dict(sums: dict[str, torch.Tensor | float], device) -> dict[str, float]:
-    """Named sums over ranks in one all-reduce (float64, stacked in key order on device; identity without DDP)."""
-    stacked = torch.stack(
-        [torch.as_tensor(value, dtype=torch.float64, device=device).detach() for value in sums.values()]
-    )
-    return dict(zip(sums, all_reduce_sum(stacked).tolist()))
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def cleanup_dist() -> None:
-    """The end of a distributed run. Gloo's worker threads free each finished collective's tensors, which takes the
-    GIL; a DDP reducer freed later at the end of main (holding the GIL) destroys the process group and joins those
-    threads, and if one is still freeing the last all-gather the two wait for each other forever (pytorch/pytorch
-    #56297; seen at exit under a loaded CPU). A barrier, then a short GIL-free sleep, lets them finish first."""
-    if dist.is_initialized():
-        dist.barrier()
-        time.sleep(0.05)
-        dist.destroy_process_group()
-
-
-# -----------------------------------------------------------------------------
-# seeding and RNG state
+def format_sample(prompt: str, response: str, ended: bool) -> str:
+    """prompt + response as printed and logged, marked when the response has no EOS."""
+    return f"{prompt}{response}{'' if ended else ' [no EOS]'}"
 
 
 def seed_everything(seed: int) -> None:
@@ -475,85 +137,38 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_state(generator: Optional[torch.Generator] = None) -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if generator is not None:
-        state["generator"] = generator.get_state()
-    return state
-
-
-def all_rng_states(generator: Optional[torch.Generator] = None) -> list:
-    """Every rank's rng_state, gathered for the checkpoint (a collective: every rank calls it)."""
-    if not dist.is_initialized():
-        return [rng_state(generator)]
-    states = [None] * dist.get_world_size()
-    dist.all_gather_object(states, rng_state(generator))
-    return states
-
-
-def set_rng_state(state: dict, generator: Optional[torch.Generator] = None) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if generator is not None and "generator" in state:
-        generator.set_state(state["generator"])
-
-
 # -----------------------------------------------------------------------------
-# checkpoints
+# reward functions (--reward-fn)
+
+# older names of reward functions, still in earlier checkpoints' args: the built-in task had no file of its own
+REWARD_FN_ALIASES = {"data:gold_reward": "task:gold_reward"}
 
 
-def resume(path: str, kind: str, d: Dist, max_steps: int, inputs: dict, model, optimizer, generator=None) -> dict:
-    """--resume: the checkpoint (load_resume's checks) restored into the model, the optimizer and this rank's RNG
-    states; returns it for the stage's own keys (step, seconds, data_state, ...)."""
-    ckpt = load_resume(path, kind, d.world_size, max_steps, inputs)
-    load_model_state(model, ckpt)
-    load_optimizer_state(model, optimizer, ckpt["optimizer"], os.path.dirname(path))
-    set_rng_state(ckpt["rng"][d.rank], generator)
-    print0(f"resumed from {path} at step {ckpt['step']}")
-    return ckpt
-
-
-def save_checkpoint(obj: dict, path: str) -> None:
-    """Atomic save: write a temp file, fsync it, os.replace; a kill at any moment leaves the old file or the new one.
-    Then the sharded optimizer folders beside it (optimizer_state under --fsdp) that the new file does not name go."""
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(folder, os.O_RDONLY)
+def load_reward_fn(spec: str, flag: str = "--reward-fn") -> Callable:
+    """--reward-fn module:function or path/to/file.py:function -> the function fn(prompt, response, ended) -> float. A
+    module is looked up from the current folder and this repo's folder too, wherever the script runs from."""
+    spec = REWARD_FN_ALIASES.get(spec, spec)
+    source, _, name = spec.rpartition(":")
+    if not source or not name:
+        raise UserError(f"{flag} {spec}: expected module:function or path/to/file.py:function, e.g. task:gold_reward")
     try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    named = {entry["dcp"] for entry in obj.values() if isinstance(entry, dict) and "dcp" in entry}
-    for name in os.listdir(folder):
-        if name.endswith(".dcp") and name not in named:
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-
-
-def load_checkpoint(path: str, kind: Optional[str | tuple] = None, flag: str = "--init") -> dict:
-    """Load one of our checkpoints (our own files: weights_only=False); a missing or wrong-kind file is a UserError."""
-    if not os.path.isfile(path):
-        raise UserError(f"{flag} {path}: no such checkpoint (run the previous stage first, or pass the right path)")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # a truncated or foreign file
-        raise UserError(f"{flag} {path}: not a readable checkpoint ({type(e).__name__})") from None
-    if not isinstance(ckpt, dict) or "kind" not in ckpt or "model" not in ckpt:
-        raise UserError(f"{flag} {path}: not a checkpoint written by this repo")
-    kinds = (kind,) if isinstance(kind, str) else kind
-    if kinds is not None and ckpt["kind"] not in kinds:
-        raise UserError(f"{flag} {path}: is a '{ckpt['kind']}' checkpoint, expected {' or '.join(kinds)}")
-    return ckpt
+        if source.endswith(".py"):
+            if not os.path.isfile(source):
+                raise UserError(f"{flag} {spec}: {source}: no such file")
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            for folder in (os.getcwd(), os.path.dirname(os.path.abspath(__file__))):
+                if folder not in sys.path:
+                    sys.path.append(folder)
+            module = importlib.import_module(source)
+        fn = getattr(module, name)
+    except (ImportError, AttributeError, SyntaxError) as e:
+        raise UserError(f"{flag} {spec}: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise UserError(f"{flag} {spec}: {name} is not a function")
+    return fn
 
 
 # -----------------------------------------------------------------------------
@@ -561,22 +176,40 @@ def load_checkpoint(path: str, kind: Optional[str | tuple] = None, flag: str = "
 
 
 @dataclass
+class Trained:
+    """One model a stage trains, as the shared skeleton (guarded_step here, checkpoints.Run's save and resume)
+    sees it. Its checkpoint entries are `<name>` (the weights, adapters merged), `<name>_lora` (LoRA: the trainable
+    parameters) and `<name>_optimizer` (`optimizer` for the model named `model`)."""
+
+    name: str
+    model: torch.nn.Module  # the bare module (not compiled, not DDP): its parameters are the trained ones
+    optimizer: torch.optim.Optimizer
+    schedule: Optional["LRSchedule"] = None  # the learning rate per step (saved and resumed with the model)
+    grad_clip: float = 0.0  # global grad-norm clip (0: off)
+    forward: Optional[torch.nn.Module] = None  # the training forward when it is not `model`: compiled, DDP-wrapped
+
+    @property
+    def optimizer_key(self) -> str:
+        return "optimizer" if self.name == "model" else f"{self.name}_optimizer"
+
+
+@dataclass
 class StepGuard:
     """The NaN guard's state (DESIGN §8): optimizer steps skipped for a non-finite gradient, in all (saved, logged as
-    train/skipped_steps) and in a row, and the grad norms of the steps taken since the last read."""
+    train/skipped_steps) and in a row, and each model's grad norms of the steps it took since the last read."""
 
     skipped: int = 0
     skipped_in_row: int = 0
-    grad_norms: list[float] = field(default_factory=list)
+    grad_norms: dict[str, list[float]] = field(default_factory=dict)
 
-    def read(self) -> dict[str, float]:
-        """train/grad_norm (the mean over the steps taken since the last read: none, no value) and
+    def read(self, tags: Optional[dict[str, str]] = None) -> dict[str, float]:
+        """Each model's mean grad norm over the steps it took since the last read, tagged by tags[name] (default:
+        the model named `model` as train/grad_norm; a model that took no step has no value), and
         train/skipped_steps; starts the next interval."""
-        metrics = {}
-        if self.grad_norms:
-            metrics["train/grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+        tags = tags or {"model": "train/grad_norm"}
+        metrics = {tags[name]: sum(norms) / len(norms) for name, norms in self.grad_norms.items() if norms}
         metrics["train/skipped_steps"] = self.skipped
-        self.grad_norms = []
+        self.grad_norms = {}
         return metrics
 
 
@@ -585,24 +218,33 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def clip_and_step(optimizer, parameters, grad_clip: float, guard: StepGuard, step: int) -> tuple[float, bool]:
-    """Clip the global grad norm (grad_clip 0: no clip), step if it is finite, else count the skip; zero the grads.
-    The norm is taken after DDP's all-reduce, so every rank decides the same (one host sync). Returns (grad norm,
-    stepped); 10 skips in a row stop the run."""
-    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(parameters, grad_clip or float("inf"))).item()
-    stepped = math.isfinite(grad_norm)
-    if stepped:
-        optimizer.step()
+def guarded_step(trained: list[Trained], guard: StepGuard, step: int) -> set[str]:
+    """One optimizer step of every model in `trained`: clip its global grad norm (taken after DDP's all-reduce, so
+    every rank decides the same; one host sync a model), step it if the norm is finite, zero its grads. A model whose
+    norm is not finite skips this step and the others still step; the step counts once in guard.skipped, and 10 such
+    steps in a row stop the run. Returns the names of the models that stepped."""
+    stepped = set()
+    for entry in trained:
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(entry.model.parameters(), entry.grad_clip or math.inf))
+        grad_norm = grad_norm.item()
+        if math.isfinite(grad_norm):
+            entry.optimizer.step()
+            stepped.add(entry.name)
+            guard.grad_norms.setdefault(entry.name, []).append(grad_norm)
+        else:
+            print0(f"step {step}: non-finite {entry.name} grad norm ({grad_norm}), step skipped")
+        entry.optimizer.zero_grad(set_to_none=True)
+    if len(stepped) == len(trained):
         guard.skipped_in_row = 0
-        guard.grad_norms.append(grad_norm)
-    else:
-        guard.skipped += 1
-        guard.skipped_in_row += 1
-        print0(f"step {step}: non-finite grad norm ({grad_norm}), step skipped")
-        if guard.skipped_in_row >= 10:
-            raise RuntimeError(f"{guard.skipped_in_row} non-finite steps in a row: lower --lr or check the data")
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, stepped
+        return stepped
+    guard.skipped += 1
+    guard.skipped_in_row += 1
+    if guard.skipped_in_row >= 10:
+        raise RuntimeError(
+            f"{guard.skipped_in_row} non-finite steps in a row: lower the learning rate or check the data (the last "
+            "checkpoint saved is the last good one)"
+        )
+    return stepped
 
 
 # -----------------------------------------------------------------------------
@@ -690,12 +332,51 @@ def _fmt(v: float) -> str:
 # LR schedule and MFU
 
 
-def lr_at(step: int, max_steps: int, lr: float, warmup_steps: int, min_lr_ratio: float = 0.1) -> float:
-    """Linear warm-up to lr, then cosine decay to lr*min_lr_ratio at max_steps (step counts from 0)."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+@dataclass
+class LRSchedule:
+    """Linear warm-up to lr, then cosine decay to lr * min_lr_ratio at max_steps (steps count from 0). delay: steps
+    before the schedule starts (PPO's actor waits out the critic warm-up). A resume with another step budget re-times
+    the cosine (retimed): from the resumed step it continues from where it was to the new end. The checkpoint's
+    `scheduler` entry is its state_dict()."""
+
+    lr: float
+    warmup_steps: int
+    max_steps: int
+    min_lr_ratio: float = 0.1
+    delay: int = 0
+    start_step: Optional[int] = None  # where the cosine's progress is start_progress (None: the end of the warm-up)
+    start_progress: float = 0.0
+
+    def progress(self, step: int) -> float:
+        """The cosine's progress in [0, 1] at `step` (after the delay)."""
+        start = self.warmup_steps if self.start_step is None else self.start_step
+        span = max(1, self.max_steps - self.delay - start)
+        return min(1.0, self.start_progress + (1 - self.start_progress) * (step - start) / span)
+
+    def at(self, step: int) -> float:
+        """The learning rate of optimizer step `step`."""
+        step = max(0, step - self.delay)
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = self.progress(step)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def retimed(self, step: int, max_steps: int) -> "LRSchedule":
+        """The schedule of a run resumed at `step` with a new budget max_steps: the same up to step, then the cosine
+        from its progress there to its end at max_steps (the warm-up, if not over, stays as it was)."""
+        local = max(0, step - self.delay)
+        if local <= self.warmup_steps:
+            return LRSchedule(**(self.state_dict() | {"max_steps": max_steps}))
+        anchor = {"start_step": local, "start_progress": self.progress(local), "max_steps": max_steps}
+        return LRSchedule(**(self.state_dict() | anchor))
+
+    def state_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 class Throughput:

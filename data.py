@@ -6,6 +6,7 @@ task.py.
 import base64
 import json
 import os
+import re
 
 import tiktoken
 import torch
@@ -98,6 +99,37 @@ def _hf_bos_id(hf_tokenizer) -> int | None:
     return bos_id if with_special[:1] == [bos_id] and without[:1] != [bos_id] else None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # org/name on the Hugging Face hub
+
+
+def hf_source_problem(name_or_path: str, tokenizer: bool = False) -> str | None:
+    """What is wrong with a Hugging Face name or folder before transformers tries it (its own messages run to many
+    lines), or None: a folder that does not exist, a file, a folder without tokenizer files (tokenizer: the
+    tokenizer is wanted). A hub name (org/name) is left to try."""
+    if os.path.isdir(name_or_path):
+        if tokenizer and not any(os.path.exists(os.path.join(name_or_path, f)) for f in TOKENIZER_FILES):
+            return (
+                f"{name_or_path} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}): save the tokenizer there "
+                "with save_pretrained"
+            )
+        return None
+    if os.path.exists(name_or_path):
+        return f"{name_or_path} is a file, not a Hugging Face folder (config.json, weights, tokenizer files)"
+    if name_or_path.startswith((".", "/", "~")) or not HUB_NAME.fullmatch(name_or_path):
+        return f"{name_or_path}: no such folder"
+    return None
+
+
+def hub_error(name_or_path: str, what: str, error: Exception) -> str:
+    """A failed load of a hub name or folder as one line: the reason, and what to do offline."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"could not load {what} {name_or_path!r} (offline? pass a local folder saved with save_pretrained, or set "
+        f"HF_HOME to a cache that has it, and HF_HUB_OFFLINE=1 to skip the network's retries): {first_line}"
+    )
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
     """ "gpt2" (tiktoken r50k_base), "hf:<name-or-path>" (transformers.AutoTokenizer) or a task tokenizer.json path."""
     if spec == "gpt2":
@@ -114,14 +146,13 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec.startswith("hf:"):
         from transformers import AutoTokenizer
 
+        problem = hf_source_problem(spec[3:], tokenizer=True)
+        if problem:
+            raise UserError(problem)
         try:
             hf = AutoTokenizer.from_pretrained(spec[3:])
         except Exception as e:
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(
-                f"could not load tokenizer {spec!r} (offline? pass a local folder saved with save_pretrained, "
-                f"or set HF_HOME to a cache that has them): {msg}"
-            ) from None
+            raise UserError(hub_error(spec[3:], "the tokenizer", e)) from None
         if hf.eos_token_id is None:
             raise UserError(f"tokenizer {spec!r} has no eos token")
         vocab_size = len(hf)
@@ -176,6 +207,16 @@ def train_bpe(word_counts: dict[str, int], targets: list[str], max_merges: int =
 # JSONL readers
 
 
+def read_train_eval(train_path: str, eval_path: str | None, kind: str) -> tuple[list[dict], list[dict]]:
+    """The training records (--data) and the held-out ones: eval_path's (--eval-data), or without one the last 5 % of
+    train_path's (at least one record)."""
+    train_rows = read_jsonl(train_path, kind, "--data")
+    if eval_path is not None:
+        return train_rows, read_jsonl(eval_path, kind, "--eval-data")
+    n_eval = max(1, len(train_rows) // 20)
+    return train_rows[:-n_eval], train_rows[-n_eval:]
+
+
 def _check_fields(obj: dict, kind: str) -> str | None:
     """What is wrong with one record of this kind, or None."""
     fields = {
@@ -205,12 +246,12 @@ def _check_fields(obj: dict, kind: str) -> str | None:
     return None
 
 
-def read_jsonl(path: str, kind: str) -> list[dict]:
+def read_jsonl(path: str, kind: str, flag: str | None = None) -> list[dict]:
     """Read and validate a UTF-8 JSONL file of kind "sft", "text", "prompts", "pairs" or "hh" (Anthropic-HH); a missing
     or empty file, bad UTF-8, bad JSON, a line that is not an object or a bad field is a one-line UserError
-    `path:line: what is wrong`. Blank lines are skipped."""
+    `path:line: what is wrong` (a missing file names the flag that gave it). Blank lines are skipped."""
     if not os.path.isfile(path):
-        raise UserError(f"{path}: no such file")
+        raise UserError(f"{flag + ' ' if flag else ''}{path}: no such file")
     records = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -289,6 +330,12 @@ def pad_right(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     ids = torch.tensor([list(s) + [pad_id] * (T - len(s)) for s in seqs], dtype=torch.long)
     mask = torch.tensor([[1.0] * len(s) + [0.0] * (T - len(s)) for s in seqs])
     return ids, mask
+
+
+def encode_prompts(tok: Tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as a generation batch: [BOS] + prompt ids (the BOS if the tokenizer has one), left-padded -> (query
+    (B, P) long, query_mask (B, P) float)."""
+    return pad_left([tok.encode(prompt, bos=True) for prompt in prompts], tok.pad_id)
 
 
 class Order:

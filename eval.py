@@ -39,9 +39,9 @@ import tyro
 
 import common
 import hf
-from common import UserError, write_atomic
-from data import calibration_error, encode_prefs, pad_left, read_jsonl, responses_of
-from model import logprobs_from_logits, response_forward, score_seqs, sequence_scores
+from common import UserError, format_sample, write_atomic
+from data import calibration_error, encode_prefs, encode_prompts, read_jsonl, responses_of
+from model import logprobs_from_logits, response_forward, sample, score_seqs, sequence_scores
 from task import build_task, gold_reward, is_valid
 
 
@@ -64,6 +64,9 @@ class Args:
     """prompt JSONL ({"prompt": str}) to sample on (None: the built-in task's held-out prompts; gold needs those)"""
     best_of_n: Optional[list[int]] = None
     """best-of-N sizes: per prompt max(N) samples, the first N reranked by --rm, the best scored (rows <name>_bon<N>)"""
+    reward_fn: Optional[str] = None
+    """module:function or path/to/file.py:function, fn(prompt, response, ended) -> float (as train_ppo.py's): its mean
+    over the samples is the reward_fn column, your own objective on held-out prompts"""
     missing_eos_penalty: float = -1.0
     """best-of-N: the RM score of a response without EOS (as PPO's --missing-eos-penalty)"""
     # --- sampling
@@ -177,32 +180,26 @@ def win_rate(gold: list, ref_gold: list) -> float:
 @torch.no_grad()
 def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=None, rm=None) -> dict:
     """One response per prompt of one generation batch; per-sample lists (see sample_policy)."""
-    query, query_mask = (t.to(device) for t in pad_left([tok.encode(p, bos=True) for p in prompts], tok.pad_id))
-    max_new = min(args.max_new_tokens, model.config.block_size - query.size(1))
-    response, response_mask, logprobs = model.generate(
-        query, query_mask, max_new, tok.eos_id, tok.pad_id, temperature=args.temperature, generator=generator
-    )
+    query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
+    samples = sample(model, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator)
+    response, response_mask = samples.response, samples.mask
     lengths = response_mask.sum(1).long()
-    last_token = response.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
-    ended = (last_token == tok.eos_id) & (lengths > 0)
     kl = torch.zeros(len(prompts), device=device)
     if ref is not None:  # k1 summed over the sequence, at the sampling temperature
         ref_logits = response_forward(ref, query, query_mask, response, response_mask, args.temperature)[0]
         ref_logprobs = logprobs_from_logits(ref_logits, response)
-        kl = ((logprobs - ref_logprobs) * response_mask).sum(1)
+        kl = ((samples.logprobs - ref_logprobs) * response_mask).sum(1)
     score = torch.full((len(prompts),), float("nan"), device=device)
     if rm is not None:
         mask = torch.cat([query_mask, response_mask], 1)
         _, token_scores = rm(torch.cat([query, response], 1), mask, logits=False)
         score = sequence_scores(token_scores, mask)
-    tokens = [response[row, : lengths[row]].tolist() for row in range(len(prompts))]
-    bodies = [ids[:-1] if end else ids for ids, end in zip(tokens, ended.tolist())]
     return {
         "prompt": list(prompts),
-        "response": [tok.decode(body) for body in bodies],
-        "tokens": tokens,
-        "ended": ended.tolist(),
-        "logprob_sum": logprobs.sum(1).tolist(),
+        "response": samples.texts,
+        "tokens": [response[row, : lengths[row]].tolist() for row in range(len(prompts))],
+        "ended": samples.ended.tolist(),
+        "logprob_sum": samples.logprobs.sum(1).tolist(),
         "n": lengths.tolist(),
         "kl": kl.tolist(),
         "score": score.tolist(),
@@ -248,6 +245,7 @@ def policy_metrics(samples: dict, builtin: bool, ref_gold: Optional[list]) -> tu
         "valid_frac": mean_se(valid, cluster) if builtin else None,
         "distinct_2": distinct_n_se(samples["tokens"], cluster, 2),
         "win_rate_vs_ref": mean_se(win_outcomes(gold, ref_gold), cluster) if builtin and ref_gold else None,
+        "reward_fn": mean_se(samples["reward_fn"], cluster) if "reward_fn" in samples else None,
     }
     metrics = {}
     for name, stat in stats.items():
@@ -320,6 +318,8 @@ def print_table(results: dict) -> None:
         "num_samples",
         "seconds",
     ]
+    if any(entry.get("reward_fn") is not None for entry in results.values()):
+        cols.insert(cols.index("score") + 1, "reward_fn")
     print("| policy | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
     for name, entry in results.items():
         if name != "rm":
@@ -353,7 +353,8 @@ def main(args: Args) -> dict:
         else args.device
     )
     builtin = args.prompts is None
-    task = build_task(args.task_dir, args.task_seed) if builtin or (args.pairs and args.pairs_data is None) else None
+    needs_task = args.pairs_data is None if args.pairs else builtin  # the built-in task's files are built on demand
+    task = build_task(args.task_dir, args.task_seed) if needs_task else None
     results = {}
     if args.pairs:
         results["rm"] = rm_metrics(args, task, device)
@@ -362,12 +363,13 @@ def main(args: Args) -> dict:
         print("| rm | " + " | ".join(cells) + " |")
         return write_json(args.json, results)
     # 1. prompts, reference and reward model
-    rows = read_jsonl(args.prompts or task["eval_prompts"], "prompts")
+    rows = read_jsonl(args.prompts or task["eval_prompts"], "prompts", "--prompts")
     prompts = [r["prompt"] for r in rows][: args.num_samples]
     names = args.names or [os.path.basename(os.path.dirname(p)) or f"policy{i}" for i, p in enumerate(args.policy)]
     if len(names) != len(args.policy):
         raise UserError(f"--names: {len(names)} names for {len(args.policy)} policies")
     ref, ref_tok, _ = load_model(args.ref, "--ref", device)
+    reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
     rm = None
     if args.rm and args.rm != "none":
         rm, rm_tok, _ = load_model(args.rm, "--rm", device, want="score")
@@ -383,6 +385,9 @@ def main(args: Args) -> dict:
         # best-of-N draws max(N) seeds per prompt once; the plain row takes the first --seeds of them
         num_seeds = max([args.seeds, *(args.best_of_n or [])])
         samples = sample_policy(model, tok, prompts, replace(args, seeds=num_seeds), device, ref=ref, rm=rm)
+        if reward_fn is not None:
+            responses = zip(samples["prompt"], samples["response"], samples["ended"])
+            samples["reward_fn"] = [float(reward_fn(p, r, e)) for p, r, e in responses]
         seconds = round(ckpt.get("seconds", 0.0), 1)
         plain = [index for index, seed in enumerate(samples["seed"]) if seed < args.seed + args.seeds]
         metrics, _ = policy_metrics(select(samples, plain), builtin, ref_gold)
@@ -392,7 +397,7 @@ def main(args: Args) -> dict:
             metrics, _ = policy_metrics(picked, builtin, ref_gold[: len(prompts)] if ref_gold else None)
             results[f"{name}_bon{n}"] = {**metrics, "kl_bound": True, "seconds": seconds}
         for p, r, e in list(zip(samples["prompt"], samples["response"], samples["ended"]))[: args.show]:
-            print(f"[{name}] {p}{r}{'' if e else ' [no EOS]'}")
+            print(f"[{name}] {format_sample(p, r, e)}")
     print_table(results)
     print(
         f"eval: {len(prompts)} prompts x {args.seeds} seeds x {len(args.policy)} policies in {time.time() - t0:.0f}s; "
@@ -430,7 +435,7 @@ def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
     if not args.rm or args.rm == "none":
         raise UserError("--pairs needs --rm")
     rm, tok, ckpt = load_model(args.rm, "--rm", device, want="score")
-    rows = read_jsonl(args.pairs_data or task["pairs_eval"], "pairs")
+    rows = read_jsonl(args.pairs_data or task["pairs_eval"], "pairs", "--pairs-data")
     examples, _ = encode_prefs(tok, rows, rm.config.block_size)
     scores = score_seqs(rm, [s for ex in examples for s in ex[0]], tok.pad_id, args.batch_size, device, torch.float32)
     scores = scores.tolist()

@@ -19,8 +19,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from common import UserError, load_checkpoint
-from data import Tokenizer, load_tokenizer
+from checkpoints import load_checkpoint
+from common import UserError
+from data import Tokenizer, hub_error, load_tokenizer
 from model import GPT, GPTConfig, logprobs_from_logits, sample_tokens, strip_wrapper_prefixes
 
 
@@ -339,11 +340,7 @@ def _model_type(path: str) -> str | None:
 
 def _load_error(flag: str, spec: str, what: str, error: Exception) -> UserError:
     """A failed download or read as one line that names the flag (transformers' own message is many lines)."""
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return UserError(
-        f"{flag} {spec}: could not load {what} (offline? pass a local folder saved with save_pretrained, "
-        f"or set HF_HOME to a cache that has them): {first_line}"
-    )
+    return UserError(f"{flag} {spec}: {hub_error(spec.removeprefix('hf:'), what, error)}")
 
 
 def _tokenizer(flag: str, spec: str, tokenizer_spec: str | dict) -> Tokenizer:

@@ -211,6 +211,36 @@ def score_seqs(model, seqs: list[list[int]], pad_id: int, batch_size: int, devic
     return out
 
 
+@dataclass
+class Samples:
+    """What `sample` returns: a batch of generated responses and what every caller derives from them."""
+
+    response: Tensor  # (B, Tn) long, pad_id after a row's EOS
+    mask: Tensor  # (B, Tn) float, 1 on real tokens, the EOS included
+    logprobs: Tensor  # (B, Tn) the sampled tokens' log-probs under the full tempered distribution, 0 on padding
+    last: Tensor  # (B,) long, index of each row's last real token (its EOS when it ended)
+    ended: Tensor  # (B,) bool, the row ended with EOS
+    texts: list[str]  # each response decoded without its EOS
+
+
+@torch.no_grad()
+def sample(
+    model, tok, query: Tensor, query_mask: Tensor, max_new_tokens: int, temperature: float = 1.0, **kw
+) -> Samples:
+    """Generate → which rows ended → text without EOS, for every stage and eval.py: model.generate over left-padded
+    prompts (query, query_mask (B, P)) with at most max_new_tokens new tokens (fewer where the context ends first),
+    EOS and padding from tok (anything with eos_id, pad_id and decode); kw goes to generate (generator, top_k, ...)."""
+    max_new = min(max_new_tokens, model.config.block_size - query.size(1))
+    response, mask, logprobs = model.generate(
+        query, query_mask, max_new, tok.eos_id, tok.pad_id, temperature=temperature, **kw
+    )
+    lengths = mask.sum(1).long()
+    last = (lengths - 1).clamp(min=0)
+    ended = (response.gather(1, last[:, None]).squeeze(1) == tok.eos_id) & (lengths > 0)
+    texts = [tok.decode(row) for row in response.tolist()]  # decode drops the pad and EOS ids
+    return Samples(response, mask, logprobs, last, ended, texts)
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()

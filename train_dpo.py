@@ -14,26 +14,29 @@ torchrun --standalone --nproc_per_node 8 train_dpo.py --init out/sft_gpt2/ckpt.p
 """
 
 import copy
-import os
 import time
-from dataclasses import asdict, dataclass
-from typing import Literal, Optional
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 import tyro
 
+import checkpoints
 import common
 import hf
-from common import UserError, print0
-from data import Order, encode_prefs, load_tokenizer, pad_left, pad_right, read_jsonl
+import parallel
+from common import UserError, format_sample, print0
+from data import Order, encode_prefs, encode_prompts, load_tokenizer, pad_right, read_jsonl, read_train_eval
 from lora import BaseView
-from model import logprobs_from_logits, response_forward
+from model import logprobs_from_logits, response_forward, sample
 from task import build_task, gold_reward, is_valid
 
 DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5}  # --beta None resolves here (IPO's β works on per-token mean log-probs)
 
 
+@common.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/dpo"
@@ -53,9 +56,10 @@ class Args(common.CommonArgs):
     label_smoothing: float = 0.0
     """cDPO: the share ε of labels assumed flipped, in [0, 0.5) (dpo only)"""
     nll_coef: float = 1.0
-    """weight of the next-token loss on each record's best response, per token (RPO, Pang et al. 2024,
-    https://arxiv.org/abs/2404.19733; TRL's rpo_alpha): it keeps the chosen text likely while the pairs push the
-    rejected text down (0: plain DPO / IPO, which breaks the built-in task's grammar within 50 steps)"""
+    """weight of the next-token loss on each record's best response (RPO, Pang et al. 2024,
+    https://arxiv.org/abs/2404.19733), as a token mean over the step's best responses (TRL's rpo_alpha), not the
+    paper's per-sequence normalisation: it keeps the chosen text likely while the pairs push the rejected text down
+    (0: plain DPO / IPO, which breaks the built-in task's grammar within 50 steps)"""
     # --- optimisation
     batch_size: int = 64
     """preference records (prompts) per optimizer step, summed over ranks"""
@@ -174,27 +178,51 @@ def longest_sequence(example) -> int:
 
 @torch.no_grad()
 def sample_responses(policy, ref, tok, prompts: list, temperature: float, max_new_tokens: int, generator) -> list:
-    """One response per prompt (KV cache, batches of 128): {"prompt", "response" (text without EOS), "ended", "kl"}
-    with kl the sum over response tokens of log π - log π_ref at the sampling temperature (k1)."""
+    """One response per prompt (KV cache, batches of 128): {"prompt", "response" (text without EOS), "ended", "kl",
+    "gold", "valid"} with kl the sum over response tokens of log π - log π_ref at the sampling temperature (k1) and
+    the built-in task's gold reward and validity."""
     device = next(policy.parameters()).device
     records = []
     for start in range(0, len(prompts), 128):
         chunk = prompts[start : start + 128]
-        query, query_mask = (t.to(device) for t in pad_left([tok.encode(p, bos=True) for p in chunk], tok.pad_id))
-        max_new = min(max_new_tokens, policy.config.block_size - query.size(1))
-        response, response_mask, logprobs = policy.generate(
-            query, query_mask, max_new, tok.eos_id, tok.pad_id, temperature=temperature, generator=generator
-        )
-        ref_logits, _ = response_forward(ref, query, query_mask, response, response_mask, temperature)
-        ref_logprobs = logprobs_from_logits(ref_logits, response)
-        kl = ((logprobs - ref_logprobs) * response_mask).sum(1)
-        lengths = response_mask.sum(1).long().tolist()
-        for row, prompt in enumerate(chunk):
-            tokens = response[row, : lengths[row]].tolist()
-            ended = len(tokens) > 0 and tokens[-1] == tok.eos_id
-            text = tok.decode(tokens[:-1] if ended else tokens)
-            records.append({"prompt": prompt, "response": text, "ended": ended, "kl": kl[row].item()})
+        query, query_mask = (t.to(device) for t in encode_prompts(tok, chunk))
+        samples = sample(policy, tok, query, query_mask, max_new_tokens, temperature, generator=generator)
+        ref_logits, _ = response_forward(ref, query, query_mask, samples.response, samples.mask, temperature)
+        ref_logprobs = logprobs_from_logits(ref_logits, samples.response)
+        kl = ((samples.logprobs - ref_logprobs) * samples.mask).sum(1).tolist()
+        for prompt, text, ended, row_kl in zip(chunk, samples.texts, samples.ended.tolist(), kl):
+            record = {"prompt": prompt, "response": text, "ended": ended, "kl": row_kl}
+            record["gold"] = gold_reward(prompt, text, ended)
+            record["valid"] = is_valid(text, ended)
+            records.append(record)
     return records
+
+
+@torch.no_grad()
+def heldout_sums(policy, ref, evals: list, loss_fn: Callable, average: bool, micro_batch_size: int, pad_id: int, amp):
+    """The DPO loss and implicit-reward accuracy summed over encoded held-out records (each record's pairs weigh 1,
+    as in training), micro-batch by micro-batch: {"loss", "accuracy", "records"} (and gold, kl, valid at 0 for the
+    samples to fill)."""
+    device = next(policy.parameters()).device
+    sums = {"loss": 0.0, "accuracy": 0.0, "records": 0, "gold": 0.0, "kl": 0.0, "valid": 0}
+    for start in range(0, len(evals), micro_batch_size):
+        micro_batch = evals[start : start + micro_batch_size]
+        ids, targets_mask, chosen, rejected, weights, _ = (t.to(device) for t in collate(micro_batch, pad_id))
+        with amp:
+            policy_logprobs = sequence_logprobs(policy, ids, targets_mask, average)
+            ref_logprobs = sequence_logprobs(ref, ids, targets_mask, average)
+        loss, stats = loss_fn(
+            policy_logprobs[chosen],
+            policy_logprobs[rejected],
+            ref_logprobs[chosen],
+            ref_logprobs[rejected],
+            weights=weights,
+            denom=1.0,
+        )
+        sums["loss"] += loss
+        sums["accuracy"] += stats["rewards/accuracy"]
+        sums["records"] += len(micro_batch)
+    return sums
 
 
 def flops_per_token(model, examples: list) -> int:
@@ -209,147 +237,106 @@ def flops_per_token(model, examples: list) -> int:
 # main
 
 
-def main(args: Args) -> None:
-    t_start = time.time()
-    # 0. settings no run can use
-    beta = DEFAULT_BETA[args.loss] if args.beta is None else args.beta
-    if not beta > 0:
-        raise UserError(f"--beta {beta:g}: the KL strength must be > 0")
+def resolve_beta(args: Args) -> Args:
+    """--beta None is the loss's own default (DEFAULT_BETA); the checkpoint keeps the value used."""
+    return replace(args, beta=DEFAULT_BETA[args.loss] if args.beta is None else args.beta)
+
+
+def check_args(args: Args) -> None:
+    """Settings no run can use: one line each, before any work."""
+    if not args.beta > 0:
+        raise UserError(f"--beta {args.beta:g}: the KL strength must be > 0")
     if not 0 <= args.label_smoothing < 0.5:
         raise UserError(f"--label-smoothing {args.label_smoothing:g}: the flipped-label share must be in [0, 0.5)")
     if args.label_smoothing > 0 and args.loss != "dpo":
         raise UserError(f"--label-smoothing applies to --loss dpo, not {args.loss}")
     if args.init == "scratch":
         raise UserError("--init scratch: DPO starts from a trained policy (an SFT checkpoint, gpt2 or hf:...)")
-    common.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
+
+
+def main(args: Args) -> None:
+    t_start = time.time()
+    args = checkpoints.resume_args(args, "dpo", resolve_beta)  # --resume: the run's own flags, a changed one refused
+    check_args(args)
+    checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
     common.seed_everything(args.seed)
     # 1. data, tokenizer, policy and reference (user mistakes surface here, before any process group)
     builtin = args.data is None
     task = build_task(args.task_dir, args.task_seed) if builtin else None
-    train_rows = read_jsonl(task["pairs"] if builtin else args.data, "pairs")
-    if args.eval_data or builtin:
-        eval_rows = read_jsonl(args.eval_data or task["pairs_eval"], "pairs")
-    else:
-        n_eval = max(1, len(train_rows) // 20)
-        train_rows, eval_rows = train_rows[:-n_eval], train_rows[-n_eval:]
+    train_path = task["pairs"] if builtin else args.data
+    eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)
+    train_rows, eval_rows = read_train_eval(train_path, eval_path, "pairs")
     task_tok = load_tokenizer(task["tokenizer"]) if builtin else None
     model, tok, _ = hf.load_init(args.init, tokenizer=task_tok, score_head=False, kind=("sft", "dpo", "ppo"))
     if builtin and tok.state() != task_tok.state():
         raise UserError(f"--init {args.init}: its tokenizer is not the built-in task's ({task['tokenizer']})")
+    init_hash = checkpoints.init_fingerprint(args.init)  # what this run started from (--resume compares)
     block_size = model.config.block_size
     train, n_too_long = encode_prefs(tok, train_rows, block_size)
     evals, _ = encode_prefs(tok, eval_rows, block_size)
     if not train or not evals:
         raise UserError(
-            f"{args.data or task['pairs']}: no preference record (or no held-out one) fits the context "
-            f"({block_size} tokens)"
+            f"{train_path}: no preference record (or no held-out one) fits the context ({block_size} tokens)"
         )
     evals = evals[: args.eval_pairs]
     prompts = [row["prompt"] for row in read_jsonl(task["eval_prompts"], "prompts")] if builtin else []
-    common.prepare_model(model, args)
+    parallel.prepare_model(model, args)
     if args.lora_rank > 0:
         ref = BaseView(model)  # the adapters off: the init itself, no second copy of its weights
     else:
         ref = copy.deepcopy(model).requires_grad_(False)  # the frozen reference: the init, also on --resume
     average = args.loss == "ipo"  # per-token mean log-probs (IPO), else sums
+    loss_fn = partial(dpo_loss, beta=args.beta, loss_type=args.loss, label_smoothing=args.label_smoothing)
 
     # 2. distributed set-up, sizes, optimizer, resume
     # sizes first, against the launched world size: a mistake ends here, before any process group
-    per_rank, micro_batch_size, grad_accum_steps = common.batch_split(args.batch_size, args.micro_batch_size)
-    d = common.setup_dist(args.device)
-    dtype = common.resolve_dtype(args.dtype, d.device)
+    per_rank, micro_batch_size, grad_accum_steps = parallel.batch_split(args.batch_size, args.micro_batch_size)
+    d = parallel.setup_dist(args.device)
+    dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, int(args.epochs * len(train)) // args.batch_size)
     print0(
         f"dpo: {len(train)} train / {len(evals)} eval records ({n_too_long} too long, skipped) | "
         f"{model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
-        f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | loss {args.loss} beta {beta:g} "
+        f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | loss {args.loss} beta {args.beta:g} "
         f"label_smoothing {args.label_smoothing:g} nll_coef {args.nll_coef:g} | device {d.device} {dtype}"
     )
     ref.eval()
-    common.place_model(model, args, d, dtype)
-    common.place_model(ref, args, d, dtype)
+    parallel.place_model(model, args, d, dtype)
+    parallel.place_model(ref, args, d, dtype)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
+    schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps, min_lr_ratio=0.0)
+    trained = common.Trained("model", model, optimizer, schedule, args.grad_clip)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
     order = Order(len(train), args.seed)  # the global record order, the same on every rank
     guard = common.StepGuard()
+    run = checkpoints.Run("dpo", args, d, tok, [trained], started=t_start)
     step = 0
-    seconds = 0.0  # wall time of the earlier sittings of this run
-    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
-    init_hash = common.file_sha256(args.init) if args.init.endswith(".pt") else None  # what this run started from
     if args.resume:
-        inputs = {"init_hash": (f"--init {args.init}", init_hash)}
-        ckpt = common.resume(ckpt_path, "dpo", d, max_steps, inputs, model, optimizer, sampler)
+        ckpt = run.resume({"init_hash": (f"--init {args.init}", init_hash)}, sampler)
         step = ckpt["step"]
-        seconds = ckpt["seconds"]
         order = Order(**ckpt["data_state"]["order"])
         guard.skipped = ckpt["data_state"]["skipped"]
     raw_model = model
-    model = common.wrap_model(raw_model, d, args.compile)
+    model = parallel.wrap_model(raw_model, d, args.compile)
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None)
     peak_flops = common.peak_flops(d.device, args.peak_flops)
     throughput = common.Throughput(flops_per_token(raw_model, train), peak_flops, d.world_size)
-
-    def save(step: int) -> None:
-        rngs = common.all_rng_states(sampler)
-        # under --fsdp every rank gathers the weights and saves its optimizer shard; rank 0 writes ckpt.pt
-        state = common.training_state(raw_model, optimizer, args.out_dir)
-        if d.master:
-            common.save_checkpoint(
-                dict(
-                    kind="dpo",
-                    **state,
-                    model_config=asdict(raw_model.config),
-                    init_hash=init_hash,
-                    tokenizer=tok.state(),
-                    args=asdict(args),
-                    step=step,
-                    scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps, min_lr_ratio=0.0),
-                    rng=rngs,
-                    data_state=dict(order=order.state_dict(), skipped=guard.skipped),
-                    world_size=d.world_size,
-                    seconds=seconds + time.time() - t_start,
-                ),
-                ckpt_path,
-            )
 
     @torch.no_grad()
     def evaluate(n_samples: int) -> tuple[dict, list]:
         """val/ metrics: the loss and implicit-reward accuracy on the held-out pairs (rank r takes records r, r+world,
         ...); on the built-in task, gold, kl and valid_frac of n_samples sampled held-out responses. Returns them and
         this rank's samples."""
-        sums = {"loss": 0.0, "accuracy": 0.0, "records": 0, "gold": 0.0, "kl": 0.0, "valid": 0}
         my_evals = evals[d.rank :: d.world_size]
-        for start in range(0, len(my_evals), micro_batch_size):
-            micro_batch = my_evals[start : start + micro_batch_size]
-            ids, targets_mask, chosen, rejected, weights, _ = (t.to(d.device) for t in collate(micro_batch, tok.pad_id))
-            with common.autocast(d.device, dtype):
-                policy_logprobs = sequence_logprobs(raw_model, ids, targets_mask, average)
-                ref_logprobs = sequence_logprobs(ref, ids, targets_mask, average)
-            loss, stats = dpo_loss(
-                policy_logprobs[chosen],
-                policy_logprobs[rejected],
-                ref_logprobs[chosen],
-                ref_logprobs[rejected],
-                beta,
-                args.loss,
-                args.label_smoothing,
-                weights,
-                denom=1.0,
-            )
-            sums["loss"] += loss
-            sums["accuracy"] += stats["rewards/accuracy"]
-            sums["records"] += len(micro_batch)
+        amp = parallel.autocast(d.device, dtype)
+        sums = heldout_sums(raw_model, ref, my_evals, loss_fn, average, micro_batch_size, tok.pad_id, amp)
         samples = []
         if builtin:
             my_prompts = prompts[d.rank : n_samples : d.world_size]
             samples = sample_responses(raw_model, ref, tok, my_prompts, args.temperature, args.max_new_tokens, sampler)
-            for sample in samples:
-                sample["gold"] = gold_reward(sample["prompt"], sample["response"], sample["ended"])
-                sample["valid"] = is_valid(sample["response"], sample["ended"])
-                sums["gold"] += sample["gold"]
-                sums["kl"] += sample["kl"]
-                sums["valid"] += sample["valid"]
-        totals = common.all_reduce_dict(sums, d.device)
+            for key in ("gold", "kl", "valid"):
+                sums[key] = sum(sample[key] for sample in samples)
+        totals = parallel.all_reduce_dict(sums, d.device)
         metrics = {
             "val/loss": totals["loss"] / totals["records"],
             "val/accuracy": totals["accuracy"] / totals["records"],
@@ -371,9 +358,8 @@ def main(args: Args) -> None:
         if order.pos + args.batch_size > order.n:  # the epoch's remainder is dropped
             order.pos = order.n
         batch = [train[i] for i in order.take(args.batch_size)]
-        lr = common.lr_at(step, max_steps, args.lr, args.warmup_steps, min_lr_ratio=0.0)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = trained.schedule.at(step)
+        common.set_lr(optimizer, lr)
         # losses are divided by global counts of the step (pairs weigh 1 per record; NLL: best-response tokens)
         pair_denom = float(len(batch))
         nll_denom = float(sum(len(seqs[best]) - n_prompt for seqs, n_prompt, _, best, _ in batch))
@@ -384,23 +370,22 @@ def main(args: Args) -> None:
             ids, targets_mask, chosen, rejected, weights, best = (
                 t.to(d.device) for t in collate(micro_batch, tok.pad_id)
             )
-            with torch.no_grad(), common.autocast(d.device, dtype):
+            with torch.no_grad(), parallel.autocast(d.device, dtype):
                 ref_logprobs = sequence_logprobs(ref, ids, targets_mask, average)
             last_micro_step = micro_step == grad_accum_steps - 1
-            with common.grad_sync(model, last_micro_step), common.autocast(d.device, dtype):
+            with parallel.grad_sync(model, last_micro_step), parallel.autocast(d.device, dtype):
                 policy_logprobs = sequence_logprobs(model, ids, targets_mask, average)
-                loss, stats = dpo_loss(
+                loss, stats = loss_fn(
                     policy_logprobs[chosen],
                     policy_logprobs[rejected],
                     ref_logprobs[chosen],
                     ref_logprobs[rejected],
-                    beta,
-                    args.loss,
-                    args.label_smoothing,
-                    weights,
+                    weights=weights,
                     denom=pair_denom,
                 )
-                # RPO: the next-token loss of the best responses (their summed log-probs; IPO's are per-token means)
+                # RPO: the next-token loss of the best responses, a token mean over the whole step's best responses
+                # (TRL's rpo_alpha), not Pang et al.'s per-sequence normalisation (their summed log-probs; IPO's are
+                # per-token means, scaled back to sums)
                 best_logprobs = policy_logprobs[best] * (targets_mask[best].sum(1) if average else 1)
                 nll_loss = -best_logprobs.sum() / nll_denom
                 loss = loss + args.nll_coef * nll_loss
@@ -411,12 +396,12 @@ def main(args: Args) -> None:
             for name in stat_names:
                 window[name] += stats[name]
             window["tokens"] += sum(len(seq) for seqs, *_ in micro_batch for seq in seqs)
-        common.clip_and_step(optimizer, raw_model.parameters(), args.grad_clip, guard, step)
+        common.guarded_step([trained], guard, step)
         step += 1
         window_steps += 1
 
         if step % args.log_every == 0 or step == max_steps:
-            totals = common.all_reduce_dict(window, d.device)
+            totals = parallel.all_reduce_dict(window, d.device)
             metrics = {name: totals[name] / window_steps for name in ("train/loss", "train/nll_loss", *stat_names)}
             metrics["train/lr"] = lr
             logger.log(step, metrics | guard.read() | throughput.read(totals["tokens"]), max_steps)
@@ -425,22 +410,23 @@ def main(args: Args) -> None:
         final = step == max_steps
         with throughput.paused():  # perf/ counts training time only
             if step % args.eval_every == 0 or final:
-                with common.gathered(raw_model), common.gathered(ref):  # ranks run unequal numbers of forwards
+                with parallel.gathered(raw_model), parallel.gathered(ref):  # ranks run unequal numbers of forwards
                     metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
                 logger.log(step, metrics, max_steps)
-                shown = [f"{s['prompt']}{s['response']}{'' if s['ended'] else ' [no EOS]'}" for s in samples]
+                shown = [format_sample(s["prompt"], s["response"], s["ended"]) for s in samples]
                 logger.text("samples", "\n\n".join(shown[:8]), step)
             if final:
                 logger.samples(step, samples)
             if (args.save_every and step % args.save_every == 0) or final:
-                save(step)
+                data_state = dict(order=order.state_dict(), skipped=guard.skipped)
+                run.save(step, data_state, sampler, init_hash=init_hash)
 
     # 4. a few samples to look at, and the numbers that matter
     for line in shown[:5]:
         print0(f"  {line}")
     if args.export_hf and d.master:
-        common.export_hf(raw_model, tok, args.export_hf)
-    summary = f"dpo done in {time.time() - t_start:.0f}s: {ckpt_path} | val/accuracy {metrics['val/accuracy']:.4f}"
+        checkpoints.export_hf(raw_model, tok, args.export_hf)
+    summary = f"dpo done in {time.time() - t_start:.0f}s: {run.path} | val/accuracy {metrics['val/accuracy']:.4f}"
     if builtin:
         summary += (
             f" | val/gold {metrics['val/gold']:+.3f} | val/kl {metrics['val/kl']:.2f} | "
@@ -448,7 +434,7 @@ def main(args: Args) -> None:
         )
     print0(summary)
     logger.close()
-    common.cleanup_dist()
+    parallel.cleanup_dist()
 
 
 if __name__ == "__main__":

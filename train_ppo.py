@@ -9,36 +9,39 @@ clipping, ptx, and a collapse detector over the monitoring metrics.
 Paper: https://arxiv.org/abs/2307.04964 (Secrets of RLHF in Large Language Models Part I: PPO).
 The critic-free estimators of DESIGN §5b are one flag away (--adv-estimator grpo | rloo | reinforce_pp: G responses
 per prompt, no critic), with DAPO's clip-higher, dynamic sampling and overlong filtering, dual-clip and the loss
-aggregations as flags; estimator-dependent defaults resolve in resolve_estimator_defaults and are printed at start-up.
+aggregations as flags; the settings that depend on the estimator are resolved once at start-up
+(resolve_estimator_defaults) and printed.
 
-python train_ppo.py                                                   # built-in task, CPU, ~4 min (after SFT and RM)
-python train_ppo.py --rm-ckpt none --reward-fn data:gold_reward       # optimise the gold reward itself, no RM
+python train_ppo.py                                                   # built-in task, CPU, ~2 min (after SFT and RM)
+python train_ppo.py --rm-ckpt none --reward-fn task:gold_reward       # optimise the gold reward itself, no RM
 python train_ppo.py --adv-estimator grpo                              # GRPO: groups of 4, k3 KL in the loss
 python train_ppo.py --adv-estimator grpo --no-grpo-std-norm --loss-agg seq_sum_norm   # Dr. GRPO
 torchrun --standalone --nproc_per_node 8 train_ppo.py --sft-ckpt sft/ckpt.pt --rm-ckpt rm/ckpt.pt --prompts p.jsonl
 """
 
 import copy
-import importlib
 import math
-import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
 import tyro
 
+import checkpoints
 import common
 import hf
-from common import UserError, exact_div, print0
-from data import Order, Tokenizer, encode_sft, pad_left, pad_right, read_jsonl
+import parallel
+from common import Trained, UserError, exact_div, format_sample, print0
+from data import Order, Tokenizer, encode_prompts, encode_sft, pad_right, read_jsonl
 from lora import BaseView
-from model import entropy_from_logits, lm_loss, logprobs_from_logits, response_forward
+from model import entropy_from_logits, lm_loss, logprobs_from_logits, response_forward, sample
 from task import build_task, gold_reward
 
 
+@common.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/ppo"
@@ -49,7 +52,8 @@ class Args(common.CommonArgs):
     rm_ckpt: str = "out/rm/ckpt.pt"
     """frozen reward model, also the critic's init; 'none': --reward-fn alone, critic from the SFT trunk"""
     reward_fn: Optional[str] = None
-    """module:function, fn(prompt: str, response: str, ended: bool) -> float, added to the RM score"""
+    """module:function or path/to/file.py:function, fn(prompt: str, response: str, ended: bool) -> float, added to
+    the RM score (e.g. task:gold_reward)"""
     reward_fn_coef: float = 1.0
     """weight of --reward-fn in the score"""
     prompts: Optional[str] = None
@@ -81,7 +85,7 @@ class Args(common.CommonArgs):
     group_size: Optional[int] = None
     """responses sampled per prompt, consecutive rows of one rank (None: 4 for grpo/rloo, 1 for gae/reinforce_pp)"""
     grpo_std_norm: bool = True
-    """grpo: divide by the group's std (--no-grpo-std-norm: Dr. GRPO, with --loss-agg seq_sum_norm)"""
+    """grpo only: divide by the group's std (--no-grpo-std-norm: Dr. GRPO, with --loss-agg seq_sum_norm)"""
     mask_truncated: bool = False
     """DAPO overlong filtering: responses without EOS keep their score but contribute nothing to the policy loss"""
     dynamic_sampling: bool = False
@@ -89,7 +93,7 @@ class Args(common.CommonArgs):
     groups until the iteration has rollout_batch_size / G informative ones or --max-sample-rounds are spent (then the
     first round's other groups fill the batch without a policy loss)"""
     max_sample_rounds: int = 3
-    """dynamic sampling: the most rollouts per iteration"""
+    """--dynamic-sampling only: the most rollouts per iteration"""
     # --- reward and KL
     reward_norm: Optional[Literal["none", "scale", "norm"]] = None
     """normalise scores with running moments over all history: scale = s/std, norm = (s-mean)/std (None: norm for
@@ -98,9 +102,8 @@ class Args(common.CommonArgs):
     """clip normalised scores to +-this (None: off); grpo/rloo use raw scores, unclipped, unless --reward-norm is
     given"""
     kl_coef: Optional[float] = None
-    """beta of the KL penalty (the initial value when --kl-target is set; None: the estimator's default, see
-    ESTIMATOR_DEFAULTS); gae's 0.3 keeps the built-in task's valid fraction above 0.9 across retrained RMs (README,
-    "Ablation": gold peaks at beta 0.03-0.3, by the RM)"""
+    """beta of the KL penalty (the initial value when --kl-target is set; None: the estimator's default, 0.15 for
+    grpo, 0.3 for the others; gae's 0.3 keeps the built-in task's valid fraction above 0.9 across retrained RMs)"""
     kl_penalty: Optional[Literal["reward", "loss"]] = None
     """where the KL goes: -beta*kl in the rewards, or beta*k3 on the current log-probs in the policy loss (None: loss
     for grpo, reward for the others)"""
@@ -122,8 +125,8 @@ class Args(common.CommonArgs):
     loss_agg: Optional[Literal["token_mean", "seq_mean", "seq_sum_norm"]] = None
     """policy loss over the step's global batch: mean over tokens, mean over sequences of their token mean, or sum
     over tokens / (max_new_tokens * sequences) (Dr. GRPO) (None: seq_mean for grpo, token_mean for the others)"""
-    cliprange: float = 0.2
-    """policy ratio clip epsilon"""
+    cliprange: Optional[float] = 0.2
+    """policy ratio clip epsilon (None: no clip, the plain policy gradient -A*ratio)"""
     cliprange_high: Optional[float] = None
     """DAPO clip-higher: the ratio is clipped to [1 - cliprange, 1 + cliprange_high] (None: cliprange)"""
     dual_clip: Optional[float] = None
@@ -192,26 +195,70 @@ ESTIMATOR_DEFAULTS = {
 }
 
 
+CRITIC_ESTIMATORS = ("gae",)  # the estimators with a critic; the others build, step and save none
+GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages from comparing a prompt's G responses: G >= 2
+
+
 def resolve_estimator_defaults(args: Args) -> Args:
-    """A copy of args where every estimator-dependent flag left at None holds ESTIMATOR_DEFAULTS[args.adv_estimator].
-    Idempotent (main, rollout and ppo_update all call it). Two settings follow the estimator rather than default: a
-    critic-free estimator has no critic warm-up, and grpo/rloo clip only scores they normalise (--reward-clip applies
-    to them only when --reward-norm is given)."""
+    """A copy of args where every estimator-dependent flag left at None holds ESTIMATOR_DEFAULTS[args.adv_estimator]:
+    run once at start-up (checkpoints.resume_args), so everything after it, and the checkpoint, see the resolved
+    values. Two settings follow the estimator rather than default: a critic-free estimator has no critic warm-up,
+    and grpo/rloo clip only scores they normalise (--reward-clip applies to them only when --reward-norm is
+    given)."""
     defaults = ESTIMATOR_DEFAULTS[args.adv_estimator]
     resolved = {}
     for key, default in defaults.items():
         given = getattr(args, key)
         resolved[key] = default if given is None else given
-    if args.adv_estimator != "gae":
+    if args.adv_estimator not in CRITIC_ESTIMATORS:
         resolved["critic_warmup_steps"] = 0
-    if args.adv_estimator in ("grpo", "rloo") and args.reward_norm is None:
+    if args.adv_estimator in GROUP_ESTIMATORS and args.reward_norm is None:
         resolved["reward_clip"] = None
     return replace(args, **resolved)
 
 
 def uses_critic(args: Args) -> bool:
     """Only gae has a critic: the critic-free estimators build, step and save none."""
-    return args.adv_estimator == "gae"
+    return args.adv_estimator in CRITIC_ESTIMATORS
+
+
+def check_args(args: Args) -> None:
+    """Settings no run can mean (on the resolved args): a one-line UserError naming the flag, before any work."""
+    estimator = args.adv_estimator
+    if args.temperature <= 0:
+        raise UserError(f"--temperature {args.temperature}: PPO samples from the tempered distribution; use > 0")
+    if args.rm_ckpt == "none" and args.reward_fn is None:
+        raise UserError("--rm-ckpt none needs --reward-fn module:function (e.g. task:gold_reward)")
+    if args.group_size < 1 or (estimator in GROUP_ESTIMATORS and args.group_size < 2):
+        raise UserError(f"--group-size {args.group_size}: {estimator} compares responses within a group, use >= 2")
+    if args.dynamic_sampling and args.group_size < 2:
+        raise UserError(f"--dynamic-sampling compares a group's scores: use --group-size >= 2, not {args.group_size}")
+    if args.max_sample_rounds < 1:
+        raise UserError(f"--max-sample-rounds {args.max_sample_rounds}: use >= 1")
+    if args.max_sample_rounds != Args.max_sample_rounds and not args.dynamic_sampling:
+        raise UserError(f"--max-sample-rounds {args.max_sample_rounds}: it applies to --dynamic-sampling only")
+    if not args.grpo_std_norm and estimator != "grpo":
+        raise UserError(f"--no-grpo-std-norm applies to --adv-estimator grpo, not {estimator}")
+    if args.cliprange is not None and args.cliprange <= 0:
+        raise UserError(f"--cliprange {args.cliprange}: use > 0 (None: no clip)")
+    if args.cliprange_high is not None and (args.cliprange is None or args.cliprange_high <= 0):
+        raise UserError(
+            f"--cliprange-high {args.cliprange_high}: the upper bound 1 + eps needs eps > 0 and a --cliprange"
+        )
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise UserError(f"--dual-clip {args.dual_clip}: the cap -c*A needs c > 1")
+    if args.cliprange_value is not None and args.cliprange_value <= 0:
+        raise UserError(f"--cliprange-value {args.cliprange_value}: use > 0 (None: no clip)")
+    if args.kl_coef < 0:
+        raise UserError(f"--kl-coef {args.kl_coef}: beta is the strength of a penalty, use >= 0")
+    if args.kl_target is not None and args.kl_target <= 0:
+        raise UserError(f"--kl-target {args.kl_target}: a KL per sequence in nats, use > 0")
+    if args.ppo_epochs < 1:
+        raise UserError(f"--ppo-epochs {args.ppo_epochs}: passes over each rollout, use >= 1")
+    if not 0 <= args.gamma <= 1 or not 0 <= args.lam <= 1:
+        raise UserError(f"--gamma {args.gamma} --lam {args.lam}: both lie in [0, 1]")
+    if args.entropy_coef < 0 or args.ptx_coef < 0:
+        raise UserError(f"--entropy-coef {args.entropy_coef} --ptx-coef {args.ptx_coef}: loss weights, use >= 0")
 
 
 # -----------------------------------------------------------------------------
@@ -234,12 +281,13 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 
 def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, kl_estimator: str = "k1"):
     """scores (B,), the rest (B, T) -> (rewards, kl), both (B, T) and 0 on padding: rewards = -kl_coef * kl, plus the
-    score on the last valid token (the EOS). KL estimators: http://joschu.net/blog/kl-approx.html"""
-    log_ratio = logprobs - ref_logprobs
+    score on the last valid token (the EOS). KL estimators (http://joschu.net/blog/kl-approx.html), masked before any
+    exponential (padding may hold any log-prob): k1 = logp - ref_logp, k3 = (r - 1) - log r with r = ref_p / p."""
+    log_ratio = torch.where(mask.bool(), logprobs - ref_logprobs, 0.0)
     if kl_estimator == "k1":
         kl = log_ratio
     elif kl_estimator == "k3":
-        kl = torch.expm1(-log_ratio) + log_ratio  # (r - 1) - log r with r = ref_p / p: unbiased and >= 0
+        kl = torch.expm1(-log_ratio) + log_ratio  # unbiased and >= 0
     else:
         raise ValueError(f"unknown kl_estimator {kl_estimator!r}")
     kl = kl * mask
@@ -317,18 +365,18 @@ def informative_groups(scores, group_size: int) -> torch.Tensor:
     return (grouped != grouped[:, :1]).any(1)
 
 
-def loss_weights(mask, agg: str, n_seq, n_tok, max_new_tokens: int) -> torch.Tensor:
-    """mask (B, T) -> per-token weights (B, T) holding the mask and every denominator, so that sum(loss * weights) over
-    all micro-batches and ranks of an optimizer step is its loss. n_seq, n_tok: the step's global counts of kept
-    sequences and tokens. token_mean: mask / n_tok; seq_mean: mask / (len_i * n_seq); seq_sum_norm:
+def loss_weights(mask, agg: str, n_seq, n_tok, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """mask (B, T) -> (weights (B, T), denom): sum(loss * weights) / denom over all micro-batches and ranks of an
+    optimizer step is its aggregated loss (the one path of every loss term). n_seq, n_tok: the step's global counts of
+    kept sequences and tokens. token_mean: mask / n_tok; seq_mean: (mask / len_i) / n_seq; seq_sum_norm:
     mask / (max_new_tokens * n_seq) (Dr. GRPO)."""
     if agg == "token_mean":
-        return mask / n_tok
+        return mask, n_tok
     if agg == "seq_mean":
         lengths = mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1); an empty row has weight 0 anyway
-        return mask / (lengths * n_seq)
+        return mask / lengths, n_seq
     if agg == "seq_sum_norm":
-        return mask / (max_new_tokens * n_seq)
+        return mask, max_new_tokens * n_seq
     raise ValueError(f"unknown loss aggregation {agg!r}")
 
 
@@ -337,35 +385,36 @@ def ppo_policy_loss(
     old_logprobs,
     advantages,
     mask,
-    cliprange: float,
+    cliprange: Optional[float],
     denom=None,
     weights=None,
     cliprange_high: Optional[float] = None,
     dual_clip: Optional[float] = None,
 ):
     """Clipped surrogate, per token l = max(-A*rho, -A*clip(rho, 1-eps, 1+eps_high)), eps_high = cliprange_high or
-    cliprange (DAPO clip-higher); with dual_clip c > 1, l = min(l, -c*A) where A < 0 (Ye et al. 2020). All (B, T).
-    Returns sum(l * weights) when weights are given (loss_weights), else sum(l * mask) / denom (default: valid count).
-    stats: clipfrac (clipped term strictly larger), clipfrac_low / clipfrac_high (the part with rho below / above the
-    range), approx_kl (mean of (rho - 1) - log rho), ratio_mean."""
-    log_ratio = logprobs - old_logprobs
+    cliprange (DAPO clip-higher; cliprange None: no clip, l = -A*rho); with dual_clip c > 1, l = min(l, -c*A) where
+    A < 0 (Ye et al. 2020). All (B, T). Returns sum(l * weights) / denom (loss_weights; defaults: the mask and its
+    count, the mean over valid entries). stats: clipfrac (clipped term strictly larger), clipfrac_low / clipfrac_high
+    (the part with rho below / above the range), approx_kl (mean of (rho - 1) - log rho), ratio_mean."""
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)  # masked before the exponential
     ratio = torch.exp(log_ratio)
-    upper = 1.0 + (cliprange if cliprange_high is None else cliprange_high)
+    lower, upper = 0.0, math.inf  # cliprange None: no clip (a ratio is > 0)
+    if cliprange is not None:
+        lower = 1.0 - cliprange
+        upper = 1.0 + (cliprange if cliprange_high is None else cliprange_high)
     pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, upper)
+    pg_losses2 = -advantages * torch.clamp(ratio, lower, upper)
     token_losses = torch.max(pg_losses, pg_losses2)
     if dual_clip is not None:
         capped = torch.min(token_losses, -dual_clip * advantages)
         token_losses = torch.where(advantages < 0, capped, token_losses)
-    if weights is not None:
-        pg_loss = (token_losses * weights).sum()
-    else:
-        pg_loss = (token_losses * mask).sum() / (mask.sum() if denom is None else denom)
+    weights = mask if weights is None else weights
+    pg_loss = (token_losses * weights).sum() / (mask.sum() if denom is None else denom)
     with torch.no_grad():
         clipped = pg_losses2 > pg_losses
         stats = {
             "clipfrac": masked_mean(clipped.float(), mask),
-            "clipfrac_low": masked_mean((clipped & (ratio < 1.0 - cliprange)).float(), mask),
+            "clipfrac_low": masked_mean((clipped & (ratio < lower)).float(), mask),
             "clipfrac_high": masked_mean((clipped & (ratio > upper)).float(), mask),
             "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
             "ratio_mean": masked_mean(ratio, mask),
@@ -373,12 +422,14 @@ def ppo_policy_loss(
     return pg_loss, stats
 
 
-def kl_loss(logprobs, ref_logprobs, weights, kl_coef: float) -> torch.Tensor:
-    """--kl-penalty loss (GRPO): kl_coef * sum(k3 * weights), k3 = (r - 1) - log r with r = ref_p / p per token on the
-    current log-probs (B, T), differentiable in logprobs; weights (B, T) from loss_weights (0 on padding)."""
-    log_ratio = ref_logprobs - logprobs
+def kl_loss(logprobs, ref_logprobs, mask, weights, denom, kl_coef: float) -> torch.Tensor:
+    """--kl-penalty loss (GRPO): kl_coef * sum(k3 * weights) / denom (loss_weights), k3 = (r - 1) - log r with
+    r = ref_p / p per token on the current log-probs (B, T), differentiable in logprobs, masked before the
+    exponential (a pad token's log-prob may be anything). k3 is an unbiased estimate of KL(pi || ref), but its
+    on-policy gradient is that of KL(ref || pi), not of KL(pi || ref) (Liu et al. 2025)."""
+    log_ratio = torch.where(mask.bool(), ref_logprobs - logprobs, 0.0)
     k3 = torch.expm1(log_ratio) - log_ratio
-    return kl_coef * (k3 * weights).sum()
+    return kl_coef * (k3 * weights).sum() / denom
 
 
 def ppo_value_loss(values, old_values, returns, mask, cliprange_value: Optional[float], denom=None):
@@ -499,102 +550,129 @@ class CollapseDetector:
 # -----------------------------------------------------------------------------
 # one iteration: rollout (steps 1-5) and update (step 6)
 #
-# How the two orchestration functions get their settings: the run's `Args`, passed whole and only read, so a new PPO
-# flag is a two-place edit (its field in Args, and the line that uses it). What changes while the run goes (models,
-# optimizers, the KL coefficient, the reward moments, the sampling generator) and sizes derived from the flags
-# (micro_batch_size) are explicit arguments. The math above stays pure: tensors and numbers in, never `args`.
+# How the orchestration functions get their settings: the run's resolved `Args`, passed whole and only read, so a new
+# PPO flag is a two-place edit (its field in Args, and the line that uses it). What changes while the run goes
+# (models, optimizers, the KL coefficient, the reward moments, the sampling generator) and sizes derived from the
+# flags (micro_batch_size) are explicit arguments. The math above stays pure: tensors and numbers in, never `args`.
+
+
+@dataclass
+class Models:
+    """PPO's four roles: actor (policy, LM head) and the frozen reference, critic (scalar head; None for a critic-free
+    estimator) and the frozen reward model (scalar head; None with --rm-ckpt none). Under LoRA the reference is the
+    actor with its adapters off and the reward model the critic's base with the RM's own head (lora.BaseView)."""
+
+    actor: torch.nn.Module
+    ref: torch.nn.Module
+    critic: Optional[torch.nn.Module]
+    reward_model: Optional[torch.nn.Module]
+
+    def compiled(self, setting: str, device: torch.device) -> "Models":
+        """The training forward of each role: torch.compile'd under --compile (a LoRA view switches its base's
+        adapters in eager code around the call: not compiled), else the modules themselves. Rollout's no-grad passes
+        run it too, so the sampler's log-probs are checked against the very forward the update differentiates."""
+        if not parallel.use_compile(setting, device):
+            return self
+
+        def compile_role(model):
+            return model if model is None or isinstance(model, BaseView) else torch.compile(model)
+
+        return Models(*(compile_role(model) for model in (self.actor, self.ref, self.critic, self.reward_model)))
+
+
+@torch.no_grad()
+def score_rollout(models: Models, query, query_mask, samples, micro_batch_size: int, temperature: float, amp) -> dict:
+    """Step 3's no-grad passes of the training forward, per micro-batch: old and reference log-probs and the entropy
+    (B, T), values (B, T) from the critic and RM scores (B,) read at the last real token (the EOS), each masked."""
+    response, mask = samples.response, samples.mask
+    prompt_len = query.size(1)
+    parts = {"logprobs": [], "ref_logprobs": [], "entropy": [], "values": [], "rm_scores": []}
+    for start in range(0, response.size(0), micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        micro_batch = (query[rows], query_mask[rows], response[rows], mask[rows])
+        with amp:
+            logits, _ = response_forward(models.actor, *micro_batch, temperature)
+            ref_logits, _ = response_forward(models.ref, *micro_batch, temperature)
+            if models.critic is not None:
+                parts["values"].append(response_forward(models.critic, *micro_batch, temperature)[1])
+            if models.reward_model is not None:  # the RM reads its score at the last real token (the EOS)
+                sequence = torch.cat([query[rows], response[rows]], 1)
+                sequence_mask = torch.cat([query_mask[rows], mask[rows]], 1)
+                _, token_scores = models.reward_model(sequence, sequence_mask, logits=False)
+                eos_position = prompt_len + samples.last[rows, None]
+                parts["rm_scores"].append(token_scores.float().gather(1, eos_position).squeeze(1))
+        parts["logprobs"].append(logprobs_from_logits(logits, response[rows]))
+        parts["ref_logprobs"].append(logprobs_from_logits(ref_logits, response[rows]))
+        parts["entropy"].append(entropy_from_logits(logits))
+    scored = {key: torch.cat(values) for key, values in parts.items() if values}
+    for key in ("logprobs", "ref_logprobs", "entropy", "values"):
+        if key in scored:
+            scored[key] = scored[key] * mask
+    return scored
+
+
+def check_logprobs(generation_logprobs, logprobs, mask, dtype: torch.dtype) -> float:
+    """The sampler's own log-probs must match the training forward's, or the first ratio is not 1: the max |diff|
+    over ranks (every rank raises together; one rank alone would leave the others waiting in the next collective),
+    an error above 1e-4 in fp32, reported in bf16."""
+    error = ((generation_logprobs - logprobs).abs() * mask).max()
+    if dist.is_initialized():
+        dist.all_reduce(error, op=dist.ReduceOp.MAX)
+    error = error.item()
+    if dtype == torch.float32 and error > 1e-4:
+        raise RuntimeError(f"generation log-probs differ from the training forward by {error:.2e} > 1e-4 in fp32")
+    return error
 
 
 @torch.no_grad()
 def rollout(
-    policy,
-    ref_policy,
-    critic,
-    reward_model,
+    models: Models,
     tok: Tokenizer,
     prompts: list[str],
     args: Args,
     *,
     micro_batch_size: int,
     generator: torch.Generator,
-    kl_coef: float,
-    reward_moments: RunningMoments,
+    reward_kl_coef: float,
+    reward_moments: "RunningMoments",
     reward_fn: Optional[Callable] = None,
     gold_fn: Optional[Callable] = None,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[dict, dict, list]:
-    """Steps 1-5 on this rank's prompts (a group's G copies of a prompt consecutive). policy, ref_policy: GPTs with an
-    LM head; critic: scalar head, or None (critic-free estimators: no values, returns or value metrics); reward_model:
-    scalar head, or None (reward_fn alone). Settings are read from args (see above).
+    """Steps 1-5 on this rank's prompts (a group's G copies of a prompt consecutive), with models' training forwards.
+    reward_kl_coef: beta of the KL in the reward (0 when it goes into the loss). Settings from the resolved args.
     Returns (experience: dict of (B, ...) tensors, metrics: global means keyed by DESIGN §6 tags, samples: this
     rank's texts as dicts)."""
-    args = resolve_estimator_defaults(args)
-    device = next(policy.parameters()).device
-    amp = common.autocast(device, dtype)
+    device = next(models.actor.parameters()).device
+    amp = parallel.autocast(device, dtype)
     # 1. generate with the KV cache from the tempered distribution (no top-k/top-p: the ratio must be on-policy)
-    query, query_mask = pad_left([tok.encode(prompt, bos=True) for prompt in prompts], tok.pad_id)
-    query = query.to(device)
-    query_mask = query_mask.to(device)
-    with amp, common.gathered(policy):  # under --fsdp: the actor's parameters gathered once, not per token
-        response, mask, generation_logprobs = policy.generate(
-            query,
-            query_mask,
-            args.max_new_tokens,
-            tok.eos_id,
-            tok.pad_id,
-            temperature=args.temperature,
-            generator=generator,
+    query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
+    with amp, parallel.gathered(models.actor):  # under --fsdp: the actor's parameters gathered once, not per token
+        samples = sample(
+            models.actor, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator
         )
-    batch_size, prompt_len = query.shape
-    # 2. generation stops each row at its first EOS and pads after it (mask includes the EOS); which rows ended
-    last = mask.sum(1).long() - 1  # (B,) index of the last real response token
-    ended = response.gather(1, last[:, None]).squeeze(1) == tok.eos_id
-    # 3. no-grad passes of the training forward per micro-batch: old and reference log-probs, values, RM scores
-    logprobs, ref_logprobs, values, entropy, rm_scores = [], [], [], [], []
-    for start in range(0, batch_size, micro_batch_size):
-        rows = slice(start, start + micro_batch_size)
-        micro_batch = (query[rows], query_mask[rows], response[rows], mask[rows])
-        with amp:
-            logits, _ = response_forward(policy, *micro_batch, args.temperature)
-            ref_logits, _ = response_forward(ref_policy, *micro_batch, args.temperature)
-            if critic is not None:
-                _, micro_values = response_forward(critic, *micro_batch, args.temperature)
-                values.append(micro_values)
-            if reward_model is not None:  # the RM reads its score at the last real token (the EOS)
-                sequence = torch.cat([query[rows], response[rows]], 1)
-                sequence_mask = torch.cat([query_mask[rows], mask[rows]], 1)
-                _, token_scores = reward_model(sequence, sequence_mask, logits=False)
-                eos_position = prompt_len + last[rows, None]
-                rm_scores.append(token_scores.float().gather(1, eos_position).squeeze(1))
-        logprobs.append(logprobs_from_logits(logits, response[rows]))
-        ref_logprobs.append(logprobs_from_logits(ref_logits, response[rows]))
-        entropy.append(entropy_from_logits(logits))
-    logprobs = torch.cat(logprobs) * mask
-    ref_logprobs = torch.cat(ref_logprobs) * mask
-    values = torch.cat(values) * mask if critic is not None else None
-    entropy = torch.cat(entropy) * mask
-    # the sampler's own log-probs must match the training forward's, or the first ratio is not 1; the max over ranks
-    # decides, so every rank raises together (one rank alone would leave the others waiting in the next collective)
-    logprob_error = ((generation_logprobs - logprobs).abs() * mask).max()
-    if dist.is_initialized():
-        dist.all_reduce(logprob_error, op=dist.ReduceOp.MAX)
-    logprob_error = logprob_error.item()
-    if dtype == torch.float32 and logprob_error > 1e-4:
-        raise RuntimeError(
-            f"generation log-probs differ from the training forward by {logprob_error:.2e} > 1e-4 in fp32"
-        )
+    # 2. generation stops each row at its first EOS and pads after it (mask includes the EOS); samples.ended says
+    # which rows ended
+    mask = samples.mask
+    ended = samples.ended
+    # 3. no-grad passes of the training forward: old and reference log-probs, values, RM scores
+    scored = score_rollout(models, query, query_mask, samples, micro_batch_size, args.temperature, amp)
+    logprobs = scored["logprobs"]
+    ref_logprobs = scored["ref_logprobs"]
+    values = scored.get("values")
+    logprob_error = check_logprobs(samples.logprobs, logprobs, mask, dtype)
     # score = RM (calibration folded into its head) + coef * reward_fn; a response without EOS gets the penalty instead
-    texts = [tok.decode(response[row, : last[row] + 1]) for row in range(batch_size)]
-    scores = torch.cat(rm_scores) if rm_scores else torch.zeros(batch_size, device=device)
+    rm_scores = scored.get("rm_scores", torch.zeros(len(prompts), device=device))
+    fn_scores = torch.zeros_like(rm_scores)
     if reward_fn is not None:
-        extra = [float(reward_fn(p, t, e)) for p, t, e in zip(prompts, texts, ended.tolist())]
-        scores = scores + args.reward_fn_coef * torch.tensor(extra, device=device)
+        values_of_fn = [float(reward_fn(p, t, e)) for p, t, e in zip(prompts, samples.texts, ended.tolist())]
+        fn_scores = torch.tensor(values_of_fn, device=device)
+    scores = rm_scores + args.reward_fn_coef * fn_scores if reward_fn is not None else rm_scores
     scores = torch.where(ended, scores, torch.full_like(scores, args.missing_eos_penalty))
     # 4. rewards: running moments over all history and ranks, normalise, clip (PPO-max §3.2); KL penalty per token
     # unless it goes into the policy loss (--kl-penalty loss, ppo_update)
     reward_moments.update(scores)
     score_norm = normalize_scores(scores, reward_moments.mean, reward_moments.std, args.reward_norm, args.reward_clip)
-    reward_kl_coef = kl_coef if args.kl_penalty == "reward" else 0.0
     rewards, _ = shape_rewards(score_norm, logprobs, ref_logprobs, mask, reward_kl_coef, args.kl_estimator)
     # 5. advantages (DESIGN §5b); gae: returns = raw advantages + values, the critic's targets
     group_size = args.group_size
@@ -615,31 +693,63 @@ def rollout(
             sequence_rewards, group_size, args.adv_estimator, args.grpo_std_norm
         )
         advantages = sequence_advantages[:, None] * mask
+    experience = dict(
+        query=query,
+        query_mask=query_mask,
+        response=samples.response,
+        mask=mask,
+        logprobs=logprobs,
+        ref_logprobs=ref_logprobs,
+        rewards=rewards,
+        advantages=advantages,
+        scores=scores,
+        ended=ended.float(),
+    )
+    if values is not None:
+        experience["values"] = values
+        experience["returns"] = returns
+    gold = [gold_fn(p, t, e) for p, t, e in zip(prompts, samples.texts, ended.tolist())] if gold_fn else None
+    parts = {}  # the score's two parts, logged apart when there are two
+    if reward_fn is not None:
+        parts = {"rm_score": rm_scores, "reward_fn": fn_scores} if "rm_scores" in scored else {"reward_fn": fn_scores}
+    metrics = rollout_metrics(experience, scored["entropy"], score_norm, parts, gold, args.mask_truncated)
+    metrics["rollout/logprob_err"] = logprob_error
+    records = []
+    for row, (prompt, text) in enumerate(zip(prompts, samples.texts)):
+        record = {"prompt": prompt, "response": text, "ended": bool(ended[row]), "score": scores[row].item()}
+        record["gold"] = gold[row] if gold else None
+        records.append(record)
+    return experience, metrics, records
 
-    # global statistics: one all-reduce of named sums
-    gold = [0.0] * batch_size
-    if gold_fn is not None:
-        gold = [gold_fn(p, t, e) for p, t, e in zip(prompts, texts, ended.tolist())]
-    kl_per_sequence = ((logprobs - ref_logprobs) * mask).sum(1)  # objective/kl is always the summed k1
+
+def rollout_metrics(experience: dict, entropy, score_norm, score_parts: dict, gold, mask_truncated: bool) -> dict:
+    """The rollout's DESIGN §6 metrics, global means over every rank's responses and tokens from one all-reduce of
+    named sums. score_parts: the RM's and the reward function's own scores (B,) when a reward function is given
+    (objective/rm_score, objective/reward_fn); gold: per response (built-in task) or None."""
+    mask = experience["mask"]
+    logprobs = experience["logprobs"]
+    kl_per_sequence = ((logprobs - experience["ref_logprobs"]) * mask).sum(1)  # objective/kl is always the summed k1
     local_sums = {
-        "sequences": float(batch_size),
-        "score": scores.sum(),
+        "sequences": float(mask.size(0)),
+        "score": experience["scores"].sum(),
         "score_norm": score_norm.sum(),
         "kl": kl_per_sequence.sum(),
-        "rlhf_reward": rewards.sum(),
+        "rlhf_reward": experience["rewards"].sum(),
         "entropy": entropy.sum(),
         "tokens": mask.sum(),
         "nll": -logprobs.sum(),
-        "ended": ended.float().sum(),
-        "gold": float(sum(gold)),
+        "ended": experience["ended"].sum(),
+        "gold": float(sum(gold)) if gold else 0.0,
     }
-    if critic is not None:
-        value_error = (returns - values) * mask
-        local_sums["returns"] = returns.sum()
-        local_sums["returns_squared"] = (returns**2).sum()
+    for name, part in score_parts.items():
+        local_sums[name] = part.sum()
+    if "values" in experience:
+        value_error = (experience["returns"] - experience["values"]) * mask
+        local_sums["returns"] = experience["returns"].sum()
+        local_sums["returns_squared"] = (experience["returns"] ** 2).sum()
         local_sums["value_error"] = value_error.sum()
         local_sums["value_error_squared"] = (value_error**2).sum()
-    sums = common.all_reduce_dict(local_sums, device)
+    sums = parallel.all_reduce_dict(local_sums, mask.device)
     sequences = sums["sequences"]
     tokens = sums["tokens"]
     metrics = {
@@ -651,37 +761,18 @@ def rollout(
         "rollout/response_len": tokens / sequences,
         "rollout/perplexity": math.exp(sums["nll"] / tokens),
         "rollout/eos_frac": sums["ended"] / sequences,
-        "rollout/logprob_err": logprob_error,
     }
-    if critic is not None:
+    for name in score_parts:
+        metrics[f"objective/{name}"] = sums[name] / sequences
+    if "values" in experience:
         returns_variance = sums["returns_squared"] / tokens - (sums["returns"] / tokens) ** 2
         error_variance = sums["value_error_squared"] / tokens - (sums["value_error"] / tokens) ** 2
         metrics["value/explained_variance"] = 1 - error_variance / max(returns_variance, 1e-12)
-    if args.mask_truncated:  # responses without EOS: in the group statistics, not in the policy loss
+    if mask_truncated:  # responses without EOS: in the group statistics, not in the policy loss
         metrics["rollout/truncated_frac"] = 1 - sums["ended"] / sequences
-    if gold_fn is not None:
+    if gold:
         metrics["objective/gold"] = sums["gold"] / sequences
-    experience = dict(
-        query=query,
-        query_mask=query_mask,
-        response=response,
-        mask=mask,
-        logprobs=logprobs,
-        ref_logprobs=ref_logprobs,
-        rewards=rewards,
-        advantages=advantages,
-        scores=scores,
-        ended=ended.float(),
-    )
-    if critic is not None:
-        experience["values"] = values
-        experience["returns"] = returns
-    samples = []
-    for prompt, text, is_ended, score, gold_value in zip(prompts, texts, ended.tolist(), scores.tolist(), gold):
-        sample = {"prompt": prompt, "response": text, "ended": is_ended, "score": score}
-        sample["gold"] = gold_value if gold_fn else None
-        samples.append(sample)
-    return experience, metrics, samples
+    return metrics
 
 
 def concat_experience(parts: list[dict], pad_id: int) -> dict:
@@ -726,11 +817,148 @@ def keep_informative_groups(rounds: list[dict], group_size: int, rows: int, pad_
     return experience
 
 
+def dynamic_sampling(first: dict, draw: Callable, args: Args, prompts_per_rank: int, pad_id: int) -> tuple[dict, dict]:
+    """DAPO's dynamic sampling after the iteration's first rollout round: draw() (the next round: experience, metrics,
+    samples) until
+    every rank has prompts_per_rank informative groups or --max-sample-rounds rounds are spent; returns the
+    experience keep_informative_groups builds and rollout/zero_std_frac (of the first round), rollout/sample_rounds."""
+    device = first["mask"].device
+    rounds = [first]
+    group_flags = informative_groups(first["scores"], args.group_size)
+    counts = parallel.all_reduce_dict({"groups": len(group_flags), "zero_std": (~group_flags).sum()}, device)
+    metrics = {"rollout/zero_std_frac": counts["zero_std"] / counts["groups"]}
+    while len(rounds) < args.max_sample_rounds:
+        informative = sum(informative_groups(part["scores"], args.group_size).sum() for part in rounds)
+        short = parallel.all_reduce_dict({"ranks_short": float(informative < prompts_per_rank)}, device)
+        if short["ranks_short"] == 0:
+            break
+        rounds.append(draw()[0])
+    metrics["rollout/sample_rounds"] = len(rounds)
+    rows = first["mask"].size(0)
+    return keep_informative_groups(rounds, args.group_size, rows, pad_id), metrics
+
+
+def take_rows(batch: dict, index, width: Optional[int] = None) -> dict:
+    """The rows `index` of every tensor of an experience dict; width: response-shaped tensors (B, T) trimmed to their
+    first `width` columns (a micro-batch's longest response), the prompts kept whole."""
+    taken = {}
+    for key, value in batch.items():
+        value = value[index]
+        if width is not None and value.dim() == 2 and key not in ("query", "query_mask"):
+            value = value[:, :width]
+        taken[key] = value
+    return taken
+
+
+def global_moments(x: torch.Tensor, mask: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and biased variance of x over the valid entries of every rank (one all-reduce), as float32 tensors for
+    masked_whiten; no valid entry anywhere gives mean 0 and variance 0, not a NaN. The one whitening statistic:
+    per minibatch (PPO-max) and once per rollout (TRL, REINFORCE++)."""
+    masked = x * mask
+    sums = {"count": mask.sum(), "sum": masked.sum(), "sum_squared": (masked**2).sum()}
+    totals = parallel.all_reduce_dict(sums, device)
+    count = max(totals["count"], 1.0)
+    mean = totals["sum"] / count
+    variance = totals["sum_squared"] / count - mean**2
+    return torch.tensor(mean, dtype=torch.float32, device=device), torch.tensor(
+        variance, dtype=torch.float32, device=device
+    )
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """What the actor's loss holds besides the clipped policy loss, decided once per update (outside the micro-batch
+    loop): beta of the KL in the loss (None: the KL is in the reward) and the entropy bonus weight (0: none)."""
+
+    cliprange: Optional[float]
+    cliprange_high: Optional[float]
+    dual_clip: Optional[float]
+    kl_coef: Optional[float]
+    entropy_coef: float
+
+
+def actor_loss(logits, logprobs, batch: dict, terms: LossTerms, denom) -> tuple[torch.Tensor, dict]:
+    """Every term of the actor's loss on one micro-batch, each aggregated the same way (sum of per-token values times
+    batch["weights"], over denom: loss_weights): the clipped policy loss, plus beta * k3 against the reference
+    (--kl-penalty loss, GRPO), minus entropy_coef * entropy. Returns (loss, stats: the policy loss's stats, pg_loss,
+    and kl_loss where present)."""
+    mask = batch["loss_mask"]
+    weights = batch["weights"]
+    pg_loss, stats = ppo_policy_loss(
+        logprobs,
+        batch["logprobs"],
+        batch["advantages"],
+        mask,
+        terms.cliprange,
+        weights=weights,
+        denom=denom,
+        cliprange_high=terms.cliprange_high,
+        dual_clip=terms.dual_clip,
+    )
+    stats["pg_loss"] = pg_loss.detach()
+    loss = pg_loss
+    if terms.kl_coef is not None:  # GRPO: beta * k3 against the reference, aggregated alike
+        kl_term = kl_loss(logprobs, batch["ref_logprobs"], mask, weights, denom, terms.kl_coef)
+        stats["kl_loss"] = kl_term.detach()
+        loss = loss + kl_term
+    if terms.entropy_coef > 0:
+        entropy = entropy_from_logits(logits)
+        loss = loss - terms.entropy_coef * (entropy * weights).sum() / denom
+    return loss, stats
+
+
+def actor_backward(actor, batch: dict, terms: LossTerms, denom, sync: bool, amp, temperature: float):
+    """The actor's loss on one micro-batch and its backward (gradients accumulate; DDP all-reduces where sync).
+    Returns (its sums for the metrics, the new log-probs)."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    with parallel.grad_sync(actor, sync), amp:
+        logits, _ = response_forward(
+            actor, batch["query"], batch["query_mask"], batch["response"], batch["mask"], temperature
+        )
+        logprobs = logprobs_from_logits(logits, batch["response"])
+        loss, stats = actor_loss(logits, logprobs, batch, terms, denom)
+    # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
+    (loss * world_size).backward()
+    tokens = batch["loss_mask"].sum()
+    sums = {"tokens": tokens, "pg_loss": stats["pg_loss"]}
+    for key in ("approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_mean"):
+        sums[key] = _token_sum(stats[key], tokens)
+    if "kl_loss" in stats:
+        sums["kl_loss"] = stats["kl_loss"]
+    return sums, logprobs
+
+
+def ptx_backward(actor, ptx_batch: tuple, ptx_coef: float, ptx_tokens, amp) -> dict:
+    """InstructGPT's PPO-ptx: ptx_coef * the LM loss on one micro-batch of pre-training text (inputs, targets, mask),
+    over the step's global ptx token count; never the syncing backward (the policy loss's comes after it)."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    inputs, targets, target_mask = ptx_batch
+    with parallel.grad_sync(actor, False), amp:
+        logits, _ = actor(inputs)
+        loss = lm_loss(logits, targets, target_mask, denom=ptx_tokens)
+    (ptx_coef * loss * world_size).backward()
+    return {"ptx_loss": loss.detach()}
+
+
+def critic_backward(critic, batch: dict, cliprange_value, denom, sync: bool, amp, temperature: float) -> dict:
+    """The clipped value loss on one micro-batch over the step's global token count, and its backward."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    with parallel.grad_sync(critic, sync), amp:
+        _, new_values = response_forward(
+            critic, batch["query"], batch["query_mask"], batch["response"], batch["mask"], temperature
+        )
+        vf_loss, vf_stats = ppo_value_loss(
+            new_values, batch["values"], batch["returns"], batch["mask"], cliprange_value, denom=denom
+        )
+    (vf_loss * world_size).backward()
+    tokens = batch["mask"].sum()
+    return {"vf_loss": vf_loss.detach(), "vf_clipfrac": vf_stats["clipfrac"] * tokens, "tokens": tokens}
+
+
 def ppo_update(
-    actor,
-    critic,
-    actor_optimizer,
-    critic_optimizer,
+    actor: Trained,
+    critic: Optional[Trained],
+    guard: common.StepGuard,
     experience: dict,
     args: Args,
     *,
@@ -739,57 +967,47 @@ def ppo_update(
     generator: Optional[torch.Generator] = None,
     ptx_sampler: Optional[Callable] = None,
     dtype: torch.dtype = torch.float32,
-    kl_coef: float = 0.0,
+    loss_kl_coef: float = 0.0,
+    step: int = 0,
 ) -> tuple[dict, dict]:
     """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one optimizer step per
-    minibatch for the critic and (unless train_actor is False: critic warm-up) the actor. actor and critic may be DDP
-    or compiled modules; critic and critic_optimizer are None for a critic-free estimator. kl_coef: beta of the KL
-    loss (--kl-penalty loss). A step whose minibatch has no token left for the policy loss (--mask-truncated) takes
-    no actor step. ptx_sampler() -> (inputs, targets, mask) of one micro-batch of pre-training text (None: no
-    ptx loss). Settings are read from args (see above).
-    A model whose global grad norm is not finite skips that step (the other still steps); the step counts once.
+    minibatch for the critic and (unless train_actor is False: critic warm-up) the actor, each through its Trained
+    entry (the training forward `forward`, compiled and/or DDP; guarded_step over the bare modules). critic is None
+    for a critic-free estimator. loss_kl_coef: beta of the KL loss (--kl-penalty loss). A step whose minibatch has no
+    token left for the policy loss (--mask-truncated) takes no actor step. ptx_sampler() -> (inputs, targets, mask)
+    of one micro-batch of pre-training text (None: no ptx loss). Settings from the resolved args. A model whose global
+    grad norm is not finite skips that step (the other still steps); the step counts once in guard.skipped.
     Returns (metrics: global means keyed by DESIGN §6 tags over the steps each model took (policy/* only when the
     actor trained), diagnostics: {"updates": steps every model took, "skipped": steps some model skipped, "first":
     ratio_err, approx_kl and clipfrac of the first micro-batch, which must read 0, 0, 0})."""
-    args = resolve_estimator_defaults(args)
     mask = experience["mask"]
     rows_per_rank = mask.size(0)
     device = mask.device
     minibatch_rows = exact_div(rows_per_rank, args.num_minibatches, "rollout rows per rank over --num-minibatches")
     grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
-    amp = common.autocast(device, dtype)
-    # DDP averages gradients over ranks; the losses below are global sums, so each backward scales by the world size
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    amp = parallel.autocast(device, dtype)
+    actor_forward = actor.forward or actor.model
+    critic_forward = None if critic is None else critic.forward or critic.model
     use_ptx = train_actor and args.ptx_coef > 0 and ptx_sampler is not None
-    loss_mask = mask  # the policy loss's tokens: --mask-truncated drops the responses without EOS
+    kl_in_loss = loss_kl_coef if args.kl_penalty == "loss" else None
+    terms = LossTerms(args.cliprange, args.cliprange_high, args.dual_clip, kl_in_loss, args.entropy_coef)
+    # the policy loss's tokens: --mask-truncated drops the responses without EOS, --dynamic-sampling the groups that
+    # only fill the batch; whitening statistics come from these tokens too (with neither flag, every token, bit for
+    # bit): a dropped response's advantages never move the update
+    loss_mask = mask
     if args.mask_truncated:
         loss_mask = mask * experience["ended"][:, None]
-    if args.dynamic_sampling:  # the groups that only fill the batch
+    if args.dynamic_sampling:
         loss_mask = loss_mask * experience["informative"][:, None]
-    advantages = experience["advantages"]
-    # whitening statistics come from the tokens the policy loss sees (with neither --mask-truncated nor
-    # --dynamic-sampling, every token, bit for bit): a dropped response's advantages never move the update
-    loss_advantages = advantages * loss_mask
+    batch = experience | {"loss_mask": loss_mask}
     if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (TRL)
-        moments = common.all_reduce_dict(
-            {"tokens": loss_mask.sum(), "sum": loss_advantages.sum(), "sum_squared": (loss_advantages**2).sum()},
-            device,
-        )
-        moments["tokens"] = max(moments["tokens"], 1.0)  # every response dropped: no actor step, no NaN
-        mean = moments["sum"] / moments["tokens"]
-        variance = moments["sum_squared"] / moments["tokens"] - mean**2
-        advantages = masked_whiten(
-            advantages,
-            mask,
-            mean=torch.tensor(mean, dtype=torch.float32, device=device),
-            var=torch.tensor(variance, dtype=torch.float32, device=device),
-        )
-    # this rank's sums over the steps taken, per model; a step's own sums join them only when that model steps
-    totals = {}
-    model_steps = {"actor": 0, "critic": 0}
+        mean, variance = global_moments(batch["advantages"], loss_mask, device)
+        batch["advantages"] = masked_whiten(batch["advantages"], mask, mean=mean, var=variance)
+    totals = {"model": {}, "critic": {}}  # this rank's sums over the steps each model took
+    steps = {"model": 0, "critic": 0}  # the steps each model took (the same on every rank)
     first = {}
     updates = 0  # optimizer steps every model took
-    skipped = 0  # optimizer steps some model skipped (non-finite grad norm), counted once
+    skipped_before = guard.skipped
     lengths = mask.sum(1).long().tolist()  # one host sync: each micro-batch trims its right padding to its longest row
     for _ in range(args.ppo_epochs):
         permutation = torch.randperm(
@@ -798,178 +1016,117 @@ def ppo_update(
         order = permutation.tolist()
         permutation = permutation.to(device)
         for minibatch in range(args.num_minibatches):
-            minibatch_index = permutation[minibatch * minibatch_rows : (minibatch + 1) * minibatch_rows]
+            minibatch_rows_taken = slice(minibatch * minibatch_rows, (minibatch + 1) * minibatch_rows)
+            minibatch_batch = take_rows(batch, permutation[minibatch_rows_taken])
+            if args.adv_whiten == "minibatch":  # PPO-max: global statistics over the whole minibatch
+                mean, variance = global_moments(minibatch_batch["advantages"], minibatch_batch["loss_mask"], device)
+                whitened = masked_whiten(
+                    minibatch_batch["advantages"], minibatch_batch["mask"], mean=mean, var=variance
+                )
+                minibatch_batch["advantages"] = whitened
             ptx_batches = [ptx_sampler() for _ in range(grad_accum_steps)] if use_ptx else []
-            # the step's global token counts (loss denominators) and whitening statistics: one all-reduce per step
-            minibatch_mask = mask[minibatch_index]
-            minibatch_loss_mask = loss_mask[minibatch_index]
-            minibatch_advantages = loss_advantages[minibatch_index]
-            ptx_tokens = sum((batch[2].sum() for batch in ptx_batches), torch.zeros((), device=device))
-            counts = common.all_reduce_dict(
+            # the step's global counts (loss denominators): one all-reduce per step
+            ptx_tokens = sum((ptx_batch[2].sum() for ptx_batch in ptx_batches), torch.zeros((), device=device))
+            minibatch_loss_mask = minibatch_batch["loss_mask"]
+            counts = parallel.all_reduce_dict(
                 {
-                    "tokens": minibatch_mask.sum(),
-                    "advantages": minibatch_advantages.sum(),
-                    "advantages_squared": (minibatch_advantages**2).sum(),
+                    "tokens": minibatch_batch["mask"].sum(),
                     "ptx_tokens": ptx_tokens,
                     "loss_tokens": minibatch_loss_mask.sum(),
                     "loss_sequences": (minibatch_loss_mask.sum(1) > 0).sum(),
                 },
                 device,
             )
-            whitened_tokens = max(counts["loss_tokens"], 1.0)
-            advantage_mean = counts["advantages"] / whitened_tokens
-            advantage_variance = counts["advantages_squared"] / whitened_tokens - advantage_mean**2
-            advantage_mean = torch.tensor(advantage_mean, dtype=torch.float32, device=device)
-            advantage_variance = torch.tensor(advantage_variance, dtype=torch.float32, device=device)
             token_count = torch.tensor(counts["tokens"], dtype=torch.float32, device=device)
             ptx_token_count = torch.tensor(counts["ptx_tokens"], dtype=torch.float32, device=device)
             loss_token_count = torch.tensor(counts["loss_tokens"], dtype=torch.float32, device=device)
-            loss_sequence_count = counts["loss_sequences"]
+            weights, denom = loss_weights(
+                minibatch_loss_mask, args.loss_agg, counts["loss_sequences"], loss_token_count, args.max_new_tokens
+            )
+            minibatch_batch["weights"] = weights
             # nothing to train the actor on (every response truncated): no actor step, explicitly rather than a NaN
             actor_steps_now = train_actor and counts["loss_tokens"] > 0
-            step_sums = {"actor": {}, "critic": {}}  # this step's sums per model, kept if that model steps
+            step_sums = {"model": {}, "critic": {}}  # this step's sums per model, kept if that model steps
             for micro in range(grad_accum_steps):
-                micro_index = minibatch_index[micro * micro_batch_size : (micro + 1) * micro_batch_size]
+                rows = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
                 start = minibatch * minibatch_rows + micro * micro_batch_size
                 longest = max(lengths[row] for row in order[start : start + micro_batch_size])  # no host sync
-                query = experience["query"][micro_index]
-                query_mask = experience["query_mask"][micro_index]
-                response = experience["response"][micro_index, :longest]
-                micro_mask = mask[micro_index, :longest]
-                micro_tokens = micro_mask.sum()
-                micro_loss_mask = loss_mask[micro_index, :longest]
-                micro_loss_tokens = micro_loss_mask.sum()
-                old_logprobs = experience["logprobs"][micro_index, :longest]
-                micro_advantages = advantages[micro_index, :longest]
-                if args.adv_whiten == "minibatch":  # PPO-max: global statistics over the whole minibatch
-                    micro_advantages = masked_whiten(
-                        micro_advantages, micro_mask, mean=advantage_mean, var=advantage_variance
-                    )
+                micro_batch = take_rows(minibatch_batch, rows, longest)
                 sync = micro == grad_accum_steps - 1
                 if actor_steps_now:
-                    weights = loss_weights(
-                        micro_loss_mask, args.loss_agg, loss_sequence_count, loss_token_count, args.max_new_tokens
+                    if use_ptx:
+                        ptx_sums = ptx_backward(actor_forward, ptx_batches[micro], args.ptx_coef, ptx_token_count, amp)
+                        _add_all(step_sums["model"], ptx_sums)
+                    sums, logprobs = actor_backward(
+                        actor_forward, micro_batch, terms, denom, sync, amp, args.temperature
                     )
-                    # token_mean keeps PPO-max's denominator, bit for bit; the other aggregations weigh each token
-                    policy_weights = None if args.loss_agg == "token_mean" else weights
-                    if use_ptx:  # LM loss on pre-training text (InstructGPT's PPO-ptx); never the syncing backward
-                        ptx_inputs, ptx_targets, ptx_mask = ptx_batches[micro]
-                        with common.grad_sync(actor, False), amp:
-                            ptx_logits, _ = actor(ptx_inputs)
-                            ptx_loss = lm_loss(ptx_logits, ptx_targets, ptx_mask, denom=ptx_token_count)
-                        (args.ptx_coef * ptx_loss * world_size).backward()
-                        _add(step_sums["actor"], "ptx_loss", ptx_loss.detach())
-                    with common.grad_sync(actor, sync), amp:
-                        logits, _ = response_forward(actor, query, query_mask, response, micro_mask, args.temperature)
-                        logprobs = logprobs_from_logits(logits, response)
-                        pg_loss, pg_stats = ppo_policy_loss(
-                            logprobs,
-                            old_logprobs,
-                            micro_advantages,
-                            micro_loss_mask,
-                            args.cliprange,
-                            denom=loss_token_count,
-                            weights=policy_weights,
-                            cliprange_high=args.cliprange_high,
-                            dual_clip=args.dual_clip,
-                        )
-                        loss = pg_loss
-                        if args.kl_penalty == "loss":  # GRPO: beta * k3 against the reference, aggregated alike
-                            micro_ref_logprobs = experience["ref_logprobs"][micro_index, :longest]
-                            kl_term = kl_loss(logprobs, micro_ref_logprobs, weights, kl_coef)
-                            loss = loss + kl_term
-                            _add(step_sums["actor"], "kl_loss", kl_term.detach())
-                        if args.entropy_coef > 0:
-                            entropy = entropy_from_logits(logits)
-                            if policy_weights is None:
-                                entropy_bonus = args.entropy_coef * (entropy * micro_loss_mask).sum() / loss_token_count
-                            else:
-                                entropy_bonus = args.entropy_coef * (entropy * weights).sum()
-                            loss = loss - entropy_bonus
-                    (loss * world_size).backward()
-                    _add(step_sums["actor"], "pg_loss", pg_loss.detach())
-                    for key in ("approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_mean"):
-                        _add(step_sums["actor"], key, _token_sum(pg_stats[key], micro_loss_tokens))
-                    _add(step_sums["actor"], "tokens", micro_loss_tokens)
-                    if not first and micro_loss_tokens > 0:  # must be ratio 1, approx_kl 0, clipfrac 0 (DESIGN §5)
-                        ratio_error = ((logprobs - old_logprobs).exp().sub(1).abs() * micro_loss_mask).max()
-                        first = {
-                            "ratio_err": ratio_error.item(),
-                            "approx_kl": pg_stats["approx_kl"].item(),
-                            "clipfrac": pg_stats["clipfrac"].item(),
-                        }
-                if critic is None:
-                    continue
-                with common.grad_sync(critic, sync), amp:
-                    _, new_values = response_forward(critic, query, query_mask, response, micro_mask, args.temperature)
-                    vf_loss, vf_stats = ppo_value_loss(
-                        new_values,
-                        experience["values"][micro_index, :longest],
-                        experience["returns"][micro_index, :longest],
-                        micro_mask,
-                        args.cliprange_value,
-                        denom=token_count,
+                    _add_all(step_sums["model"], sums)
+                    if not first and sums["tokens"] > 0:  # must be ratio 1, approx_kl 0, clipfrac 0 (DESIGN §5)
+                        first = first_micro_batch(logprobs, micro_batch, sums)
+                if critic is not None:
+                    sums = critic_backward(
+                        critic_forward, micro_batch, args.cliprange_value, token_count, sync, amp, args.temperature
                     )
-                (vf_loss * world_size).backward()
-                _add(step_sums["critic"], "vf_loss", vf_loss.detach())
-                _add(step_sums["critic"], "vf_clipfrac", vf_stats["clipfrac"] * micro_tokens)
-                _add(step_sums["critic"], "tokens", micro_tokens)
+                    _add_all(step_sums["critic"], sums)
             # separate optimizers and clips; each norm is global (after DDP's all-reduce; FSDP2's is a DTensor whose
-            # full value is the global norm), so every rank takes the
-            # same decision; a model whose norm is not finite skips this step (the step is counted once as skipped)
-            stepping = []
-            if actor_steps_now:
-                stepping.append(("actor", actor, actor_optimizer, args.grad_clip))
-            if critic is not None:
-                stepping.append(("critic", critic, critic_optimizer, args.critic_grad_clip))
+            # full value is the global norm), so every rank takes the same decision
+            stepping = ([actor] if actor_steps_now else []) + ([critic] if critic is not None else [])
             if not stepping:  # critic-free and nothing to train on: neither an update nor a skipped step
                 continue
-            step_ok = True
-            for name, model, optimizer, clip in stepping:
-                norm = common.full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf")))
-                if torch.isfinite(norm):  # the model's one host sync per step
-                    optimizer.step()
-                    model_steps[name] += 1
-                    _add(totals, f"{name}/grad_norm", norm)
-                    for key, value in step_sums[name].items():
-                        _add(totals, f"{name}/{key}", value)
+            stepped = common.guarded_step(stepping, guard, step)
+            for entry in stepping:
+                if entry.name in stepped:
+                    _add_all(totals[entry.name], step_sums[entry.name])
+                    steps[entry.name] += 1
                 else:  # name the bad quantity (the loss sums are this rank's)
-                    step_ok = False
-                    losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums[name].items())
-                    common.print0(f"non-finite {name} grad norm ({norm.item()}; {losses}): step skipped")
-                optimizer.zero_grad(set_to_none=True)
-            updates += step_ok
-            skipped += not step_ok
-    # global means over the steps each model took; the grad norms are already global (the same on every rank)
+                    role = "actor" if entry is actor else "critic"
+                    losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums[entry.name].items())
+                    print0(f"step {step}: the {role}'s sums when its grad norm was not finite: {losses}")
+            updates += len(stepped) == len(stepping)
+    metrics = update_metrics(totals, steps, guard, device)
+    return metrics, {"updates": updates, "skipped": guard.skipped - skipped_before, "first": first}
+
+
+def first_micro_batch(logprobs, batch: dict, sums: dict) -> dict:
+    """The first micro-batch of the first update's diagnostics: ratio_err (max |ratio - 1|), approx_kl and clipfrac,
+    which must read 0, 0, 0 to float precision (the policy has not moved since it sampled)."""
+    mask = batch["loss_mask"]
+    ratio_error = ((logprobs - batch["logprobs"]).exp().sub(1).abs() * mask).max()
+    tokens = sums["tokens"]
+    return {
+        "ratio_err": ratio_error.item(),
+        "approx_kl": (sums["approx_kl"] / tokens).item(),
+        "clipfrac": (sums["clipfrac"] / tokens).item(),
+    }
+
+
+def update_metrics(totals: dict, steps: dict, guard: common.StepGuard, device) -> dict:
+    """Global means over the steps each model took from this rank's sums (one all-reduce; every rank has the same
+    keys, since the steps are decided the same on every rank), and each model's mean grad norm (already global) from
+    the guard. A loss sum is the step's global loss (its denominators are global), a per-token stat sum is over
+    tokens."""
+    flat = {f"{name}/{key}": value for name, sums in totals.items() for key, value in sums.items()}
     summed = {}
-    if totals:  # empty when every step was skipped: the same on every rank, so no rank waits in a lone collective
-        summed = common.all_reduce_dict({key: totals[key] for key in sorted(totals)}, device)
-    metrics = {}
-    if model_steps["critic"]:
-        critic_steps = model_steps["critic"]
-        metrics["value/loss"] = summed["critic/vf_loss"] / critic_steps
+    if flat:  # empty when every step was skipped: the same on every rank, so no rank waits in a lone collective
+        summed = parallel.all_reduce_dict({key: flat[key] for key in sorted(flat)}, device)
+    metrics = guard.read({"model": "train/grad_norm", "critic": "value/grad_norm"})
+    if steps["critic"]:
+        metrics["value/loss"] = summed["critic/vf_loss"] / steps["critic"]
         metrics["value/clipfrac"] = summed["critic/vf_clipfrac"] / summed["critic/tokens"]
-        metrics["value/grad_norm"] = summed["critic/grad_norm"] / (critic_steps * world_size)
-    if model_steps["actor"]:
-        actor_steps = model_steps["actor"]
-        metrics["policy/loss"] = summed["actor/pg_loss"] / actor_steps
-        metrics["policy/approx_kl"] = summed["actor/approx_kl"] / summed["actor/tokens"]
-        metrics["policy/clipfrac"] = summed["actor/clipfrac"] / summed["actor/tokens"]
-        metrics["policy/ratio_mean"] = summed["actor/ratio_mean"] / summed["actor/tokens"]
-        metrics["policy/clipfrac_low"] = summed["actor/clipfrac_low"] / summed["actor/tokens"]
-        metrics["policy/clipfrac_high"] = summed["actor/clipfrac_high"] / summed["actor/tokens"]
-        if args.kl_penalty == "loss":
-            metrics["policy/kl_loss"] = summed["actor/kl_loss"] / actor_steps
-        metrics["train/grad_norm"] = summed["actor/grad_norm"] / (actor_steps * world_size)
-        if use_ptx:
-            metrics["ptx/loss"] = summed["actor/ptx_loss"] / actor_steps
-    diagnostics = {"updates": updates, "skipped": skipped, "first": first}
-    return metrics, diagnostics
+    if steps["model"]:
+        metrics["policy/loss"] = summed["model/pg_loss"] / steps["model"]
+        for key in ("approx_kl", "clipfrac", "ratio_mean", "clipfrac_low", "clipfrac_high"):
+            metrics[f"policy/{key}"] = summed[f"model/{key}"] / summed["model/tokens"]
+        for key, tag in (("kl_loss", "policy/kl_loss"), ("ptx_loss", "ptx/loss")):
+            if f"model/{key}" in summed:
+                metrics[tag] = summed[f"model/{key}"] / steps["model"]
+    return metrics
 
 
-def _add(sums: dict, key: str, value: torch.Tensor) -> None:
-    """sums[key] += value, starting from 0 (a running sum that stays on the device: no host sync)."""
-    sums[key] = sums[key] + value if key in sums else value
+def _add_all(sums: dict, values: dict) -> None:
+    """sums[key] += value for every entry, starting from 0 (running sums that stay on the device: no host sync)."""
+    for key, value in values.items():
+        sums[key] = sums[key] + value if key in sums else value
 
 
 def _token_sum(mean: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -995,25 +1152,164 @@ def iteration_flops(actor, critic, reward_model, sequence_len: int, sequences: i
 
 
 # -----------------------------------------------------------------------------
-# main
+# main: the set-up in named builders, then the loop
 
 
-def load_reward_fn(spec: str) -> Callable:
-    """--reward-fn module:function -> the function; data:gold_reward (its name before the task had a file of its own,
-    still in older checkpoints' args) is task:gold_reward."""
-    module, _, name = {"data:gold_reward": "task:gold_reward"}.get(spec, spec).partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name) if module and name else None
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"--reward-fn {spec}: {type(e).__name__}: {e}") from None
-    if not callable(fn):
-        raise UserError(f"--reward-fn {spec}: expected module:function, e.g. data:gold_reward")
-    return fn
+def load_inputs(args: Args) -> tuple[dict, Optional[dict]]:
+    """The SFT checkpoint (policy init and reference) and the RM checkpoint (None with --rm-ckpt none), checked to
+    share one tokenizer."""
+    sft = checkpoints.load_checkpoint(args.sft_ckpt, kind=("sft", "dpo", "ppo"), flag="--sft-ckpt")
+    rm = None
+    if args.rm_ckpt != "none":
+        rm = checkpoints.load_checkpoint(args.rm_ckpt, kind="rm", flag="--rm-ckpt")
+    if rm is not None and rm["tokenizer"] != sft["tokenizer"]:
+        raise UserError(
+            f"--rm-ckpt {args.rm_ckpt}: its tokenizer differs from --sft-ckpt {args.sft_ckpt}'s "
+            "(train the RM from this SFT checkpoint)"
+        )
+    return sft, rm
 
 
-def format_sample(sample: dict) -> str:
-    """prompt + response, marked when the response has no EOS."""
-    return f"{sample['prompt']}{sample['response']}{'' if sample['ended'] else ' [no EOS]'}"
+def build_models(args: Args, sft: dict, rm: Optional[dict]) -> Models:
+    """Every model from the checkpoints already in memory, on the CPU, LoRA and --grad-ckpt applied; the frozen ones
+    frozen. PPO-max's critic starts from the RM (or, with no RM, from the SFT trunk with a fresh head); the
+    critic-free estimators build none. With LoRA one base serves two roles: the reference is the actor with its
+    adapters off, and the reward model the critic's base with the RM's own (frozen) score head."""
+    actor = hf.model_from_checkpoint(sft)
+    parallel.prepare_model(actor, args, "actor")
+    lora = args.lora_rank > 0
+    ref = BaseView(actor) if lora else hf.model_from_checkpoint(sft)
+    critic = None
+    if uses_critic(args):
+        critic = hf.model_from_checkpoint(rm if rm is not None else sft, lm_head=False, score_head=True)
+        parallel.prepare_model(critic, args, "critic")
+    reward_model = None
+    if rm is not None and lora and critic is not None:
+        reward_model = BaseView(critic, score_head=copy.deepcopy(critic.score_head).requires_grad_(False))
+    elif rm is not None:
+        reward_model = hf.model_from_checkpoint(rm)
+    for model in (ref, reward_model):
+        if model is not None:
+            model.requires_grad_(False)
+    return Models(actor, ref, critic, reward_model)
+
+
+def build_optimizers(args: Args, models: Models, max_steps: int, device_type: str) -> tuple[Trained, Optional[Trained]]:
+    """The actor's and the critic's (None without one) AdamW, LR schedule and grad-norm clip, as Trained entries (the
+    checkpoint keys `model` and `critic`). The actor's schedule starts when it starts moving, after the critic
+    warm-up."""
+    betas = (0.9, 0.95)
+    actor_optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, betas, device_type)
+    actor_schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps, delay=args.critic_warmup_steps)
+    actor = Trained("model", models.actor, actor_optimizer, actor_schedule, args.grad_clip)
+    if models.critic is None:
+        return actor, None
+    critic_optimizer = models.critic.configure_optimizers(args.weight_decay, args.critic_lr, betas, device_type)
+    critic_schedule = common.LRSchedule(args.critic_lr, args.warmup_steps, max_steps)
+    return actor, Trained("critic", models.critic, critic_optimizer, critic_schedule, args.critic_grad_clip)
+
+
+def load_prompts(args: Args, tok: Tokenizer, block_size: int) -> tuple[list[str], int, list, Optional[Callable]]:
+    """(prompts that leave room for --max-new-tokens in the context, how many were too long, the ptx texts encoded,
+    the gold reward on the built-in task or None)."""
+    builtin = args.prompts is None
+    task = build_task(args.task_dir, args.task_seed) if builtin else None
+    prompts = [
+        row["prompt"] for row in read_jsonl(task["prompts"] if builtin else args.prompts, "prompts", "--prompts")
+    ]
+    fitting = [prompt for prompt in prompts if len(tok.encode(prompt, bos=True)) + args.max_new_tokens <= block_size]
+    if not fitting:
+        raise UserError(
+            f"every prompt is longer than the context minus --max-new-tokens ({block_size} - {args.max_new_tokens} "
+            "tokens)"
+        )
+    ptx_path = args.ptx_data or (task["pretrain"] if builtin else None)
+    ptx = []
+    if ptx_path:
+        ptx, _ = encode_sft(tok, read_jsonl(ptx_path, "text", "--ptx-data"), block_size, mask_prompt=False)
+    return fitting, len(prompts) - len(fitting), ptx, gold_reward if builtin else None
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The derived sizes of the run, per rank."""
+
+    rows_per_rank: int  # responses a rank samples per iteration
+    prompts_per_rank: int  # rows_per_rank / group_size: a group never straddles two ranks
+    micro_batch_size: int  # rows per forward, at most a rank's share of a minibatch
+    grad_accum_steps: int  # micro-batches per optimizer step
+    ptx_micro_batch_size: int  # pre-training texts per micro-batch (0: no ptx loss)
+
+
+def batch_sizes(args: Args, has_ptx: bool) -> Sizes:
+    """--rollout-batch-size over the launched world size, the group, the minibatches and the micro-batch, each split
+    checked with exact_div: a mistake ends here, before any process group."""
+    launched = parallel.launched_world_size()
+    rows_per_rank = exact_div(args.rollout_batch_size, launched, "--rollout-batch-size over the world size")
+    prompts_per_rank = exact_div(rows_per_rank, args.group_size, "--rollout-batch-size/world_size over --group-size")
+    minibatch_rows = exact_div(
+        rows_per_rank, args.num_minibatches, "--rollout-batch-size/world_size over --num-minibatches"
+    )
+    micro_batch_size = min(args.micro_batch_size, minibatch_rows)  # never more than a rank's share of a minibatch
+    grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
+    ptx_micro_batch_size = 0
+    if has_ptx:  # checked only when there is a ptx loss to compute
+        ptx_micro_batch_size = exact_div(
+            args.ptx_batch_size, launched * grad_accum_steps, "--ptx-batch-size over world_size * accum steps"
+        )
+    return Sizes(rows_per_rank, prompts_per_rank, micro_batch_size, grad_accum_steps, ptx_micro_batch_size)
+
+
+class PromptStream:
+    """This rank's share of the next prompts of the global order (the same on every rank), each repeated group_size
+    times in a row (a group's G responses are sampled together)."""
+
+    def __init__(self, prompts: list[str], order: Order, prompts_per_rank: int, group_size: int, d: parallel.Dist):
+        self.prompts, self.order, self.per_rank, self.group_size, self.d = (
+            prompts,
+            order,
+            prompts_per_rank,
+            group_size,
+            d,
+        )
+
+    def next(self) -> list[str]:
+        global_rows = self.order.take(self.per_rank * self.d.world_size)
+        rows = global_rows[self.d.rank * self.per_rank : (self.d.rank + 1) * self.per_rank]
+        return [self.prompts[row] for row in rows for _ in range(self.group_size)]
+
+
+class PtxSampler:
+    """This rank's slice of the next global micro-batch of pre-training text: (inputs, targets, target mask) on the
+    device, from the global order (saved in the checkpoint)."""
+
+    def __init__(self, texts: list, order: Order, micro_batch_size: int, d: parallel.Dist, pad_id: int):
+        self.texts, self.order, self.micro_batch_size, self.d, self.pad_id = texts, order, micro_batch_size, d, pad_id
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        size, rank = self.micro_batch_size, self.d.rank
+        rows = self.order.take(size * self.d.world_size)[rank * size : (rank + 1) * size]
+        ids, _ = pad_right([self.texts[row][0] for row in rows], self.pad_id)
+        loss_mask, _ = pad_right([self.texts[row][1] for row in rows], 0)
+        device = self.d.device
+        return ids[:, :-1].to(device), ids[:, 1:].to(device), loss_mask[:, 1:].float().to(device)
+
+
+def rollout_round(stream: PromptStream, sample_round: Callable, reward_kl_coef: float) -> tuple[dict, dict, list]:
+    """Steps 1-5 on this rank's share of the next prompts (sample_round: rollout with the run's arguments bound)."""
+    return sample_round(stream.next(), reward_kl_coef=reward_kl_coef)
+
+
+def log_samples(logger: common.Logger, samples: list[dict], step: int) -> None:
+    """The first samples as a TensorBoard text table and in samples.jsonl."""
+    table = []
+    for record in samples[:8]:
+        line = f"{format_sample(record['prompt'], record['response'], record['ended'])} | score {record['score']:.2f}"
+        if record["gold"] is not None:
+            line += f" | gold {record['gold']:.2f}"
+        table.append(line)
+    logger.text("samples", "\n\n".join(table), step)
+    logger.samples(step, samples[:16])
 
 
 CONSOLE = (
@@ -1034,294 +1330,125 @@ CONSOLE = (
 
 def main(args: Args) -> None:
     t_start = time.time()
-    args = resolve_estimator_defaults(args)  # the estimator's defaults, printed below; the checkpoint keeps these
+    # the estimator's defaults, resolved once (printed below; the checkpoint keeps them); --resume: the run's own flags
+    args = checkpoints.resume_args(args, "ppo", resolve_estimator_defaults)
+    check_args(args)
+    checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses to replace a run silently
     common.seed_everything(args.seed)  # before any model is built: a fresh critic head follows --seed
     # 1. checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
-    if args.temperature <= 0:
-        raise UserError(f"--temperature {args.temperature}: PPO samples from the tempered distribution; use > 0")
-    if args.rm_ckpt == "none" and args.reward_fn is None:
-        raise UserError("--rm-ckpt none needs --reward-fn module:function (e.g. data:gold_reward)")
-    if args.group_size < 1 or (args.adv_estimator in ("grpo", "rloo") and args.group_size < 2):
-        raise UserError(
-            f"--group-size {args.group_size}: {args.adv_estimator} compares responses within a group, use >= 2"
-        )
-    if args.dynamic_sampling and args.group_size < 2:
-        raise UserError(
-            f"--dynamic-sampling compares the scores of a group: use --group-size >= 2, not {args.group_size}"
-        )
-    if args.max_sample_rounds < 1:
-        raise UserError(f"--max-sample-rounds {args.max_sample_rounds}: use >= 1")
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        raise UserError(f"--dual-clip {args.dual_clip}: the cap -c*A needs c > 1")
-    sft = common.load_checkpoint(args.sft_ckpt, kind=("sft", "dpo", "ppo"), flag="--sft-ckpt")
-    rm = None
-    if args.rm_ckpt != "none":
-        rm = common.load_checkpoint(args.rm_ckpt, kind="rm", flag="--rm-ckpt")
-    if rm is not None and rm["tokenizer"] != sft["tokenizer"]:
-        raise UserError(
-            f"--rm-ckpt {args.rm_ckpt}: its tokenizer differs from --sft-ckpt {args.sft_ckpt}'s "
-            "(train the RM from this SFT checkpoint)"
-        )
+    sft, rm = load_inputs(args)
     tok = Tokenizer.from_state(sft["tokenizer"])
-    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
-    # every model from the checkpoints already in memory; PPO-max: the critic starts from the RM (or, with no RM,
-    # from the SFT trunk with a fresh head); the critic-free estimators build none
-    # With LoRA, one base serves two roles: the reference is the actor with its adapters off, and the reward model
-    # the critic's base with the RM's own (frozen) score head
-    actor = hf.model_from_checkpoint(sft)
-    common.prepare_model(actor, args, "actor")
-    lora = args.lora_rank > 0
-    ref_policy = BaseView(actor) if lora else hf.model_from_checkpoint(sft)
-    critic = None
-    if uses_critic(args):
-        critic = hf.model_from_checkpoint(rm if rm is not None else sft, lm_head=False, score_head=True)
-        common.prepare_model(critic, args, "critic")
-    reward_model = None
-    if rm is not None and lora and critic is not None:
-        reward_model = BaseView(critic, score_head=copy.deepcopy(critic.score_head).requires_grad_(False))
-    elif rm is not None:
-        reward_model = hf.model_from_checkpoint(rm)
-    builtin = args.prompts is None
-    block_size = actor.config.block_size
-    task = build_task(args.task_dir, args.task_seed) if builtin else None
-    prompts = [row["prompt"] for row in read_jsonl(task["prompts"] if builtin else args.prompts, "prompts")]
-    prompts_read = len(prompts)
-    prompts = [prompt for prompt in prompts if len(tok.encode(prompt, bos=True)) + args.max_new_tokens <= block_size]
-    if not prompts:
-        raise UserError(
-            f"every prompt is longer than the context minus --max-new-tokens ({block_size} - {args.max_new_tokens} "
-            "tokens)"
-        )
-    ptx_path = args.ptx_data or (task["pretrain"] if builtin else None)
-    ptx = []
-    if ptx_path:
-        ptx, _ = encode_sft(tok, read_jsonl(ptx_path, "text"), block_size, mask_prompt=False)
-    gold_fn = gold_reward if builtin else None
+    reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    models = build_models(args, sft, rm)
+    prompts, too_long, ptx, gold_fn = load_prompts(args, tok, models.actor.config.block_size)
 
-    # 2. distributed set-up, sizes, optimizers, state
-    # sizes first, against the launched world size: a mistake ends here, before any process group
-    launched = common.launched_world_size()
-    rows_per_rank = exact_div(args.rollout_batch_size, launched, "--rollout-batch-size over the world size")
-    # a group never straddles two ranks: each rank samples its prompts' G responses itself
-    prompts_per_rank = exact_div(rows_per_rank, args.group_size, "--rollout-batch-size/world_size over --group-size")
-    prompts_per_iteration = prompts_per_rank * launched
-    minibatch_rows = exact_div(
-        rows_per_rank, args.num_minibatches, "--rollout-batch-size/world_size over --num-minibatches"
-    )
-    micro_batch_size = min(args.micro_batch_size, minibatch_rows)  # never more than a rank's share of a minibatch
-    grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
-    ptx_micro_batch_size = 0
-    if ptx and args.ptx_coef > 0:  # checked only when there is a ptx loss to compute
-        ptx_micro_batch_size = exact_div(
-            args.ptx_batch_size, launched * grad_accum_steps, "--ptx-batch-size over world_size * accum steps"
-        )
-    common.prepare_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses to replace a run silently
-    d = common.setup_dist(args.device)
-    dtype = common.resolve_dtype(args.dtype, d.device)
+    # 2. sizes, distributed set-up, optimizers, state
+    sizes = batch_sizes(args, has_ptx=bool(ptx) and args.ptx_coef > 0)
+    d = parallel.setup_dist(args.device)
+    dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
-    critic_size = f"{critic.num_params() / 1e6:.2f} M" if critic is not None else "none"
+    critic_size = f"{models.critic.num_params() / 1e6:.2f} M" if models.critic is not None else "none"
     print0(
-        f"ppo: {len(prompts)} prompts ({prompts_read - len(prompts)} too long, skipped) | {len(ptx)} ptx texts | "
-        f"actor {actor.num_params() / 1e6:.2f} M, critic {critic_size} | rollout "
-        f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x {grad_accum_steps} "
-        f"accum x {micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}"
+        f"ppo: {len(prompts)} prompts ({too_long} too long, skipped) | {len(ptx)} ptx texts | actor "
+        f"{models.actor.num_params() / 1e6:.2f} M, critic {critic_size} | rollout {args.rollout_batch_size} = "
+        f"{d.world_size} ranks x {args.num_minibatches} minibatches x {sizes.grad_accum_steps} accum x "
+        f"{sizes.micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}"
     )
     print0(
-        f"estimator {args.adv_estimator}: {prompts_per_iteration} prompts x group_size {args.group_size} | kl "
-        f"{args.kl_penalty} ({'k3' if args.kl_penalty == 'loss' else args.kl_estimator}) beta {args.kl_coef} | "
-        f"reward_norm {args.reward_norm} clip {args.reward_clip} | adv_whiten {args.adv_whiten} | loss_agg "
-        f"{args.loss_agg} | cliprange {args.cliprange}/{args.cliprange_high or args.cliprange} dual_clip "
-        f"{args.dual_clip} | mask_truncated {args.mask_truncated} | critic {'yes' if critic else 'no'}"
+        f"estimator {args.adv_estimator}: {sizes.prompts_per_rank * d.world_size} prompts x group_size "
+        f"{args.group_size} | kl {args.kl_penalty} ({'k3' if args.kl_penalty == 'loss' else args.kl_estimator}) beta "
+        f"{args.kl_coef} | reward_norm {args.reward_norm} clip {args.reward_clip} | adv_whiten {args.adv_whiten} | "
+        f"loss_agg {args.loss_agg} | cliprange {args.cliprange}/{args.cliprange_high or args.cliprange} dual_clip "
+        f"{args.dual_clip} | mask_truncated {args.mask_truncated} | critic {'yes' if models.critic else 'no'}"
     )
-    for model in (ref_policy, reward_model):
+    for model in (models.actor, models.ref, models.critic, models.reward_model):
         if model is not None:
-            model.requires_grad_(False)
-    for model in (actor, ref_policy, critic, reward_model):
-        if model is None:
-            continue
-        model.eval()  # eval mode always: dropout off in all four models
-        common.place_model(model, args, d, dtype)  # --fsdp shards the frozen models too
-    actor_optimizer = actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
-    critic_optimizer = None
-    if critic is not None:
-        critic_optimizer = critic.configure_optimizers(args.weight_decay, args.critic_lr, (0.9, 0.95), d.device.type)
+            model.eval()  # eval mode always: dropout off in all four models
+            parallel.place_model(model, args, d, dtype)  # --fsdp shards the frozen models too
+    actor, critic = build_optimizers(args, models, max_steps, d.device.type)
+    trained = [actor] if critic is None else [actor, critic]
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
     kl_controller = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
     reward_moments = RunningMoments()
     detector = CollapseDetector(args.collapse_window, args.collapse_z, args.collapse_lag)
-    prompt_order = Order(len(prompts), args.seed)
-    ptx_order = Order(max(1, len(ptx)), args.seed + 1)
+    prompt_stream = PromptStream(prompts, Order(len(prompts), args.seed), sizes.prompts_per_rank, args.group_size, d)
+    ptx_sampler = PtxSampler(ptx, Order(max(1, len(ptx)), args.seed + 1), sizes.ptx_micro_batch_size, d, tok.pad_id)
+    guard = common.StepGuard()
+    run = checkpoints.Run("ppo", args, d, tok, trained, started=t_start)
     step = 0
-    seconds = 0.0  # wall time of earlier runs of this checkpoint
     updates = 0  # optimizer steps taken
-    skipped = 0  # optimizer steps skipped (non-finite gradients)
-    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
-    hashes = {
-        "sft_hash": common.file_sha256(args.sft_ckpt),
-        "rm_hash": common.file_sha256(args.rm_ckpt) if rm else None,
-    }
+    sft_hash = checkpoints.file_sha256(args.sft_ckpt)
+    rm_hash = checkpoints.file_sha256(args.rm_ckpt) if rm else None
     if args.resume:
-        inputs = {"sft_hash": ("--sft-ckpt", hashes["sft_hash"]), "rm_hash": ("--rm-ckpt", hashes["rm_hash"])}
-        ckpt = common.load_resume(ckpt_path, "ppo", d.world_size, max_steps, inputs)
-        common.load_model_state(actor, ckpt)
-        common.load_optimizer_state(actor, actor_optimizer, ckpt["optimizer"], args.out_dir)
-        if critic is not None:
-            common.load_model_state(critic, ckpt, "critic")
-            common.load_optimizer_state(critic, critic_optimizer, ckpt["critic_optimizer"], args.out_dir)
+        ckpt = run.resume({"sft_hash": ("--sft-ckpt", sft_hash), "rm_hash": ("--rm-ckpt", rm_hash)}, sampler)
         reward_moments.load_state_dict(ckpt["reward_moments"])
         kl_controller.load_state_dict(ckpt["kl_ctl"])
         data_state = ckpt["data_state"]
         detector.load_state_dict(data_state["collapse"])
-        prompt_order = Order(**data_state["prompts"])
-        ptx_order = Order(**data_state["ptx"])
+        prompt_stream.order = Order(**data_state["prompts"])
+        ptx_sampler.order = Order(**data_state["ptx"])
         updates = data_state["updates"]
-        skipped = data_state["skipped"]
+        guard.skipped = data_state["skipped"]
         step = ckpt["step"]
-        seconds = ckpt["seconds"]
-        common.set_rng_state(ckpt["rng"][d.rank], sampler)
-        print0(f"resumed from {ckpt_path} at step {step}")
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
-    # (a LoRA view switches its base's adapters off in eager code around the call: not compiled)
-    compiled = common.use_compile(args.compile, d.device)
-    actor_forward = torch.compile(actor) if compiled else actor
-    critic_forward = torch.compile(critic) if compiled and critic is not None else critic
-    ref_forward = torch.compile(ref_policy) if compiled and not lora else ref_policy
-    compile_rm = compiled and reward_model is not None and not isinstance(reward_model, BaseView)
-    rm_forward = torch.compile(reward_model) if compile_rm else reward_model
+    forward = models.compiled(args.compile, d.device)
     replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
-    actor_trained = common.replicate(actor_forward, d) if replicated else actor_forward
-    critic_trained = common.replicate(critic_forward, d) if replicated and critic is not None else critic_forward
+    actor.forward = parallel.replicate(forward.actor, d) if replicated else forward.actor
+    if critic is not None:
+        critic.forward = parallel.replicate(forward.critic, d) if replicated else forward.critic
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
-
-    def ptx_sampler():
-        """This rank's slice of the next global ptx micro-batch: (inputs, targets, target mask)."""
-        global_rows = ptx_order.take(ptx_micro_batch_size * d.world_size)
-        rows = global_rows[d.rank * ptx_micro_batch_size : (d.rank + 1) * ptx_micro_batch_size]
-        ids, _ = pad_right([ptx[row][0] for row in rows], tok.pad_id)
-        loss_mask, _ = pad_right([ptx[row][1] for row in rows], 0)
-        return ids[:, :-1].to(d.device), ids[:, 1:].to(d.device), loss_mask[:, 1:].float().to(d.device)
-
-    def save(step: int) -> None:
-        rng_states = common.all_rng_states(sampler)
-        # under --fsdp every rank gathers the weights and saves its optimizer shards; rank 0 writes ckpt.pt
-        actor_state = common.training_state(actor, actor_optimizer, args.out_dir)
-        critic_state = (
-            common.training_state(critic, critic_optimizer, args.out_dir, "critic") if critic is not None else {}
-        )
-        if not d.master:
-            return
-        schedule = dict(warmup_steps=args.warmup_steps, max_steps=max_steps, delay=args.critic_warmup_steps)
-        data_state = dict(
-            prompts=prompt_order.state_dict(),
-            ptx=ptx_order.state_dict(),
-            collapse=detector.state_dict(),
-            updates=updates,
-            skipped=skipped,
-        )
-        checkpoint = dict(
-            kind="ppo",
-            **actor_state,
-            model_config=asdict(actor.config),
-            tokenizer=tok.state(),
-            args=asdict(args),
-            step=step,
-            scheduler=schedule | {"lr": args.lr},
-            rng=rng_states,
-            data_state=data_state,
-            world_size=d.world_size,
-            seconds=seconds + time.time() - t_start,
-            reward_moments=reward_moments.state_dict(),
-            kl_ctl=kl_controller.state_dict(),
-            **hashes,
-        )
-        if critic is not None:
-            checkpoint |= critic_state
-            checkpoint["critic_config"] = asdict(critic.config)
-            checkpoint["critic_scheduler"] = schedule | {"lr": args.critic_lr, "delay": 0}
-        common.save_checkpoint(checkpoint, ckpt_path)
-
-    def rollout_round(kl_coef: float) -> tuple[dict, dict, list]:
-        """Steps 1-5 on this rank's share of the next prompts, each repeated group_size times in a row."""
-        global_rows = prompt_order.take(prompts_per_iteration)
-        rows = global_rows[d.rank * prompts_per_rank : (d.rank + 1) * prompts_per_rank]
-        group_prompts = [prompts[row] for row in rows for _ in range(args.group_size)]
-        return rollout(
-            actor_forward,
-            ref_forward,
-            critic_forward,
-            rm_forward,
-            tok,
-            group_prompts,
-            args,
-            micro_batch_size=micro_batch_size,
-            generator=sampler,
-            kl_coef=kl_coef,
-            reward_moments=reward_moments,
-            reward_fn=reward_fn,
-            gold_fn=gold_fn,
-            dtype=dtype,
-        )
+    sample_round = partial(
+        rollout,
+        forward,
+        tok,
+        args=args,
+        micro_batch_size=sizes.micro_batch_size,
+        generator=sampler,
+        reward_moments=reward_moments,
+        reward_fn=reward_fn,
+        gold_fn=gold_fn,
+        dtype=dtype,
+    )
 
     # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
     first = {}  # the first minibatch of this process's first update
     start_step = step
     samples = []
-    skipped_in_row = 0
     while step < max_steps:
         t_rollout = time.time()
         kl_coef = kl_controller.value
-        experience, metrics, samples = rollout_round(kl_coef)
+        reward_kl_coef = kl_coef if args.kl_penalty == "reward" else 0.0  # in the loss instead: ppo_update
+        draw = partial(rollout_round, prompt_stream, sample_round, reward_kl_coef)
+        experience, metrics, samples = draw()
         if args.dynamic_sampling:  # DAPO: fresh groups until enough are informative on every rank (the metrics and
             # samples are the first round's: what the policy does)
-            rounds = [experience]
-            group_flags = informative_groups(experience["scores"], args.group_size)
-            counts = common.all_reduce_dict({"groups": len(group_flags), "zero_std": (~group_flags).sum()}, d.device)
-            metrics["rollout/zero_std_frac"] = counts["zero_std"] / counts["groups"]
-            while len(rounds) < args.max_sample_rounds:
-                informative = sum(informative_groups(part["scores"], args.group_size).sum() for part in rounds)
-                short = common.all_reduce_dict({"ranks_short": float(informative < prompts_per_rank)}, d.device)
-                if short["ranks_short"] == 0:
-                    break
-                rounds.append(rollout_round(kl_coef)[0])
-            metrics["rollout/sample_rounds"] = len(rounds)
-            experience = keep_informative_groups(rounds, args.group_size, rows_per_rank, tok.pad_id)
+            experience, sampling_metrics = dynamic_sampling(experience, draw, args, sizes.prompts_per_rank, tok.pad_id)
+            metrics |= sampling_metrics
         kl_controller.update(metrics["objective/kl"], args.rollout_batch_size)
         t_update = time.time()
-        # the actor's schedule starts when it starts moving, after the critic warm-up
-        actor_step = max(0, step - args.critic_warmup_steps)
-        actor_steps = max_steps - args.critic_warmup_steps
-        lr = common.lr_at(actor_step, actor_steps, args.lr, args.warmup_steps)
-        critic_lr = common.lr_at(step, max_steps, args.critic_lr, args.warmup_steps)
-        for group in actor_optimizer.param_groups:
-            group["lr"] = lr
-        if critic_optimizer is not None:
-            for group in critic_optimizer.param_groups:
-                group["lr"] = critic_lr
+        lr = actor.schedule.at(step)
+        common.set_lr(actor.optimizer, lr)
+        if critic is not None:
+            critic_lr = critic.schedule.at(step)
+            common.set_lr(critic.optimizer, critic_lr)
         update_metrics, diagnostics = ppo_update(
-            actor_trained,
-            critic_trained,
-            actor_optimizer,
-            critic_optimizer,
+            actor,
+            critic,
+            guard,
             experience,
             args,
-            micro_batch_size=micro_batch_size,
+            micro_batch_size=sizes.micro_batch_size,
             train_actor=step >= args.critic_warmup_steps,
             generator=sampler,
-            ptx_sampler=ptx_sampler if ptx_micro_batch_size else None,
+            ptx_sampler=ptx_sampler if sizes.ptx_micro_batch_size else None,
             dtype=dtype,
-            kl_coef=kl_coef,
+            loss_kl_coef=kl_coef,
+            step=step,
         )
         first = first or diagnostics["first"]
         step += 1
         updates += diagnostics["updates"]
-        skipped += diagnostics["skipped"]
-        skipped_in_row = skipped_in_row + 1 if diagnostics["skipped"] else 0
-        if skipped_in_row >= 10:  # the checkpoint saved before these stays the last good one
-            raise RuntimeError(
-                f"non-finite gradients in {skipped_in_row} iterations in a row: lower --lr/--critic-lr or check the "
-                "reward"
-            )
         t_end = time.time()
 
         # 7. monitoring; the collapse detector watches the actor's moves only (after the critic warm-up)
@@ -1330,7 +1457,9 @@ def main(args: Args) -> None:
         )
         sequence_len = experience["query"].size(1) + experience["mask"].size(1)
         sequences = experience["mask"].size(0) * d.world_size
-        flops = iteration_flops(actor, critic, reward_model, sequence_len, sequences, args.ppo_epochs)
+        flops = iteration_flops(
+            models.actor, models.critic, models.reward_model, sequence_len, sequences, args.ppo_epochs
+        )
         metrics |= update_metrics
         if critic is not None:
             metrics["train/critic_lr"] = critic_lr
@@ -1338,7 +1467,7 @@ def main(args: Args) -> None:
             "train/lr": lr,
             "train/kl_coef": kl_coef,
             "train/updates": updates,
-            "train/skipped_steps": skipped,
+            "train/skipped_steps": guard.skipped,
             "collapse/alarm": float(alarm),
             "perf/rollout_s": t_update - t_rollout,
             "perf/update_s": t_end - t_update,
@@ -1351,29 +1480,31 @@ def main(args: Args) -> None:
         show = step % args.log_every == 0 or step == max_steps or alarm
         logger.log(step, metrics, max_steps, console=show)
         if step % args.sample_every == 0 or step == max_steps:
-            table = []
-            for sample in samples[:8]:
-                line = f"{format_sample(sample)} | score {sample['score']:.2f}"
-                if gold_fn:
-                    line += f" | gold {sample['gold']:.2f}"
-                table.append(line)
-            logger.text("samples", "\n\n".join(table), step)
-            logger.samples(step, samples[:16])
+            log_samples(logger, samples, step)
         if alarm and args.stop_on_collapse:
             print0(f"collapse alarm at step {step}: stopping (the last checkpoint saved before it is kept)")
             break
         if (args.save_every and step % args.save_every == 0) or step == max_steps:
-            save(step)
+            data_state = dict(
+                prompts=prompt_stream.order.state_dict(),
+                ptx=ptx_sampler.order.state_dict(),
+                collapse=detector.state_dict(),
+                updates=updates,
+                skipped=guard.skipped,
+            )
+            ppo_state = dict(reward_moments=reward_moments.state_dict(), kl_ctl=kl_controller.state_dict())
+            run.save(step, data_state, sampler, **ppo_state, sft_hash=sft_hash, rm_hash=rm_hash)
 
     # 4. a few samples to look at
-    for sample in samples[:5]:
-        print0(f"  {format_sample(sample)}  (score {sample['score']:.2f})")
+    for record in samples[:5]:
+        text = format_sample(record["prompt"], record["response"], record["ended"])
+        print0(f"  {text}  (score {record['score']:.2f})")
     if args.export_hf and d.master:
-        common.export_hf(actor, tok, args.export_hf)
+        checkpoints.export_hf(models.actor, tok, args.export_hf)
     first_line = ", ".join(f"{key} {value:.1e}" for key, value in first.items())
-    print0(f"ppo done in {time.time() - t_start:.0f}s: {ckpt_path} | first minibatch of the first update: {first_line}")
+    print0(f"ppo done in {time.time() - t_start:.0f}s: {run.path} | first minibatch of the first update: {first_line}")
     logger.close()
-    common.cleanup_dist()
+    parallel.cleanup_dist()
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ python train_rm.py --init out/sft_gpt2/ckpt.pt --data my_pairs.jsonl --lr 1e-5 -
 torchrun --standalone --nproc_per_node 8 train_rm.py --init out/sft_gpt2/ckpt.pt --data my_pairs.jsonl
 """
 
-import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
@@ -21,14 +21,26 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 
+import checkpoints
 import common
 import hf
+import parallel
 from common import UserError, print0
-from data import Order, calibration_error, encode_prefs, load_tokenizer, pad_right, read_jsonl, responses_of
+from data import (
+    Order,
+    calibration_error,
+    encode_prefs,
+    load_tokenizer,
+    pad_right,
+    read_jsonl,
+    read_train_eval,
+    responses_of,
+)
 from model import lm_loss, score_seqs, sequence_scores
 from task import PROBE_KINDS, build_task, gold_reward, probe_texts
 
 
+@common.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/rm"
@@ -43,7 +55,8 @@ class Args(common.CommonArgs):
     calib_size: int = 2048
     """calibration examples used (the first ones; 0: all)"""
     init: str = "out/sft/ckpt.pt"
-    """path/to/ckpt.pt | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a local GPT-2 folder (gains a fresh score head)"""
+    """path/to/ckpt.pt | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a local GPT-2 folder | hf:<name-or-path>
+    (gains a fresh score head)"""
     # --- optimisation
     batch_size: int = 64
     """preference records (prompts) per optimizer step, summed over ranks"""
@@ -134,70 +147,150 @@ def flops_per_token(model, examples: list, lm_coef: float) -> int:
     return flops
 
 
+def score_on_every_rank(model, seqs: list, d: parallel.Dist, pad_id: int, dtype: torch.dtype) -> torch.Tensor:
+    """Scores (N,) of token sequences on every rank; rank r scores seqs[r::world_size] and the parts are gathered."""
+    with parallel.gathered(model):  # rank slices differ in length: no per-forward collectives
+        mine = score_seqs(model, seqs[d.rank :: d.world_size], pad_id, 64, d.device, dtype)
+    if not d.ddp:
+        return mine
+    parts = [None] * d.world_size
+    dist.all_gather_object(parts, mine)
+    scores = torch.zeros(len(seqs))
+    for rank, part in enumerate(parts):
+        scores[rank :: d.world_size] = part
+    return scores
+
+
+def read_calibration(args: Args, task: Optional[dict], train_rows: list[dict]) -> list[dict]:
+    """The first --calib-size SFT rows whose mean score is folded into the head's bias: --calib-data, the built-in
+    task's SFT demonstrations, or on user data the chosen (best) response of each training record."""
+    if args.calib_data or task is not None:
+        rows = read_jsonl(args.calib_data or task["sft"], "sft", "--calib-data")
+    else:
+        rows = []
+        for row in train_rows:
+            best = row.get("ranking", [0])[0]
+            rows.append({"prompt": row["prompt"], "response": responses_of(row)[best]})
+    return rows[: args.calib_size or None]
+
+
+def encode_calibration(tok, rows: list[dict], block_size: int) -> list[list[int]]:
+    """SFT rows -> [BOS] + prompt + response + EOS id lists, those longer than the context left out."""
+    sequences = []
+    for row in rows:
+        ids = tok.encode(row["prompt"], bos=True) + tok.encode(row["response"]) + [tok.eos_id]
+        if len(ids) <= block_size:
+            sequences.append(ids)
+    return sequences
+
+
+def encode_probes(tok, prompts: list[str], size: int, seed: int, block_size: int) -> list[tuple[str, list[int]]]:
+    """The hackability probe (built-in task): (kind, ids) of degenerate texts and fluent positive reviews on held-out
+    prompts (task.probe_texts), those longer than the context left out."""
+    probes = []
+    for row in probe_texts(prompts, size, seed=seed):
+        ids = tok.encode(row["prompt"], bos=True) + tok.encode(row["response"])
+        ids += [tok.eos_id] if row["ended"] else []
+        if len(ids) <= block_size:
+            probes.append((row["kind"], ids))
+    return probes
+
+
+def pair_metrics(scores: torch.Tensor, evals: list, golds: Optional[list]) -> tuple[dict, torch.Tensor, list]:
+    """Held-out metrics of encoded records `evals` (data.encode_prefs) from the scores (N,) of their sequences,
+    record by record: val/accuracy, val/margin, val/ece and, with the gold of every response (built-in task), the
+    Bayes ceiling (the gold's own accuracy on the drawn labels, ties 1/2) and the RM's agreement with the gold order.
+    Returns (metrics, gaps (P,) chosen minus rejected, the scored pairs as samples.jsonl records)."""
+    pairs = [(record, *pair) for record in range(len(evals)) for pair in evals[record][2]]
+    starts = [0]  # each record's first row in the flat list of scored sequences
+    for example in evals:
+        starts.append(starts[-1] + len(example[0]))
+    score_chosen = scores[[starts[record] + better for record, better, _, _ in pairs]]
+    score_rejected = scores[[starts[record] + worse for record, _, worse, _ in pairs]]
+    weights = torch.tensor([weight for *_, weight in pairs], dtype=torch.double)
+    gaps = score_chosen - score_rejected  # (P,)
+    metrics = {
+        "val/accuracy": weighted_accuracy(gaps, weights),
+        "val/margin": (weights * gaps).sum().item() / weights.sum().item(),
+        "val/ece": calibration_error(gaps),
+    }
+    if golds is not None:
+        gold_gaps = torch.tensor([golds[record][better] - golds[record][worse] for record, better, worse, _ in pairs])
+        metrics["val/bayes_ceiling"] = weighted_accuracy(gold_gaps, weights)
+        metrics["val/gold_agreement"] = ((gaps * gold_gaps)[gold_gaps != 0] > 0).double().mean().item()
+    scored = []
+    for n, (record, better, worse, _) in enumerate(pairs):
+        row = evals[record][4]
+        texts = responses_of(row)
+        scored.append(
+            {
+                "prompt": row["prompt"],
+                "chosen": texts[better],
+                "rejected": texts[worse],
+                "score_chosen": score_chosen[n].item(),
+                "score_rejected": score_rejected[n].item(),
+            }
+        )
+        if golds is not None:
+            scored[-1] |= {"gold_chosen": golds[record][better], "gold_rejected": golds[record][worse]}
+    return metrics, gaps, scored
+
+
+def probe_metrics(scores: torch.Tensor, kinds: list[str]) -> tuple[dict, dict]:
+    """The probe's scores (N,) and kinds -> (probe/degenerate_score and probe/fluent_score, the mean score by kind)."""
+    per_kind = {}
+    for kind in PROBE_KINDS:
+        per_kind[kind] = scores[[n for n, probe_kind in enumerate(kinds) if probe_kind == kind]].mean().item()
+    degenerate = [n for n, kind in enumerate(kinds) if kind != "fluent"]
+    metrics = {"probe/degenerate_score": scores[degenerate].mean().item(), "probe/fluent_score": per_kind["fluent"]}
+    return metrics, per_kind
+
+
 # -----------------------------------------------------------------------------
 # main
 
 
 def main(args: Args) -> None:
     t_start = time.time()
-    common.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
+    args = checkpoints.resume_args(args, "rm")  # --resume: the run's own flags, a changed one refused (DESIGN §8)
+    checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
     common.seed_everything(args.seed)  # before the model: the fresh score head's init
     # 1. data, tokenizer and model (user mistakes surface here, before any process group)
     builtin = args.data is None
     task = build_task(args.task_dir, args.task_seed) if builtin else None
-    train_rows = read_jsonl(task["pairs"] if builtin else args.data, "pairs")
-    if args.eval_data or builtin:
-        eval_rows = read_jsonl(args.eval_data or task["pairs_eval"], "pairs")
-    else:
-        n_eval = max(1, len(train_rows) // 20)
-        train_rows, eval_rows = train_rows[:-n_eval], train_rows[-n_eval:]
-    if args.calib_data or builtin:
-        calib_rows = read_jsonl(args.calib_data or task["sft"], "sft")
-    else:  # on user data the chosen (best) responses
-        calib_rows = [
-            {"prompt": row["prompt"], "response": responses_of(row)[row.get("ranking", [0])[0]]} for row in train_rows
-        ]
-    calib_rows = calib_rows[: args.calib_size or None]
+    train_path = task["pairs"] if builtin else args.data
+    eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)
+    train_rows, eval_rows = read_train_eval(train_path, eval_path, "pairs")
+    calib_rows = read_calibration(args, task, train_rows)
     if args.init == "scratch" and not builtin:
         raise UserError("--init scratch only works on the built-in task; pass an SFT checkpoint or gpt2")
     task_tok = load_tokenizer(task["tokenizer"]) if builtin else None
     model, tok, _ = hf.load_init(args.init, tokenizer=task_tok, score_head=True, kind=("sft", "rm"))
     if builtin and tok.state() != task_tok.state():
         raise UserError(f"--init {args.init}: its tokenizer is not the built-in task's ({task['tokenizer']})")
+    init_hash = checkpoints.init_fingerprint(args.init)  # what this run started from (--resume compares)
     block_size = model.config.block_size
     train, n_too_long = encode_prefs(tok, train_rows, block_size)
     evals, _ = encode_prefs(tok, eval_rows, block_size)
-    calib = []
-    for row in calib_rows:
-        ids = tok.encode(row["prompt"], bos=True) + tok.encode(row["response"]) + [tok.eos_id]
-        if len(ids) <= block_size:
-            calib.append(ids)
+    calib = encode_calibration(tok, calib_rows, block_size)
     if not train or not evals or not calib:
         raise UserError(
-            f"{args.data or task['pairs']}: no preference record (or no held-out or calibration one) "
-            f"fits the context ({block_size} tokens)"
+            f"{train_path}: no preference record (or no held-out or calibration one) fits the context "
+            f"({block_size} tokens)"
         )
-    probes = []  # hackability probe: (kind, ids), degenerate texts and fluent positive reviews on held-out prompts
+    probes = []  # hackability probe (built-in task): degenerate texts and fluent positive reviews
+    golds = None  # the gold of every held-out response (built-in task)
     if builtin:
         prompts = [row["prompt"] for row in read_jsonl(task["eval_prompts"], "prompts")]
-        for row in probe_texts(prompts, args.probe_size, seed=args.task_seed):
-            ids = tok.encode(row["prompt"], bos=True) + tok.encode(row["response"])
-            ids += [tok.eos_id] if row["ended"] else []
-            if len(ids) <= block_size:
-                probes.append((row["kind"], ids))
-    # every held-out pair as (record, better, worse, weight)
-    eval_pairs = [(record, *pair) for record in range(len(evals)) for pair in evals[record][2]]
-    # gold of every held-out response (built-in task): the Bayes ceiling and the RM's agreement with the gold order
-    golds = None
-    if builtin:
+        probes = encode_probes(tok, prompts, args.probe_size, args.task_seed, block_size)
         golds = [[gold_reward(ex[4]["prompt"], text, True) for text in responses_of(ex[4])] for ex in evals]
     per_kind = {}  # probe score by kind, filled by evaluate()
 
     # 2. distributed set-up, sizes, optimizer, resume
     # sizes first, against the launched world size: a mistake ends here, before any process group
-    per_rank, micro_batch_size, grad_accum_steps = common.batch_split(args.batch_size, args.micro_batch_size)
-    d = common.setup_dist(args.device)
-    dtype = common.resolve_dtype(args.dtype, d.device)
+    per_rank, micro_batch_size, grad_accum_steps = parallel.batch_split(args.batch_size, args.micro_batch_size)
+    d = parallel.setup_dist(args.device)
+    dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.epochs * len(train) // args.batch_size)
     print0(
         f"rm: {len(train)} train / {len(evals)} eval records ({n_too_long} too long, skipped) | {len(calib)} "
@@ -205,42 +298,29 @@ def main(args: Args) -> None:
         f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | lm_coef {args.lm_coef} | "
         f"device {d.device} {dtype}"
     )
-    common.prepare_model(model, args)
-    common.place_model(model, args, d, dtype)
+    parallel.prepare_model(model, args)
+    parallel.place_model(model, args, d, dtype)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
+    schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps, min_lr_ratio=0.0)
+    trained = common.Trained("model", model, optimizer, schedule, args.grad_clip)
     order = Order(len(train), args.seed)  # the global record order, the same on every rank
     guard = common.StepGuard()
+    run = checkpoints.Run("rm", args, d, tok, [trained], started=t_start)
     step = 0
-    seconds = 0.0  # wall time of the earlier sittings of this run
     score_offset = 0.0  # calibration folded into the head's bias so far
-    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
-    init_hash = common.file_sha256(args.init) if args.init.endswith(".pt") else None  # what this run started from
     if args.resume:
-        inputs = {"init_hash": (f"--init {args.init}", init_hash)}
-        ckpt = common.resume(ckpt_path, "rm", d, max_steps, inputs, model, optimizer)
+        ckpt = run.resume({"init_hash": (f"--init {args.init}", init_hash)})
         step = ckpt["step"]
-        seconds = ckpt["seconds"]
         score_offset = ckpt["score_offset"]
         order = Order(**ckpt["data_state"]["order"])
         guard.skipped = ckpt["data_state"]["skipped"]
     raw_model = model
-    model = common.wrap_model(raw_model, d, args.compile)
+    model = parallel.wrap_model(raw_model, d, args.compile)
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None)
     peak_flops = common.peak_flops(d.device, args.peak_flops)
     throughput = common.Throughput(flops_per_token(raw_model, train, args.lm_coef), peak_flops, d.world_size)
 
-    def score_all(seqs: list) -> torch.Tensor:
-        """Scores (N,) on every rank; rank r scores seqs[r::world_size]."""
-        with common.gathered(raw_model):  # rank slices differ in length: no per-forward collectives
-            mine = score_seqs(raw_model, seqs[d.rank :: d.world_size], tok.pad_id, 64, d.device, dtype)
-        if not d.ddp:
-            return mine
-        parts = [None] * d.world_size
-        dist.all_gather_object(parts, mine)
-        scores = torch.zeros(len(seqs))
-        for rank, part in enumerate(parts):
-            scores[rank :: d.world_size] = part
-        return scores
+    score_all = partial(score_on_every_rank, raw_model, d=d, pad_id=tok.pad_id, dtype=dtype)
 
     def save(step: int) -> None:
         # calibration: fold the calibration mean into the head's bias; the Bradley-Terry loss only sees score
@@ -249,75 +329,19 @@ def main(args: Args) -> None:
         offset = score_all(calib).mean().item()
         fold_score_offset(raw_model, offset)
         score_offset += offset
-        rngs = common.all_rng_states()
-        # under --fsdp every rank gathers the weights and saves its optimizer shard; rank 0 writes ckpt.pt
-        state = common.training_state(raw_model, optimizer, args.out_dir)
-        if d.master:
-            common.save_checkpoint(
-                dict(
-                    kind="rm",
-                    **state,
-                    model_config=asdict(raw_model.config),
-                    init_hash=init_hash,
-                    tokenizer=tok.state(),
-                    args=asdict(args),
-                    step=step,
-                    scheduler=dict(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=max_steps, min_lr_ratio=0.0),
-                    rng=rngs,
-                    data_state=dict(order=order.state_dict(), skipped=guard.skipped),
-                    world_size=d.world_size,
-                    seconds=seconds + time.time() - t_start,
-                    score_offset=score_offset,
-                ),
-                ckpt_path,
-            )
+        data_state = dict(order=order.state_dict(), skipped=guard.skipped)
+        run.save(step, data_state, init_hash=init_hash, score_offset=score_offset)
 
     def evaluate(n_records: int, offset: float) -> tuple[dict, torch.Tensor, list]:
         """Held-out metrics, gaps (P,) and scored pairs of the first n_records records; scores minus offset."""
-        pairs = [pair for pair in eval_pairs if pair[0] < n_records]
-        starts = [0]  # each record's first row in the flat list of scored sequences
-        for example in evals[:n_records]:
-            starts.append(starts[-1] + len(example[0]))
-        scores = score_all([seq for example in evals[:n_records] for seq in example[0]]) - offset
-        score_chosen = scores[[starts[record] + better for record, better, _, _ in pairs]]
-        score_rejected = scores[[starts[record] + worse for record, _, worse, _ in pairs]]
-        weights = torch.tensor([weight for *_, weight in pairs], dtype=torch.double)
-        gaps = score_chosen - score_rejected  # (P,)
-        metrics = {
-            "val/accuracy": weighted_accuracy(gaps, weights),
-            "val/margin": (weights * gaps).sum().item() / weights.sum().item(),
-            "val/ece": calibration_error(gaps),
-        }
-        if builtin:  # the gold model's accuracy on the drawn labels (ties 1/2); the RM's on the gold order (no ties)
-            gold_gaps = torch.tensor(
-                [golds[record][better] - golds[record][worse] for record, better, worse, _ in pairs]
-            )
-            metrics["val/bayes_ceiling"] = weighted_accuracy(gold_gaps, weights)
-            metrics["val/gold_agreement"] = ((gaps * gold_gaps)[gold_gaps != 0] > 0).double().mean().item()
+        records = evals[:n_records]
+        scores = score_all([seq for example in records for seq in example[0]]) - offset
+        metrics, gaps, scored = pair_metrics(scores, records, golds[:n_records] if builtin else None)
+        if builtin:
             probe_scores = score_all([ids for _, ids in probes]) - offset
-            kinds = [kind for kind, _ in probes]
-            for kind in PROBE_KINDS:
-                per_kind[kind] = (
-                    probe_scores[[n for n, probe_kind in enumerate(kinds) if probe_kind == kind]].mean().item()
-                )
-            degenerate = [n for n, kind in enumerate(kinds) if kind != "fluent"]
-            metrics["probe/degenerate_score"] = probe_scores[degenerate].mean().item()
-            metrics["probe/fluent_score"] = per_kind["fluent"]
-        scored = []  # samples.jsonl records
-        for n, (record, better, worse, _) in enumerate(pairs):
-            row = evals[record][4]
-            texts = responses_of(row)
-            scored.append(
-                {
-                    "prompt": row["prompt"],
-                    "chosen": texts[better],
-                    "rejected": texts[worse],
-                    "score_chosen": score_chosen[n].item(),
-                    "score_rejected": score_rejected[n].item(),
-                }
-            )
-            if builtin:
-                scored[-1] |= {"gold_chosen": golds[record][better], "gold_rejected": golds[record][worse]}
+            probe, kinds = probe_metrics(probe_scores, [kind for kind, _ in probes])
+            metrics |= probe
+            per_kind.update(kinds)
         return metrics, gaps, scored
 
     # 3. training loop: each step takes the next global batch of the epoch order; rank r owns a slice
@@ -329,9 +353,8 @@ def main(args: Args) -> None:
         if order.pos + args.batch_size > order.n:  # the epoch's remainder is dropped
             order.pos = order.n
         batch = [train[i] for i in order.take(args.batch_size)]
-        lr = common.lr_at(step, max_steps, args.lr, args.warmup_steps, min_lr_ratio=0.0)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = trained.schedule.at(step)
+        common.set_lr(optimizer, lr)
         # losses are divided by global counts of the step (pairs weigh 1 per record; LM: best-response tokens)
         pair_denom = float(len(batch))
         lm_denom = float(sum(len(seqs[best]) - n_prompt for seqs, n_prompt, _, best, _ in batch))
@@ -341,7 +364,7 @@ def main(args: Args) -> None:
             micro_batch = my_batch[micro_step * micro_batch_size :][:micro_batch_size]
             ids, mask, chosen, rejected, weights, lm_mask = (t.to(d.device) for t in collate(micro_batch, tok.pad_id))
             last_micro_step = micro_step == grad_accum_steps - 1
-            with common.grad_sync(model, last_micro_step), common.autocast(d.device, dtype):
+            with parallel.grad_sync(model, last_micro_step), parallel.autocast(d.device, dtype):
                 logits, token_scores = model(ids, logits=args.lm_coef > 0)  # right padding: no attention mask needed
                 scores = sequence_scores(token_scores.float(), mask)  # (N,) score at each response's EOS
                 bt_loss = preference_loss(scores[chosen], scores[rejected], weights, denom=pair_denom)
@@ -357,12 +380,12 @@ def main(args: Args) -> None:
             window["lm_loss"] += lm_loss_value.detach()
             window["accuracy"] += (weights * ((gaps > 0) + 0.5 * (gaps == 0))).sum().detach() / pair_denom
             window["tokens"] += sum(len(seq) for seqs, *_ in micro_batch for seq in seqs)
-        common.clip_and_step(optimizer, raw_model.parameters(), args.grad_clip, guard, step)
+        common.guarded_step([trained], guard, step)
         step += 1
         window_steps += 1
 
         if step % args.log_every == 0 or step == max_steps:
-            totals = common.all_reduce_dict(window, d.device)
+            totals = parallel.all_reduce_dict(window, d.device)
             metrics = {
                 f"train/{name}": totals[name] / window_steps for name in ("loss", "bt_loss", "lm_loss", "accuracy")
             }
@@ -379,7 +402,7 @@ def main(args: Args) -> None:
                 # between, subtract the mean score of the first calibration examples (cheaper than folding)
                 offset = 0.0 if final else score_all(calib[: args.eval_pairs]).mean().item()
                 n_records = len(evals) if final else min(args.eval_pairs, len(evals))
-                with common.gathered(raw_model):  # no collectives inside: ranks run unequal numbers of forwards
+                with parallel.gathered(raw_model):  # no collectives inside: ranks run unequal numbers of forwards
                     metrics, gaps, scored = evaluate(n_records, offset)
                 logger.log(step, metrics, max_steps)
                 if logger.writer is not None:
@@ -395,8 +418,8 @@ def main(args: Args) -> None:
     if builtin:
         print0("probe (mean score by kind): " + " | ".join(f"{kind} {score:+.3f}" for kind, score in per_kind.items()))
     if args.export_hf and d.master:
-        common.export_hf(raw_model, tok, args.export_hf)
-    summary = f"rm done in {time.time() - t_start:.0f}s: {ckpt_path} | val/accuracy {metrics['val/accuracy']:.4f}"
+        checkpoints.export_hf(raw_model, tok, args.export_hf)
+    summary = f"rm done in {time.time() - t_start:.0f}s: {run.path} | val/accuracy {metrics['val/accuracy']:.4f}"
     if builtin:
         summary += (
             f" | val/bayes_ceiling {metrics['val/bayes_ceiling']:.4f} | probe/degenerate_score "
@@ -404,7 +427,7 @@ def main(args: Args) -> None:
         )
     print0(summary)
     logger.close()
-    common.cleanup_dist()
+    parallel.cleanup_dist()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 A random GPT of the given shape is exported with `export_hf` and loaded as a GPT2LMHeadModel, so both sample from
 the same distribution: fp32, temperature 1, no top-k/top-p, the same random prompts, responses of exactly --resp-len
-tokens (EOS outside the vocabulary for ours, `eos_token_id=None` for transformers, as ../shared/bench/
+tokens (EOS outside the vocabulary for ours, `eos_token_id=None` for transformers, as bench/
 hf_generate_bench.py does). The two are interleaved call by call after one warm-up call each; medians of --reps calls.
 Last line: `generate: ours_tok_per_s=<x> hf_tok_per_s=<y> ratio=<x/y>` (new tokens per second, batch * resp_len).
 

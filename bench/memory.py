@@ -31,6 +31,8 @@ from typing import Optional
 
 import tyro
 
+import checkpoints
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 GB = 1e9
@@ -171,7 +173,6 @@ def rss_bytes() -> int:
 def probe(sft: str, rm: str, task_dir: str, out_dir: str, fsdp: bool, lora: bool) -> None:
     """One PPO iteration under torchrun; prints this rank's {baseline, peak} as JSON. The final save gathers and
     writes nothing (its full-state buffers are the checkpoint's, not the run's)."""
-    import common
     import hf
     import train_ppo
 
@@ -183,8 +184,8 @@ def probe(sft: str, rm: str, task_dir: str, out_dir: str, fsdp: bool, lora: bool
         return build(*args, **kwargs)
 
     train_ppo.hf.model_from_checkpoint = first_build
-    common.model_state = lambda model, key="model": {}
-    common.optimizer_state = lambda *args: {}
+    checkpoints.model_state = lambda model, key="model": {}
+    checkpoints.optimizer_state = lambda *args: {}
     args = train_ppo.Args(
         sft_ckpt=sft,
         rm_ckpt=rm,
@@ -209,7 +210,6 @@ def probe(sft: str, rm: str, task_dir: str, out_dir: str, fsdp: bool, lora: bool
 
 def make_checkpoints(folder: str, task_dir: str) -> tuple[str, str]:
     """Random SFT and RM checkpoints of CHECK_SHAPE on the built-in task's tokenizer."""
-    import common
     from data import load_tokenizer
     from model import GPT, GPTConfig
     from task import build_task
@@ -229,7 +229,7 @@ def make_checkpoints(folder: str, task_dir: str) -> tuple[str, str]:
         path = os.path.join(folder, f"{kind}.pt")
         state = dict(kind=kind, model=GPT(config).state_dict(), model_config=asdict(config), tokenizer=tok.state())
         state |= dict(args={}, step=0, optimizer={}, scheduler={}, rng=[], data_state={}, world_size=1, seconds=0.0)
-        common.save_checkpoint(state | dict(score_offset=0.0), path)
+        checkpoints.save_checkpoint(state | dict(score_offset=0.0), path)
         paths.append(path)
     return paths[0], paths[1]
 

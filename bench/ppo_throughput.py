@@ -1,6 +1,6 @@
 """PPO iteration throughput: train_ppo.py's own `rollout(...)` and `ppo_update(...)` on randomly initialised models.
 
-The flags and the work are those of ../shared/bench/trl_ppo_bench.py (TRL's PPOTrainer on a random GPT-2): policy,
+The flags and the work are those of bench/trl_ppo_bench.py (TRL's PPOTrainer on a random GPT-2): policy,
 frozen reference, reward model and critic (initialised from the RM) of one shape, random prompts of --prompt-len
 tokens, fp32, responses of exactly --resp-len tokens (the EOS id lies outside the vocabulary, so no row stops early,
 as in the TRL benchmark), --ppo-epochs x --mini-batches optimizer steps per iteration. Prints the median phase
@@ -28,14 +28,15 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+from common import StepGuard, Trained  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from train_ppo import Args as PPOArgs  # noqa: E402
-from train_ppo import RunningMoments, ppo_update, resolve_estimator_defaults, rollout, uses_critic  # noqa: E402
+from train_ppo import Models, RunningMoments, ppo_update, resolve_estimator_defaults, rollout, uses_critic  # noqa: E402
 
 
 @dataclass
 class Shape:
-    """The model and batch shape, as ../shared/bench/trl_ppo_bench.py names it (bench/generate.py shares it)."""
+    """The model and batch shape, as bench/trl_ppo_bench.py names it (bench/generate.py shares it)."""
 
     layers: int = 4
     """transformer blocks"""
@@ -252,16 +253,13 @@ def main(args: Args) -> None:
         sync()
         t0 = time.perf_counter()
         exp, stats, _ = rollout(
-            policy if not args.compile else fwd[policy],
-            fwd[ref],
-            fwd[critic],
-            fwd[reward_model],
+            Models(fwd[policy], fwd[ref], fwd[critic], fwd[reward_model]),
             tok,
             prompts[it * B : (it + 1) * B],
             ppo_settings,
             micro_batch_size=B,
             generator=sampler,
-            kl_coef=0.1,
+            reward_kl_coef=0.1 if ppo_settings.kl_penalty == "reward" else 0.0,
             reward_moments=moments,
             dtype=dtype,
         )
@@ -271,16 +269,15 @@ def main(args: Args) -> None:
         if recorder:
             recorder.phase = "update"
         ppo_update(
-            fwd[policy],
-            fwd[critic],
-            actor_opt,
-            critic_opt,
+            Trained("model", policy, actor_opt, grad_clip=1.0, forward=fwd[policy]),
+            None if critic is None else Trained("critic", critic, critic_opt, grad_clip=1.0, forward=fwd[critic]),
+            StepGuard(),
             exp,
             ppo_settings,
             micro_batch_size=micro,
             generator=sampler,
             dtype=dtype,
-            kl_coef=0.1,
+            loss_kl_coef=0.1,
         )
         sync()
         t2 = time.perf_counter()

@@ -27,7 +27,7 @@ def tiny_ckpts(task_dir, tmp_path_factory):
 
     import torch
 
-    import common
+    import checkpoints
     from data import load_tokenizer
     from model import GPT, GPTConfig
     from task import build_task
@@ -37,7 +37,7 @@ def tiny_ckpts(task_dir, tmp_path_factory):
         torch.manual_seed(seed)
         cfg = GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32, score_head=kind == "rm")
         paths.append(str(d / f"{kind}.pt"))
-        common.save_checkpoint(
+        checkpoints.save_checkpoint(
             dict(
                 kind=kind,
                 model=GPT(cfg).state_dict(),

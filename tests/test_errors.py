@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import checkpoints
 import common
 import train_sft
 from task import build_task
@@ -49,12 +50,16 @@ def files(tmp_path_factory, task_dir, tiny_ckpts):
     rm = torch.load(tiny_ckpts[1], weights_only=False)
     ranks = list(rm["tokenizer"]["ranks"])
     ranks[300], ranks[301] = ranks[301], ranks[300]  # the same size, two merges swapped: another tokenizer
-    common.save_checkpoint(rm | {"tokenizer": {**rm["tokenizer"], "ranks": ranks}}, str(w / "rm_othertok.pt"))
+    checkpoints.save_checkpoint(rm | {"tokenizer": {**rm["tokenizer"], "ranks": ranks}}, str(w / "rm_othertok.pt"))
     sft = torch.load(tiny_ckpts[0], weights_only=False)
-    common.save_checkpoint(sft | {"tokenizer": {**sft["tokenizer"], "ranks": ranks}}, str(w / "sft_othertok.pt"))
+    checkpoints.save_checkpoint(sft | {"tokenizer": {**sft["tokenizer"], "ranks": ranks}}, str(w / "sft_othertok.pt"))
     (w / "truncated.pt").write_bytes(open(tiny_ckpts[0], "rb").read()[:20000])
+    from transformers import LlamaConfig, LlamaForCausalLM  # a model folder saved without its tokenizer
+
+    config = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=64)
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(str(w / "model_only"))
     for kind in ("sft", "rm", "ppo"):
-        common.save_checkpoint({"kind": kind, "model": {}, "world_size": 2}, str(w / f"ws_{kind}" / "ckpt.pt"))
+        checkpoints.save_checkpoint({"kind": kind, "model": {}, "world_size": 2}, str(w / f"ws_{kind}" / "ckpt.pt"))
     return dict(w=str(w), sft=tiny_ckpts[0], rm=tiny_ckpts[1], td=task_dir, tok=build_task(task_dir, 1337)["tokenizer"])
 
 
@@ -65,7 +70,10 @@ def files(tmp_path_factory, task_dir, tiny_ckpts):
         (SFT + " --data {w}/empty.jsonl --tokenizer {tok}", r"empty\.jsonl: no records"),
         (SFT + " --init {w}/truncated.pt", r"--init .*truncated\.pt: not a readable checkpoint"),
         (SFT + " --resume", r"--resume .*ckpt\.pt: no such checkpoint"),
-        (SFT + " --init hf:{w}/no_such_model", r"--init hf:.*no_such_model: could not load tokenizer"),
+        (SFT + " --init hf:{w}/no_such_model", r"--init hf:.*no_such_model: .*no_such_model: no such folder"),
+        (SFT + " --init hf:{w}/model_only", r"model_only holds no tokenizer files \(tokenizer\.json, "),
+        (SFT + " --init hf:no-such-org/no-such-model", r"could not load the tokenizer .*HF_HUB_OFFLINE=1 to skip"),
+        (SFT + " --data {w}/nofile.jsonl", r"^error: --data .*nofile\.jsonl: no such file"),
         (SFT + " --resume --out-dir {w}/ws_sft", r"--resume .*ckpt\.pt: saved with world size 2, now 1"),
         (
             SFT + " --out-dir {w}/ws_sft",
@@ -103,7 +111,7 @@ def test_user_mistake_is_one_line_exit_2(tmp_path, files, cmd, message):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
         timeout=300,
     )
     assert r.returncode == 2, r.stderr[-3000:]
@@ -131,3 +139,15 @@ def test_resume_of_a_finished_run_is_a_user_error(tmp_path, task_dir):
     train_sft.main(args)
     with pytest.raises(common.UserError, match=r"already at step 1 of 1 \(raise --max-steps\)"):
         train_sft.main(train_sft.Args(**{**args.__dict__, "resume": True}))
+
+
+def test_help_lists_the_stage_flags_first_and_points_at_no_code():
+    """--help: a stage's own flags (what to train from, the algorithm) before the 19 shared ones (--compile, --fsdp,
+    --lora-*, ...); help texts name values, not code (no "see ESTIMATOR_DEFAULTS"); --init lists hf:<name-or-path>."""
+    for script, own in (("train_ppo.py", "--sft-ckpt"), ("train_sft.py", "--init")):
+        r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.index(own) < r.stdout.index("--compile") < r.stdout.index("--fsdp"), script
+        assert "ESTIMATOR_DEFAULTS" not in r.stdout, script
+        if script == "train_sft.py":
+            assert "hf:<name-or-path>" in r.stdout.replace("│", "").replace(" ", "").replace("\n", "")

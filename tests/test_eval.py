@@ -8,10 +8,12 @@ import random
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
+import checkpoints
 import common
 import eval as ev
 from data import load_tokenizer
@@ -29,6 +31,7 @@ POLICY_KEYS = [
     "valid_frac",
     "distinct_2",
     "win_rate_vs_ref",
+    "reward_fn",
 ]
 
 
@@ -152,7 +155,7 @@ def tiny_policy(tmp_path_factory, task_dir):
         "tokenizer": tok.state(),
         "seconds": 12.0,
     }
-    common.save_checkpoint(ckpt, path)
+    checkpoints.save_checkpoint(ckpt, path)
     return path
 
 
@@ -267,3 +270,31 @@ def test_best_of_n_rows_in_the_json(tmp_path, task_dir, tiny_ckpts):
         assert res["sft_bon1"][key] == pytest.approx(res["sft"][key]), key
     with pytest.raises(common.UserError, match="--best-of-n reranks with a reward model"):
         ev.main(ev.Args(policy=[sft], ref=sft, rm="none", best_of_n=[2], task_dir=task_dir))
+
+
+def test_reward_fn_column_is_the_users_objective_on_held_out_prompts(tmp_path, task_dir, tiny_policy):
+    """eval.py --reward-fn: the mean of fn(prompt, response, ended) over the samples, with its standard error; the
+    gold reward as the function gives the gold column back."""
+    args = ev.Args(
+        policy=[tiny_policy],
+        names=["sft"],
+        ref=tiny_policy,
+        rm="none",
+        num_samples=8,
+        task_dir=task_dir,
+        max_new_tokens=16,
+        reward_fn="task:gold_reward",
+    )
+    res = ev.main(args)["sft"]
+    assert res["reward_fn"] == pytest.approx(res["gold"]) and res["reward_fn_se"] == pytest.approx(res["gold_se"])
+    assert ev.main(replace(args, reward_fn=None))["sft"]["reward_fn"] is None
+
+
+def test_pairs_on_user_data_builds_no_task(tmp_path, tiny_ckpts):
+    """eval.py --pairs --pairs-data X reads X only (it used to build the built-in task into --task-dir first)."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(json.dumps({"prompt": "Review of", "chosen": " a", "rejected": " b"}) + "\n" for _ in "xy")
+    )
+    res = ev.main(ev.Args(pairs=True, pairs_data=str(pairs), rm=tiny_ckpts[1], task_dir=str(tmp_path / "data")))
+    assert res["rm"]["pairs"] == 2 and not os.path.exists(tmp_path / "data")

@@ -12,6 +12,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+import checkpoints
 import common
 import data
 import hf
@@ -155,7 +156,7 @@ def test_load_init_routes(llama_dir, gpt2_dir):
     assert model.num_params() == model.num_params(non_embedding=False) - emb
     assert gpt2.num_params() == gpt2.num_params(non_embedding=False) - 64 * 32
     assert model.flops_per_token(16) == 6 * model.num_params() + 12 * 2 * 4 * 8 * 16
-    with pytest.raises(common.UserError, match="could not load"):
+    with pytest.raises(common.UserError, match="missing: no such folder"):
         load_init(f"hf:{llama_dir}/missing")
 
 
@@ -284,7 +285,7 @@ def test_checkpoint_round_trip(llama_dir, tmp_path, monkeypatch):
         model.score_head.bias.fill_(0.3)
         model.hf.get_input_embeddings().weight.add_(0.01)  # weights that are no longer the folder's
     path = str(tmp_path / "ckpt.pt")
-    common.save_checkpoint(
+    checkpoints.save_checkpoint(
         dict(kind="rm", model=model.state_dict(), model_config=asdict(model.config), tokenizer=tok.state()), path
     )
     # rebuilt from model_config alone: the hub and the folder's weights are never read

@@ -6,14 +6,16 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 from test_hf import EOS, PAD
 
+import checkpoints
 import common
 import data
 import task
@@ -340,9 +342,9 @@ def test_ppo_two_ranks_torchrun(tmp_path, task_dir):
         seconds=0.0,
     )
     sft, rm = str(tmp_path / "sft.pt"), str(tmp_path / "rm.pt")
-    common.save_checkpoint(base | dict(kind="sft", model=GPT(cfg).state_dict()), sft)
+    checkpoints.save_checkpoint(base | dict(kind="sft", model=GPT(cfg).state_dict()), sft)
     rm_model = GPT(GPTConfig(**{**asdict(cfg), "score_head": True}))
-    common.save_checkpoint(base | dict(kind="rm", model=rm_model.state_dict(), score_offset=0.0), rm)
+    checkpoints.save_checkpoint(base | dict(kind="rm", model=rm_model.state_dict(), score_offset=0.0), rm)
     out = tmp_path / "ppo"
     cmd = (
         f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_ppo.py --task-dir "
@@ -361,3 +363,34 @@ def test_ppo_two_ranks_torchrun(tmp_path, task_dir):
     for tag in ("policy/loss", "ptx/loss"):  # the actor trains after the 1-iteration critic warm-up
         assert len(scalars[tag]) == 1 and math.isfinite(scalars[tag][0]), tag
     assert scalars["train/updates"][-1] == 2 * 2  # 2 iterations x 2 minibatches x 1 epoch
+
+
+def test_lora_resume_refuses_a_changed_base_folder(tmp_path, llama_dir, user_data):
+    """A LoRA SFT run from a Hugging Face folder records the folder's fingerprint (it used to record no hash for a
+    non-.pt --init): resuming after the folder's weights changed would load the adapters onto other weights, and is
+    refused; the unchanged folder resumes."""
+    from transformers import AutoModelForCausalLM
+
+    base = str(tmp_path / "base")
+    shutil.copytree(llama_dir, base)
+    args = train_sft.Args(
+        out_dir=str(tmp_path / "sft"),
+        init=f"hf:{base}",
+        data=user_data["sft"],
+        task_dir=str(tmp_path / "data"),
+        lora_rank=2,
+        **(SFT | {"max_steps": 2}),
+    )
+    train_sft.main(args)
+    assert torch.load(tmp_path / "sft" / "ckpt.pt", weights_only=False)["init_hash"] is not None
+    resume = replace(args, resume=True, max_steps=3)
+    hf_model = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        hf_model.get_input_embeddings().weight.add_(0.01)
+    hf_model.save_pretrained(base)
+    with pytest.raises(common.UserError, match=r"--init hf:.*base changed since the run started"):
+        train_sft.main(resume)
+    shutil.rmtree(base)
+    shutil.copytree(llama_dir, base)
+    train_sft.main(resume)
+    assert torch.load(tmp_path / "sft" / "ckpt.pt", weights_only=False)["step"] == 3

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import common
+import checkpoints
 import hf
 import train_ppo
 import train_sft
@@ -255,6 +255,6 @@ def test_ppo_lora_shares_bases_and_trains(tmp_path, task_dir, tiny_ckpts, capsys
     assert {"model", "model_lora", "critic", "critic_lora"} <= set(ckpt)
     assert not any("lora_" in key for key in ckpt["model"]) and not any("lora_" in key for key in ckpt["critic"])
     actor = hf.model_from_checkpoint(ckpt)
-    reference = hf.model_from_checkpoint(common.load_checkpoint(sft))
+    reference = hf.model_from_checkpoint(checkpoints.load_checkpoint(sft))
     differs = [n for n, p in actor.state_dict().items() if not torch.equal(p, reference.state_dict()[n])]
     assert differs  # the actor's adapters moved (the ptx loss trains them even when no response ends)

@@ -11,7 +11,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import checkpoints
+import common
+import parallel
 import train_ppo
+from common import StepGuard, Trained
 from model import GPT, GPTConfig, response_forward
 from task import build_task
 from train_ppo import (
@@ -196,9 +200,9 @@ def test_ppo_policy_loss_clip_higher_dual_clip_and_weights(dual_clip):
     lengths, mask, (lp, old, adv, _, _) = ragged(B=10, seed=6)
     lp = old + 0.5 * lp
     eps, eps_high = 0.2, 0.28
-    weights = loss_weights(mask, "seq_mean", len(lengths), mask.sum(), 7)
+    weights, denom = loss_weights(mask, "seq_mean", len(lengths), mask.sum(), 7)
     loss, stats = ppo_policy_loss(
-        lp, old, adv, mask, eps, weights=weights, cliprange_high=eps_high, dual_clip=dual_clip
+        lp, old, adv, mask, eps, denom=denom, weights=weights, cliprange_high=eps_high, dual_clip=dual_clip
     )
     total, low, high, capped, tokens = 0.0, 0, 0, 0, sum(lengths)
     for b, n in enumerate(lengths):
@@ -289,10 +293,10 @@ def test_loss_weights_over_micro_batches(agg):
     mask[3] = 0.0
     kept = [n for b, n in enumerate(lengths) if b != 3]
     n_seq, n_tok, max_new_tokens = (mask.sum(1) > 0).sum(), mask.sum(), 9
-    total = sum(
-        (losses[s] * loss_weights(mask[s], agg, n_seq, n_tok, max_new_tokens)).sum()
-        for s in (slice(0, 3), slice(3, 4), slice(4, 8))
-    )
+    total = 0.0
+    for s in (slice(0, 3), slice(3, 4), slice(4, 8)):
+        weights, denom = loss_weights(mask[s], agg, n_seq, n_tok, max_new_tokens)
+        total += (losses[s] * weights).sum() / denom
     per_row = [sum(losses[b, :n].tolist()) for b, n in enumerate(lengths) if b != 3]
     want = {
         "token_mean": sum(per_row) / sum(kept),
@@ -304,17 +308,36 @@ def test_loss_weights_over_micro_batches(agg):
 
 def test_kl_loss_value_and_gradient():
     lengths, mask, (lp, ref, *_) = ragged()
-    weights = loss_weights(mask, "seq_mean", len(lengths), mask.sum(), 7)
+    weights, denom = loss_weights(mask, "seq_mean", len(lengths), mask.sum(), 7)
     logprobs = lp.clone().requires_grad_(True)
-    loss = kl_loss(logprobs, ref, weights, 0.05)
+    loss = kl_loss(logprobs, ref, mask, weights, denom, 0.05)
     want = 0.0
     for b, n in enumerate(lengths):
         for t in range(n):
             d = ref[b, t].item() - lp[b, t].item()
-            want += 0.05 * (math.exp(d) - 1 - d) * weights[b, t].item()
+            want += 0.05 * (math.exp(d) - 1 - d) * weights[b, t].item() / denom
     assert loss.item() == pytest.approx(want, abs=1e-12)
     loss.backward()  # d k3 / d logp = 1 - ref_p / p: pulls the policy towards the reference, 0 on padding
-    assert torch.allclose(logprobs.grad, 0.05 * weights * (1 - torch.exp(ref - lp)), atol=1e-12)
+    assert torch.allclose(logprobs.grad, 0.05 * weights / denom * (1 - torch.exp(ref - lp)), atol=1e-12)
+
+
+def test_kl_estimators_are_masked_before_the_exponential():
+    """Padding may hold any log-prob (a pad target's log-prob under the current policy is not masked): at -1000 on the
+    policy side and 0 on the reference side, exp(ref - logp) alone would be inf and inf * 0 a NaN; the KL loss, its
+    gradient, the reward penalty and the policy loss stay finite and equal the unpadded values."""
+    lengths, mask, (lp, ref, adv, *_) = ragged(seed=4)
+    extreme = torch.where(mask.bool(), lp, torch.full_like(lp, -1000.0))
+    weights, denom = loss_weights(mask, "token_mean", len(lengths), mask.sum(), 7)
+    logprobs = extreme.clone().requires_grad_(True)
+    loss = kl_loss(logprobs, ref * mask, mask, weights, denom, 0.1)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all() and (logprobs.grad[mask == 0] == 0).all()
+    assert loss.item() == pytest.approx(kl_loss(lp, ref * mask, mask, weights, denom, 0.1).item(), abs=1e-12)
+    for estimator in ("k1", "k3"):
+        rewards, kl = shape_rewards(torch.ones(len(lengths)), extreme, ref * mask, mask, 0.1, estimator)
+        assert torch.isfinite(rewards).all() and torch.isfinite(kl).all() and (kl[mask == 0] == 0).all()
+    pg_loss, stats = ppo_policy_loss(extreme, lp * mask, adv, mask, 0.2)
+    assert torch.isfinite(pg_loss) and all(torch.isfinite(value) for value in stats.values())
 
 
 def test_resolve_estimator_defaults():
@@ -360,7 +383,7 @@ def test_denom_gives_big_batch_gradient():
     for kind in ("policy", "value"):
         x_full = lp.clone().requires_grad_(True)
         f = (
-            (lambda x, m, s: ppo_policy_loss(x, old[s], adv[s], m, 0.2, denom)[0])
+            (lambda x, m, s: ppo_policy_loss(x, old[s], adv[s], m, 0.2, denom=denom)[0])
             if kind == "policy"
             else (lambda x, m, s: ppo_value_loss(x, old[s], ret[s], m, 0.2, denom)[0])
         )
@@ -420,23 +443,25 @@ def fake_experience(B: int = 8, seed: int = 0):
     return actor, critic, exp
 
 
+def entries(actor, critic, grad_clip: float = 0.5, lr: float = 1e-2):
+    """ppo_update's Trained entries for an actor and a critic (None: critic-free), AdamW at lr."""
+    actor_entry = Trained("model", actor, torch.optim.AdamW(actor.parameters(), lr=lr), grad_clip=grad_clip)
+    if critic is None:
+        return actor_entry, None
+    return actor_entry, Trained("critic", critic, torch.optim.AdamW(critic.parameters(), lr=lr), grad_clip=grad_clip)
+
+
 def update_once(actor, critic, exp, micro_batch_size, **settings):
     """One PPO update over exp (one epoch, one minibatch) -> metrics | diagnostics. critic None: critic-free."""
-    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=1e-2)
-    critic_optimizer = None if critic is None else torch.optim.AdamW(critic.parameters(), lr=1e-2)
-    args = train_ppo.Args(
-        ppo_epochs=1, num_minibatches=1, temperature=1.0, grad_clip=0.5, critic_grad_clip=0.5, **settings
-    )
+    args = train_ppo.Args(ppo_epochs=1, num_minibatches=1, temperature=1.0, **settings)
     metrics, diagnostics = train_ppo.ppo_update(
-        actor,
-        critic,
-        actor_optimizer,
-        critic_optimizer,
+        *entries(actor, critic),
+        StepGuard(),
         exp,
-        args,
+        resolve_estimator_defaults(args),
         micro_batch_size=micro_batch_size,
         generator=torch.Generator().manual_seed(0),
-        kl_coef=0.1,
+        loss_kl_coef=0.1,
     )
     return metrics | diagnostics
 
@@ -474,13 +499,11 @@ def _two_rank_worker(rank: int, port: int, q, wrap: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    import common
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    d = common.Dist(rank, rank, 2, torch.device("cpu"), True)
+    d = parallel.Dist(rank, rank, 2, torch.device("cpu"), True)
 
     def wrapped(model):  # DDP replicates (as the stages do), FSDP2 shards (blocks, then the root) as --fsdp does
-        return common.replicate(model, d) if wrap == "ddp" else common.shard_model(model, d, torch.float32)
+        return parallel.replicate(model, d) if wrap == "ddp" else parallel.shard_model(model, d, torch.float32)
 
     def full_state(model):
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -641,10 +664,10 @@ def rollout_kwargs(reward_fn=None, **settings):
     """rollout()'s arguments after the prompts: Args (settings overridden by keyword) and the run's state."""
     defaults = dict(max_new_tokens=12, temperature=0.9, missing_eos_penalty=-3.0, gamma=1.0, lam=0.95)
     return dict(
-        args=train_ppo.Args(**(defaults | settings)),
+        args=resolve_estimator_defaults(train_ppo.Args(**(defaults | settings))),
         micro_batch_size=4,
         generator=torch.Generator().manual_seed(0),
-        kl_coef=0.1,
+        reward_kl_coef=0.1,
         reward_moments=RunningMoments(),
         reward_fn=reward_fn,
     )
@@ -664,10 +687,7 @@ def test_rollout_kl_zero_score_on_eos_and_first_minibatch(tok):
     critic, rm = tiny(tok, 1, lm_head=False, score_head=True), tiny(tok, 2, score_head=True)
     prompts = [f"Review of The Silent River ({a}):" for a in ("plot", "music", "acting, ending")] + ["Review of"] * 5
     exp, stats, samples = train_ppo.rollout(
-        actor,
-        ref,
-        critic,
-        rm,
+        train_ppo.Models(actor, ref, critic, rm),
         tok,
         prompts,
         **rollout_kwargs(
@@ -693,11 +713,14 @@ def test_rollout_kl_zero_score_on_eos_and_first_minibatch(tok):
         assert (exp["rewards"][b, : n - 1] == 0).all() and (exp["rewards"][b, n:] == 0).all()
     assert P == max(len(tok.encode(p)) for p in prompts)
     # the first minibatch of an update: ratio 1, approx_kl 0, clipfrac 0 (training shapes differ from scoring)
-    opt_a = torch.optim.AdamW(actor.parameters(), lr=1e-2)
-    opt_c = torch.optim.AdamW(critic.parameters(), lr=1e-2)
     args = train_ppo.Args(ppo_epochs=2, num_minibatches=2, cliprange=0.2, cliprange_value=0.2, temperature=0.9)
     metrics, diagnostics = train_ppo.ppo_update(
-        actor, critic, opt_a, opt_c, exp, args, micro_batch_size=2, generator=torch.Generator().manual_seed(0)
+        *entries(actor, critic, grad_clip=1.0),
+        StepGuard(),
+        exp,
+        resolve_estimator_defaults(args),
+        micro_batch_size=2,
+        generator=torch.Generator().manual_seed(0),
     )
     first = diagnostics["first"]
     assert first["ratio_err"] <= 1e-5 and abs(first["approx_kl"]) <= 1e-5 and first["clipfrac"] == 0
@@ -715,7 +738,10 @@ def test_rollout_raises_on_logprob_mismatch(tok, monkeypatch):
     monkeypatch.setattr(actor, "generate", bad_generate)
     with pytest.raises(RuntimeError, match="generation log-probs differ"):
         train_ppo.rollout(
-            actor, actor, critic, None, tok, ["Review of"] * 4, **rollout_kwargs(reward_fn=lambda p, r, e: 0.0)
+            train_ppo.Models(actor, actor, critic, None),
+            tok,
+            ["Review of"] * 4,
+            **rollout_kwargs(reward_fn=lambda p, r, e: 0.0),
         )
 
 
@@ -868,7 +894,7 @@ def test_ppo_smoke_with_reward_model(tmp_path, task_dir, sft_ckpt):
     sft = torch.load(sft_ckpt, weights_only=False)
     rm_model = GPT(GPTConfig(**{**sft["model_config"], "score_head": True}))
     rm_path = str(tmp_path / "rm.pt")
-    common.save_checkpoint(sft | {"kind": "rm", "model": rm_model.state_dict(), "score_offset": 0.0}, rm_path)
+    checkpoints.save_checkpoint(sft | {"kind": "rm", "model": rm_model.state_dict(), "score_offset": 0.0}, rm_path)
     out = str(tmp_path / "ppo")
     train_ppo.main(
         train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt=rm_path, max_steps=2, **TINY_PPO)
@@ -876,16 +902,17 @@ def test_ppo_smoke_with_reward_model(tmp_path, task_dir, sft_ckpt):
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
     assert ckpt["rm_hash"] is not None and "objective/gold" in read_scalars(out)
     bad_path = str(tmp_path / "rm_bad.pt")
-    common.save_checkpoint(
+    checkpoints.save_checkpoint(
         torch.load(rm_path, weights_only=False) | {"tokenizer": {**sft["tokenizer"], "name": "x"}}, bad_path
     )
+    fresh = str(tmp_path / "ppo_fresh")  # mistakes of a new run
     with pytest.raises(common.UserError, match="tokenizer differs"):
-        train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt=bad_path))
+        train_ppo.main(train_ppo.Args(out_dir=fresh, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt=bad_path))
     with pytest.raises(common.UserError, match="needs --reward-fn"):
-        train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none"))
+        train_ppo.main(train_ppo.Args(out_dir=fresh, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none"))
     with pytest.raises(common.UserError, match="--reward-fn data:nope"):
         train_ppo.main(
-            train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none", reward_fn="data:nope")
+            train_ppo.Args(out_dir=fresh, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt="none", reward_fn="data:nope")
         )
 
 
@@ -996,7 +1023,7 @@ def _logprob_check_worker(rank: int, port: int, tokenizer_state: dict, queue) ->
         actor.generate = bad_generate
     kwargs = rollout_kwargs(reward_fn=lambda prompt, response, ended: 0.0)
     try:
-        train_ppo.rollout(actor, actor, critic, None, tok, ["Review of"] * 4, **kwargs)
+        train_ppo.rollout(train_ppo.Models(actor, actor, critic, None), tok, ["Review of"] * 4, **kwargs)
         queue.put((rank, "no error"))
     except RuntimeError as error:
         queue.put((rank, str(error)))
@@ -1069,10 +1096,9 @@ def test_iteration_flops_against_a_hand_count():
 
 def test_ppo_starts_from_a_dpo_checkpoint(tmp_path, task_dir, sft_ckpt):
     """PPO after DPO: --sft-ckpt takes a kind "dpo" policy (policy and reference)."""
-    import common
 
     dpo_path = str(tmp_path / "dpo.pt")
-    common.save_checkpoint(torch.load(sft_ckpt, weights_only=False) | {"kind": "dpo"}, dpo_path)
+    checkpoints.save_checkpoint(torch.load(sft_ckpt, weights_only=False) | {"kind": "dpo"}, dpo_path)
     out = str(tmp_path / "ppo")
     args = train_ppo.Args(
         out_dir=out,
@@ -1085,3 +1111,78 @@ def test_ppo_starts_from_a_dpo_checkpoint(tmp_path, task_dir, sft_ckpt):
     )
     train_ppo.main(args)
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 1
+
+
+def test_reward_fn_from_a_file_or_a_module_beside_the_working_folder(tmp_path, task_dir, sft_ckpt):
+    """--reward-fn path/to/file.py:fn loads the file; module:fn finds a module in the working folder when the script
+    runs by its path from there (the current folder used not to be on the import path: ModuleNotFoundError); the
+    score's parts are logged apart: objective/reward_fn (and objective/rm_score beside an RM)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "myreward.py").write_text("def length(prompt, response, ended):\n    return len(response) / 10\n")
+    fn = common.load_reward_fn(f"{tmp_path}/myreward.py:length")
+    assert fn("prompt", "abcd", True) == pytest.approx(0.4)
+    for spec, message in (
+        (f"{tmp_path}/nope.py:length", r"nope\.py: no such file"),
+        (f"{tmp_path}/myreward.py:width", "AttributeError"),
+        ("no_such_module_here:fn", "ModuleNotFoundError"),
+        ("task", "expected module:function or path/to/file.py:function"),
+        ("task:TASK_FILES", "TASK_FILES is not a function"),
+    ):
+        with pytest.raises(common.UserError, match=message):
+            common.load_reward_fn(spec)
+    flags = "--max-steps 1 --rollout-batch-size 8 --num-minibatches 2 --micro-batch-size 4 --ptx-batch-size 4"
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_ppo.py")
+    cmd = (
+        f"{sys.executable} {script} --sft-ckpt {sft_ckpt} --rm-ckpt none --reward-fn myreward:length {flags} "
+        f"--max-new-tokens 8 --task-dir {task_dir} --out-dir {tmp_path / 'ppo'}"
+    )
+    r = subprocess.run(
+        cmd.split(), cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    scalars = read_scalars(str(tmp_path / "ppo"))
+    assert "objective/reward_fn" in scalars and "objective/rm_score" not in scalars
+
+
+def test_rollout_logs_the_rm_score_and_the_reward_function_apart(tok):
+    actor, critic, rm = tiny(tok, 0), tiny(tok, 1, lm_head=False, score_head=True), tiny(tok, 2, score_head=True)
+    kwargs = rollout_kwargs(reward_fn=lambda p, r, e: 0.25, reward_fn_coef=2.0, reward_norm="none", reward_clip=None)
+    exp, stats, _ = train_ppo.rollout(train_ppo.Models(actor, actor, critic, rm), tok, ["Review of"] * 4, **kwargs)
+    assert stats["objective/reward_fn"] == pytest.approx(0.25)
+    ended = exp["ended"].bool()
+    if ended.any():  # the score of an ended response is the RM's plus coef x the function's
+        assert stats["objective/rm_score"] != 0.0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(cliprange_high=-0.5), r"--cliprange-high -0\.5: the upper bound"),
+        (dict(cliprange=-1.0), r"--cliprange -1\.0: use > 0 \(None: no clip\)"),
+        (dict(kl_coef=-1.0), r"--kl-coef -1\.0: beta is the strength of a penalty"),
+        (dict(ppo_epochs=0), r"--ppo-epochs 0: passes over each rollout"),
+        (dict(adv_estimator="rloo", grpo_std_norm=False), r"--no-grpo-std-norm applies to --adv-estimator grpo"),
+        (dict(max_sample_rounds=5), r"--max-sample-rounds 5: it applies to --dynamic-sampling only"),
+        (dict(cliprange=None, cliprange_high=0.28), r"--cliprange-high 0\.28: .*needs eps > 0 and a --cliprange"),
+        (dict(cliprange_value=0.0), r"--cliprange-value 0\.0: use > 0"),
+        (dict(gamma=1.5), r"--gamma 1\.5 --lam 0\.95: both lie in \[0, 1\]"),
+    ],
+)
+def test_settings_no_run_can_mean_are_refused(tmp_path, flags, message):
+    """Values that used to run silently (an upper clip below the lower one zeroes every positive advantage's
+    gradient, --ppo-epochs 0 never updates, ...): one line naming the flag, before any work."""
+    with pytest.raises(common.UserError, match=message):
+        train_ppo.main(train_ppo.Args(out_dir=str(tmp_path / "ppo"), **flags))
+    assert not os.path.exists(tmp_path / "ppo")
+
+
+def test_cliprange_none_is_the_plain_policy_gradient():
+    """--cliprange None: no clip at any ratio, the loss is the mean of -A * ratio (nanochat's REINFORCE with the
+    on-policy ratio 1)."""
+    lengths, mask, (lp, old, adv, _, _) = ragged(B=6, seed=9)
+    lp = old + 2.0 * lp  # ratios far outside any clip range
+    loss, stats = ppo_policy_loss(lp, old, adv, mask, None)
+    want = (-adv * torch.exp(lp - old) * mask).sum() / mask.sum()
+    assert loss.item() == pytest.approx(want.item(), abs=1e-12) and stats["clipfrac"] == 0

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import checkpoints
 import common
 import task
 import train_ppo
@@ -208,7 +209,7 @@ def test_ppo_kill_between_samples_and_save_leaves_no_duplicates(tmp_path, task_d
     class Killed(BaseException):
         pass
 
-    real_save, calls = common.save_checkpoint, {"n": 0}
+    real_save, calls = checkpoints.save_checkpoint, {"n": 0}
 
     def dying_save(obj, path):
         calls["n"] += 1
@@ -216,7 +217,7 @@ def test_ppo_kill_between_samples_and_save_leaves_no_duplicates(tmp_path, task_d
             raise Killed
         real_save(obj, path)
 
-    monkeypatch.setattr(common, "save_checkpoint", dying_save)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", dying_save)
     args = train_ppo.Args(
         out_dir=str(tmp_path),
         task_dir=task_dir,
@@ -261,13 +262,13 @@ def test_ppo_resume_refuses_other_world_size_changed_inputs_and_a_finished_run(t
     train_ppo.main(args)
     resume, path = train_ppo.Args(**{**args.__dict__, "resume": True, "max_steps": 2}), tmp_path / "ppo" / "ckpt.pt"
     ckpt = torch.load(path, weights_only=False)
-    common.save_checkpoint(ckpt | {"world_size": 2}, str(path))
+    checkpoints.save_checkpoint(ckpt | {"world_size": 2}, str(path))
     with pytest.raises(common.UserError, match="saved with world size 2, now 1"):
         train_ppo.main(resume)
-    common.save_checkpoint(ckpt, str(path))
+    checkpoints.save_checkpoint(ckpt, str(path))
     for flag, p in (("--sft-ckpt", sft), ("--rm-ckpt", rm)):  # the same weights re-saved: another file all the same
         original = open(p, "rb").read()
-        common.save_checkpoint(torch.load(p, weights_only=False) | {"seconds": 1.0}, p)
+        checkpoints.save_checkpoint(torch.load(p, weights_only=False) | {"seconds": 1.0}, p)
         with pytest.raises(common.UserError, match=f"--resume {path}: {flag} changed since the run started"):
             train_ppo.main(resume)
         open(p, "wb").write(original)
@@ -296,15 +297,15 @@ def test_rm_resume_refuses_a_changed_init(tmp_path, task_dir, tiny_ckpts):
         calib_size=16,
     )
     train_rm.main(args)
-    assert torch.load(tmp_path / "rm" / "ckpt.pt", weights_only=False)["init_hash"] == common.file_sha256(sft)
-    common.save_checkpoint(torch.load(sft, weights_only=False) | {"seconds": 1.0}, sft)
+    assert torch.load(tmp_path / "rm" / "ckpt.pt", weights_only=False)["init_hash"] == checkpoints.file_sha256(sft)
+    checkpoints.save_checkpoint(torch.load(sft, weights_only=False) | {"seconds": 1.0}, sft)
     with pytest.raises(common.UserError, match=r"--init .*sft\.pt changed since the run started"):
         train_rm.main(train_rm.Args(**{**args.__dict__, "resume": True, "max_steps": 2}))
 
 
 def test_ppo_nan_step_is_skipped_and_the_run_finishes(tmp_path, task_dir, tiny_ckpts, monkeypatch):
     """One NaN policy loss (monkeypatched) in a whole PPO run: that actor step is skipped and counted, the run ends
-    normally; a NaN every time stops the run after 10 iterations in a row."""
+    normally; a NaN every time stops the run after 10 skipped optimizer steps in a row (the shared guard)."""
     real, calls = train_ppo.ppo_policy_loss, {"n": 0}
 
     def one_nan(*args, **kwargs):
@@ -333,5 +334,113 @@ def test_ppo_nan_step_is_skipped_and_the_run_finishes(tmp_path, task_dir, tiny_c
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
     calls["n"], always = -(10**9), lambda *a, **k: (lambda loss, st: (loss * float("nan"), st))(*real(*a, **k))
     monkeypatch.setattr(train_ppo, "ppo_policy_loss", always)
-    with pytest.raises(RuntimeError, match="non-finite gradients in 10 iterations in a row"):
+    with pytest.raises(RuntimeError, match="10 non-finite steps in a row"):
         train_ppo.main(train_ppo.Args(**{**args.__dict__, "out_dir": str(tmp_path / "all"), "max_steps": 20}))
+
+
+# -----------------------------------------------------------------------------
+# --resume continues the run it finds: a changed flag that changes the math is refused (DESIGN §8)
+
+
+def tiny_ppo(out_dir: str, task_dir: str, tiny_ckpts: tuple, **flags) -> train_ppo.Args:
+    settings = dict(
+        out_dir=out_dir,
+        task_dir=task_dir,
+        sft_ckpt=tiny_ckpts[0],
+        rm_ckpt=tiny_ckpts[1],
+        max_steps=2,
+        rollout_batch_size=8,
+        num_minibatches=2,
+        micro_batch_size=4,
+        ptx_batch_size=4,
+        max_new_tokens=8,
+        critic_warmup_steps=1,
+        warmup_steps=1,
+    )
+    return train_ppo.Args(**(settings | flags))
+
+
+def test_ppo_resume_refuses_changed_math_and_allows_a_longer_budget(tmp_path, task_dir, tiny_ckpts, capsys):
+    """A finished gae run: --resume with another estimator or lr is one line naming each flag with its saved and new
+    value (it used to drop the critic, or take effect at once); with --overwrite too, refused; a longer budget
+    continues, says that the LR schedule is re-timed, and the schedule goes on from the lr it had."""
+    out = str(tmp_path / "ppo")
+    train_ppo.main(tiny_ppo(out, task_dir, tiny_ckpts, log_every=1))
+    saved = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    resume = dict(out_dir=out, task_dir=task_dir, resume=True, max_steps=4)  # every other flag at its default
+    with pytest.raises(common.UserError, match=r"--adv-estimator gae -> rloo"):
+        train_ppo.main(train_ppo.Args(**resume, adv_estimator="rloo"))
+    with pytest.raises(common.UserError, match=r"--kl-coef 0\.3 -> 0\.1, --lr 0\.0005 -> 0\.05: these change"):
+        train_ppo.main(train_ppo.Args(**resume, lr=0.05, kl_coef=0.1))
+    with pytest.raises(common.UserError, match=r"--resume continues the run .* --overwrite starts it over"):
+        train_ppo.main(train_ppo.Args(**resume, overwrite=True))
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 2  # nothing written
+    capsys.readouterr()
+    train_ppo.main(train_ppo.Args(**resume))  # the saved sft/rm checkpoints and sizes, a longer budget
+    printed = capsys.readouterr().out
+    assert "resume: changed since the last sitting: --max-steps 2 -> 4" in printed
+    assert "--rollout-batch-size 8" in printed and "re-timed from step 2" in printed
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["step"] == 4 and ckpt["args"]["rollout_batch_size"] == 8 and ckpt["args"]["max_steps"] == 4
+    old, new = common.LRSchedule(**saved["scheduler"]), common.LRSchedule(**ckpt["scheduler"])
+    assert new.max_steps == 4 and new.at(2) == pytest.approx(old.at(2), abs=1e-15)
+
+
+def test_ppo_resume_without_the_estimator_flag_continues_that_estimator(tmp_path, task_dir, tiny_ckpts):
+    """A GRPO run resumed with --resume alone (no --adv-estimator grpo) continues as GRPO, without a critic; it used
+    to build one and end in a KeyError: 'critic' traceback."""
+    out = str(tmp_path / "grpo")
+    train_ppo.main(tiny_ppo(out, task_dir, tiny_ckpts, adv_estimator="grpo"))
+    train_ppo.main(train_ppo.Args(out_dir=out, task_dir=task_dir, resume=True, max_steps=3))
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["step"] == 3 and ckpt["args"]["adv_estimator"] == "grpo" and ckpt["args"]["group_size"] == 4
+    assert "critic" not in ckpt and ckpt["args"]["kl_penalty"] == "loss"
+
+
+def test_sft_resume_without_its_model_flags_builds_the_saved_shape(tmp_path, task_dir):
+    """A tiny SFT run resumed with --resume alone builds the saved 1-layer model (it used to end in a 47-line
+    size-mismatch traceback)."""
+    out = str(tmp_path / "sft")
+    flags = dict(n_layer=1, n_head=2, n_embd=32, batch_size=8, micro_batch_size=4, eval_every=2, num_samples=4)
+    train_sft.main(train_sft.Args(out_dir=out, task_dir=task_dir, max_steps=2, eval_samples=4, **flags))
+    train_sft.main(train_sft.Args(out_dir=out, task_dir=task_dir, resume=True, max_steps=3))
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["step"] == 3 and ckpt["model_config"]["n_layer"] == 1 and ckpt["args"]["batch_size"] == 8
+
+
+def test_dpo_lora_resume_refuses_another_alpha(tmp_path, task_dir, tiny_ckpts):
+    """A DPO LoRA run resumed with another --lora-alpha would merge its adapters at another scale: refused."""
+    import train_dpo
+
+    out = str(tmp_path / "dpo")
+    flags = dict(
+        init=tiny_ckpts[0],
+        lora_rank=2,
+        batch_size=8,
+        micro_batch_size=4,
+        eval_every=2,
+        eval_pairs=8,
+        num_samples=4,
+        eval_samples=4,
+        max_new_tokens=8,
+        warmup_steps=1,
+    )
+    train_dpo.main(train_dpo.Args(out_dir=out, task_dir=task_dir, max_steps=2, **flags))
+    with pytest.raises(common.UserError, match=r"--lora-alpha 16\.0 -> 4\.0"):
+        train_dpo.main(train_dpo.Args(out_dir=out, task_dir=task_dir, resume=True, max_steps=3, lora_alpha=4.0))
+    train_dpo.main(train_dpo.Args(out_dir=out, task_dir=task_dir, resume=True, max_steps=3))
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 3
+
+
+def test_overwrite_removes_the_temp_file_of_a_killed_save(tmp_path, task_dir):
+    """A kill during a save leaves ckpt.pt.tmp.<pid>, which is never a checkpoint: --overwrite (and --resume)
+    remove it."""
+    out = tmp_path / "sft"
+    out.mkdir()
+    checkpoints.save_checkpoint({"kind": "sft", "model": {}}, str(out / "ckpt.pt"))
+    (out / "ckpt.pt.tmp.12345").write_bytes(b"half a checkpoint")
+    checkpoints.prepare_out_dir(str(out), resume=True, overwrite=False)
+    assert sorted(os.listdir(out)) == ["ckpt.pt"]
+    (out / "ckpt.pt.tmp.12345").write_bytes(b"half a checkpoint")
+    checkpoints.prepare_out_dir(str(out), resume=False, overwrite=True)
+    assert os.listdir(out) == []

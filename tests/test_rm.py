@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import common
+import checkpoints
 import data
 import hf
 import task
@@ -79,7 +79,7 @@ def sft_ckpt(tok, tmp_path_factory):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32)
     path = str(tmp_path_factory.mktemp("sft") / "ckpt.pt")
-    common.save_checkpoint(
+    checkpoints.save_checkpoint(
         dict(
             kind="sft",
             model=GPT(cfg).state_dict(),

@@ -1,0 +1,403 @@
+"""Checkpoints (DESIGN §4): the checkpoint dict every stage writes and reads back (Run.save, Run.resume), model
+and optimizer state (LoRA adapters beside merged weights, FSDP2's sharded optimizer state through DCP), atomic saves,
+RNG state, the --resume flag check (resume_args), fingerprints of what a run started from, and --export-hf.
+"""
+
+import hashlib
+import os
+import random
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+
+from common import CommonArgs, LRSchedule, Trained, UserError, is_master, print0
+from lora import lora_layers, merge_lora, merged_state_dict
+from parallel import Dist
+
+
+def file_sha256(path: str) -> str:
+    """The sha256 of a file: checkpoints record the hashes of the checkpoints they started from (--resume checks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def init_fingerprint(spec: str) -> Optional[str]:
+    """What a run started from, for --resume to compare: the sha256 of a .pt checkpoint; for a Hugging Face folder
+    (hf:<path>, a local folder, or a hub name's cached snapshot) the sha256 over its files' names and sha256s (config,
+    weights, tokenizer); None for scratch or a hub name that is not cached."""
+    if spec == "scratch":
+        return None
+    if spec.endswith(".pt"):
+        return file_sha256(spec)
+    path = spec.removeprefix("hf:")
+    if not os.path.isdir(path):
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(path, local_files_only=True)
+        except Exception:  # not a hub name, or not in the cache
+            return None
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        if os.path.isfile(os.path.join(path, name)):
+            digest.update(f"{name}:{file_sha256(os.path.join(path, name))}\n".encode())
+    return digest.hexdigest()
+
+
+def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
+    """Called by every stage before any work: a fresh run (no --resume) refuses an out_dir that holds ckpt.pt, unless
+    --overwrite, which deletes its ckpt.pt, samples.jsonl, old TensorBoard event files and sharded optimizer folders.
+    Temp files of a save that a kill interrupted (ckpt.pt.tmp.<pid>) never hold a checkpoint and go in every case.
+    Rank 0 deletes (before any process group, so the other ranks only check)."""
+    if not os.path.isdir(out_dir):
+        return
+    if is_master():
+        for name in os.listdir(out_dir):
+            if name.startswith("ckpt.pt.tmp."):
+                os.remove(os.path.join(out_dir, name))
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    if resume or not os.path.exists(ckpt_path):
+        return
+    if not overwrite:
+        raise UserError(f"{ckpt_path} exists: pass --resume to continue that run, or --overwrite to start over")
+    if not is_master():
+        return
+    for name in os.listdir(out_dir):
+        if name.startswith("events.out.tfevents.") or name in ("samples.jsonl", "ckpt.pt"):
+            os.remove(os.path.join(out_dir, name))
+        elif name.endswith(".dcp"):
+            shutil.rmtree(os.path.join(out_dir, name))
+
+
+# -----------------------------------------------------------------------------
+# --resume: the run's own flags
+
+NOT_COMPARED = ("out_dir", "resume", "overwrite")
+# flags that change no trained weight: they may differ on --resume and are printed
+BOOKKEEPING = (
+    "log_every",
+    "save_every",
+    "eval_every",
+    "sample_every",
+    "export_hf",
+    "device",
+    "compile",
+    "peak_flops",
+    "task_dir",
+    "micro_batch_size",
+    "num_samples",
+    "eval_samples",
+    "eval_pairs",
+    "probe_size",
+)
+BUDGET = ("max_steps", "total_episodes", "epochs")  # the step budget: may change; the LR schedule is re-timed
+
+
+def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None) -> CommonArgs:
+    """A stage's args as its run continues (DESIGN §8), decided before anything is built. Without --resume:
+    resolve(args). With it, from the checkpoint of this kind in args.out_dir: a field still at its dataclass default
+    takes the checkpoint's value (tyro cannot tell "not passed" from "passed the default"), so --resume alone
+    continues the run as it was started; a flag that changes the run's math (estimator, beta, lr, model shape, LoRA,
+    data) and differs from the saved one is refused with one line naming each flag, its saved and its new value;
+    bookkeeping flags and the step budget may change and are printed. resolve fills the stage's defaults that depend
+    on other flags (PPO's estimator defaults), on both sides before they are compared."""
+    resolve = resolve or (lambda given: given)
+    if not args.resume:
+        return resolve(args)
+    if args.overwrite:
+        raise UserError("--resume continues the run in --out-dir, --overwrite starts it over: pass one of them")
+    path = os.path.join(args.out_dir, "ckpt.pt")
+    saved = load_checkpoint(path, kind=kind, flag="--resume", mmap=True).get("args", {})
+    defaults = type(args)()
+    names = [f.name for f in fields(args) if f.name in saved and f.name not in NOT_COMPARED]
+    saved_args = resolve(replace(defaults, **{name: saved[name] for name in names}))
+    at_default = [name for name in names if getattr(args, name) == getattr(defaults, name)]
+    args = resolve(replace(args, **{name: getattr(saved_args, name) for name in at_default}))
+    refused, allowed = [], []
+    for name in names:
+        old, new = getattr(saved_args, name), getattr(args, name)
+        if old != new:
+            change = f"--{name.replace('_', '-')} {old} -> {new}"
+            (allowed if name in BOOKKEEPING + BUDGET else refused).append(change)
+    if refused:
+        raise UserError(
+            f"--resume {path}: {', '.join(refused)}: these change what the run computes (start a new run with "
+            "another --out-dir, or --overwrite)"
+        )
+    inherited = [name for name in at_default if getattr(args, name) != getattr(defaults, name)]
+    if inherited:
+        shown = " ".join(f"--{name.replace('_', '-')} {getattr(args, name)}" for name in inherited)
+        print0(f"resume: the checkpoint's settings where no flag says otherwise: {shown}")
+    if allowed:
+        print0(f"resume: changed since the last sitting: {', '.join(allowed)}")
+    return args
+
+
+# -----------------------------------------------------------------------------
+# RNG state
+
+
+def rng_state(generator: Optional[torch.Generator] = None) -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if generator is not None:
+        state["generator"] = generator.get_state()
+    return state
+
+
+def all_rng_states(generator: Optional[torch.Generator] = None) -> list:
+    """Every rank's rng_state, gathered for the checkpoint (a collective: every rank calls it)."""
+    if not dist.is_initialized():
+        return [rng_state(generator)]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state(generator))
+    return states
+
+
+def set_rng_state(state: dict, generator: Optional[torch.Generator] = None) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if generator is not None and "generator" in state:
+        generator.set_state(state["generator"])
+
+
+# -----------------------------------------------------------------------------
+# model and optimizer state
+
+
+def model_state(model: torch.nn.Module, key: str = "model") -> dict:
+    """A model's checkpoint entries: `key` = its full state dict with any adapters merged (what later stages load),
+    and with LoRA `<key>_lora` = the trainable parameters (adapters, scalar head), which a resume loads onto the base
+    rebuilt from --init: the base is never re-derived from merged weights, so the resume is exact. Under --fsdp every
+    rank must call it (the shards are gathered); rank 0 gets the entries, the others empty ones."""
+    if isinstance(model, FSDPModule):
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not state:  # not rank 0
+            return {}
+    else:
+        state = model.state_dict()
+    entries = {key: merged_state_dict(model, state)}
+    if lora_layers(model):
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        entries[f"{key}_lora"] = {name: value.detach() for name, value in state.items() if name in trainable}
+    return entries
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out_dir: str, key: str = "model") -> dict:
+    """model_state plus the optimizer's state (`optimizer` for the model, `<key>_optimizer` for another key, e.g.
+    critic_optimizer): what a checkpoint in out_dir holds of one trained model. Every rank calls it under --fsdp."""
+    optimizer_key = "optimizer" if key == "model" else f"{key}_optimizer"
+    return model_state(model, key) | {optimizer_key: optimizer_state(model, optimizer, out_dir, optimizer_key)}
+
+
+def load_model_state(model: torch.nn.Module, ckpt: dict, key: str = "model") -> None:
+    """The inverse of model_state on a model built as at the start of the run (the same --init, --lora-rank)."""
+    lora = bool(lora_layers(model))
+    if lora and f"{key}_lora" not in ckpt:
+        raise UserError("--resume with --lora-rank: the checkpoint holds no adapters (it was not a LoRA run)")
+    state = ckpt[f"{key}_lora"] if lora else ckpt[key]
+    if isinstance(model, FSDPModule):
+        options = StateDictOptions(full_state_dict=True, strict=not lora)
+        missing, unexpected = set_model_state_dict(model, state, options=options)
+    else:
+        missing, unexpected = model.load_state_dict(state, strict=not lora)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    if unexpected or any(name in missing for name in trainable):
+        raise UserError("--resume: the checkpoint's adapters do not match --lora-rank/--lora-targets")
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out_dir: str, name: str) -> dict:
+    """The optimizer's state for a checkpoint in out_dir. Under --fsdp every rank writes its own shard with DCP into a
+    new folder beside ckpt.pt (a 7 B model's gathered optimizer state would not fit one host) and the entry is
+    {"dcp": the folder's name}; save_checkpoint removes the folders that the new ckpt.pt no longer names."""
+    if not isinstance(model, FSDPModule):
+        return optimizer.state_dict()
+    folder = [f"{name}.{uuid.uuid4().hex[:12]}.dcp"]  # a fresh name: the folder ckpt.pt names now stays whole
+    dist.broadcast_object_list(folder, src=0)
+    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=os.path.join(out_dir, folder[0]))
+    return {"dcp": folder[0]}
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, ckpt_dir: str) -> None:
+    """The inverse of optimizer_state; ckpt_dir: the folder of the checkpoint that holds `state`."""
+    sharded = isinstance(model, FSDPModule)
+    if sharded != ("dcp" in state):
+        raise UserError(f"--resume: the checkpoint was saved {'with' if 'dcp' in state else 'without'} --fsdp")
+    if not sharded:
+        optimizer.load_state_dict(state)
+        return
+    folder = os.path.join(ckpt_dir, state["dcp"])
+    if not os.path.isdir(folder):
+        raise UserError(f"--resume: {folder}, the sharded optimizer state beside the checkpoint, is missing")
+    sharded_state = get_optimizer_state_dict(model, optimizer)  # the layout DCP loads into, shard by shard
+    dcp.load(sharded_state, checkpoint_id=folder)
+    set_optimizer_state_dict(model, optimizer, sharded_state)
+
+
+# -----------------------------------------------------------------------------
+# the checkpoint
+
+
+def save_checkpoint(obj: dict, path: str) -> None:
+    """Atomic save: write a temp file, fsync it, os.replace; a kill at any moment leaves the old file or the new one.
+    Then the sharded optimizer folders beside it (optimizer_state under --fsdp) that the new file does not name go."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    named = {entry["dcp"] for entry in obj.values() if isinstance(entry, dict) and "dcp" in entry}
+    for name in os.listdir(folder):
+        if name.endswith(".dcp") and name not in named:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def load_checkpoint(path: str, kind: Optional[str | tuple] = None, flag: str = "--init", mmap: bool = False) -> dict:
+    """Load one of our checkpoints (our own files: weights_only=False); a missing or wrong-kind file is a UserError.
+    mmap: tensors stay on disk until read (to look at a checkpoint's args without loading its weights)."""
+    if not os.path.isfile(path):
+        raise UserError(f"{flag} {path}: no such checkpoint (run the previous stage first, or pass the right path)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except Exception as e:  # a truncated or foreign file
+        raise UserError(f"{flag} {path}: not a readable checkpoint ({type(e).__name__})") from None
+    if not isinstance(ckpt, dict) or "kind" not in ckpt or "model" not in ckpt:
+        raise UserError(f"{flag} {path}: not a checkpoint written by this repo")
+    kinds = (kind,) if isinstance(kind, str) else kind
+    if kinds is not None and ckpt["kind"] not in kinds:
+        raise UserError(f"{flag} {path}: is a '{ckpt['kind']}' checkpoint, expected {' or '.join(kinds)}")
+    return ckpt
+
+
+def load_resume(path: str, kind: str, world_size: int, max_steps: int, inputs: dict) -> dict:
+    """--resume: the checkpoint at path, refused if saved with another world size, if it already reached max_steps,
+    or if an input checkpoint it started from changed. inputs: {ckpt key of a sha256: (the flag to name, the sha256
+    now)}."""
+    ck = load_checkpoint(path, kind=kind, flag="--resume")
+    if ck["world_size"] != world_size:
+        raise UserError(f"--resume {path}: saved with world size {ck['world_size']}, now {world_size}")
+    if ck["step"] >= max_steps:
+        raise UserError(f"--resume {path}: already at step {ck['step']} of {max_steps} (raise --max-steps)")
+    for key, (flag, digest) in inputs.items():
+        if ck.get(key, digest) != digest:  # a checkpoint from before hashes were recorded has none to compare
+            raise UserError(f"--resume {path}: {flag} changed since the run started (sha256 differs)")
+    return ck
+
+
+def schedule_key(entry: Trained) -> str:
+    """The checkpoint key of a trained model's LR schedule: `scheduler`, or `<name>_scheduler` (critic_scheduler)."""
+    return "scheduler" if entry.name == "model" else f"{entry.name}_scheduler"
+
+
+@dataclass
+class Run:
+    """One stage's run as its checkpoints see it (DESIGN §4): the checkpoint every stage writes and reads back, over
+    the models it trains. Its wall time is this sitting's (from `started`, time.time() at the start of main) plus the
+    earlier sittings' that a resume reads back."""
+
+    kind: str  # sft | rm | dpo | ppo
+    args: CommonArgs  # the resolved args, saved as they are
+    d: Dist
+    tokenizer: object  # data.Tokenizer: its state() rebuilds it
+    trained: list[Trained]
+    started: float
+    earlier_seconds: float = 0.0
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.args.out_dir, "ckpt.pt")
+
+    def seconds(self) -> float:
+        return self.earlier_seconds + time.time() - self.started
+
+    def save(self, step: int, data_state: dict, generator: Optional[torch.Generator] = None, **extra) -> None:
+        """Write out_dir/ckpt.pt: kind; per trained model its weights, adapters and optimizer state (Trained's keys),
+        `<name>_config` and its LR schedule; tokenizer, args, step, every rank's RNG states (and `generator`'s),
+        data_state, world_size, seconds, and the stage's own keys (`extra`). Every rank calls it (under --fsdp each
+        gathers the weights and writes its optimizer shard); rank 0 writes the file."""
+        rng = all_rng_states(generator)
+        entries = {}
+        for entry in self.trained:
+            entries |= training_state(entry.model, entry.optimizer, self.args.out_dir, entry.name)
+        if not self.d.master:
+            return
+        checkpoint = dict(kind=self.kind, **entries)
+        for entry in self.trained:
+            checkpoint[f"{entry.name}_config"] = asdict(entry.model.config)
+            checkpoint[schedule_key(entry)] = entry.schedule.state_dict()
+        checkpoint |= dict(
+            tokenizer=self.tokenizer.state(),
+            args=asdict(self.args),
+            step=step,
+            rng=rng,
+            data_state=data_state,
+            world_size=self.d.world_size,
+            seconds=self.seconds(),
+            **extra,
+        )
+        save_checkpoint(checkpoint, self.path)
+
+    def resume(self, inputs: dict, generator: Optional[torch.Generator] = None) -> dict:
+        """--resume: the checkpoint (load_resume's checks, against the first model's step budget) restored into every
+        trained model, its optimizer and its LR schedule (re-timed from the resumed step when the step budget
+        changed, and said so), and this rank's RNG states; returns it for the stage's own keys (step, data_state,
+        ...). inputs: {ckpt key of a sha256: (the flag to name, the sha256 now)}."""
+        ckpt = load_resume(self.path, self.kind, self.d.world_size, self.trained[0].schedule.max_steps, inputs)
+        step = ckpt["step"]
+        for entry in self.trained:
+            load_model_state(entry.model, ckpt, entry.name)
+            load_optimizer_state(entry.model, entry.optimizer, ckpt[entry.optimizer_key], self.args.out_dir)
+            saved = LRSchedule(**ckpt[schedule_key(entry)])
+            if saved.max_steps != entry.schedule.max_steps:
+                retimed = saved.retimed(step, entry.schedule.max_steps)
+                print0(
+                    f"resume: {entry.name}'s step budget {saved.max_steps} -> {retimed.max_steps}: its LR schedule "
+                    f"is re-timed from step {step} (lr {saved.at(step):.3g} there as before, then the cosine to its "
+                    f"end at step {retimed.max_steps})"
+                )
+                saved = retimed
+            entry.schedule = saved
+        set_rng_state(ckpt["rng"][self.d.rank], generator)
+        self.earlier_seconds = ckpt["seconds"]
+        print0(f"resumed from {self.path} at step {step}")
+        return ckpt
+
+
+def export_hf(model, tok, out_dir: str) -> None:
+    """--export-hf: model.export_hf with the tokenizer's EOS; transformers reads an RM's score at the last token that
+    is not its pad id: the tokenizer's pad when that is a vocab id other than EOS, else 0 (right-pad with it)."""
+    merge_lora(model)  # the end of the run: adapters fold into the weights for good
+    vocab = model.config.vocab_size
+    pad = tok.pad_id if 0 <= tok.pad_id < vocab and tok.pad_id != tok.eos_id else None
+    model.export_hf(out_dir, eos_id=tok.eos_id, pad_id=pad)
+    print0(f"exported a Hugging Face model to {out_dir} (transformers' from_pretrained loads it)")

@@ -1,0 +1,239 @@
+"""Devices and parallelism, plain torch: DDP and FSDP2 set-up under torchrun (gloo on CPU, nccl on GPU), batch splits
+over ranks, dtype and autocast, torch.compile, model placement (--fsdp sharding, --lora-rank, --grad-ckpt), gradient
+accumulation without a sync, and the collectives the stages use (named sums in one all-reduce).
+"""
+
+import os
+import time
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import CommonArgs, UserError, exact_div, print0
+from lora import BaseView, add_lora
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    ddp: bool
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def launched_world_size() -> int:
+    """The world size torchrun announces (1 for a plain process), known before any process group: batch sizes are
+    checked against it first, so a mistake ends with one line before init_process_group."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def batch_split(batch_size: int, micro_batch_size: int) -> tuple[int, int, int]:
+    """--batch-size over the launched world size, then over the micro-batch (capped at a rank's share: it never
+    exceeds it) -> (rows per rank, micro-batch rows, accumulation steps); a mistake is one line, before any process
+    group."""
+    per_rank = exact_div(batch_size, launched_world_size(), "--batch-size over the world size")
+    mbs = min(micro_batch_size, per_rank)
+    return per_rank, mbs, exact_div(per_rank, mbs, "--batch-size/world_size over --micro-batch-size")
+
+
+def setup_dist(device: str = "auto") -> Dist:
+    """Initialise DDP when launched by torchrun (nccl on GPU, gloo on CPU); a plain process otherwise."""
+    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank, local_rank, world_size = 0, 0, 1
+    if ddp:
+        rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available here (use --device cpu)")
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if ddp and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    return Dist(rank, local_rank, world_size, dev, ddp)
+
+
+def use_compile(setting: str, device: torch.device) -> bool:
+    """--compile auto | on | off: auto compiles on CUDA only."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in ("float32", "bfloat16"):
+        raise UserError(f"--dtype {dtype}: expected auto, float32 or bfloat16")
+    return getattr(torch, dtype)
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """bf16 autocast context (weights stay fp32); a no-op for fp32."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# -----------------------------------------------------------------------------
+# models: LoRA and activation checkpointing, placement, sharding, the training forward
+
+
+def prepare_model(model: torch.nn.Module, args: CommonArgs, role: str = "model") -> None:
+    """--grad-ckpt and --lora-rank on a freshly built model (before the optimizer sees its parameters); a LoRA model
+    trains its adapters and its scalar head only. A target that matches nothing is a UserError."""
+    if args.fsdp and "RANK" not in os.environ:
+        raise UserError("--fsdp shards over torchrun's ranks: launch with torchrun --nproc_per_node N (N may be 1)")
+    model.set_grad_ckpt(args.grad_ckpt)
+    if args.lora_rank <= 0:
+        return
+    try:
+        adapted = add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets)
+    except ValueError as error:
+        raise UserError(f"--lora-targets {' '.join(args.lora_targets or [])}: {error}") from None
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    print0(
+        f"{role}: LoRA rank {args.lora_rank} alpha {args.lora_alpha:g} on {len(adapted)} layers | trainable "
+        f"{trainable / 1e6:.3f} M of {total / 1e6:.2f} M params ({100 * trainable / total:.2f}%)"
+    )
+
+
+def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The repeated blocks FSDP2 shards one by one: GPT's transformer.h, or the Hugging Face model's decoder layers
+    (its ModuleList of n_layer modules)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == model.config.n_layer:
+            return module
+    raise ValueError("no ModuleList of n_layer blocks in the model")
+
+
+def shard_model(model: torch.nn.Module, d: Dist, dtype: torch.dtype) -> torch.nn.Module:
+    """--fsdp: FSDP2 on each block, then on the root (embeddings, final norm, heads), in place. Under bf16 the
+    parameters are gathered in bf16 and gradients reduced in fp32 (MixedPrecisionPolicy); autocast stays on around
+    the forward for the ops it keeps in fp32."""
+    # our forwards return views (scores.squeeze(-1)) but never modify one in place, which is what FSDP2 warns about
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    low_precision = dtype if dtype != torch.float32 else None
+    policy = MixedPrecisionPolicy(param_dtype=low_precision, reduce_dtype=torch.float32)
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # FSDP2 sets up its root at the first root forward; generation calls the blocks directly, and a block called
+    # first would make itself a root: one token through the whole model now, on every rank
+    with torch.no_grad():
+        model(torch.zeros(1, 1, dtype=torch.long, device=d.device))
+    for module in model.modules():  # the root keeps its parameters gathered after a forward: free them
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
+def place_model(model: torch.nn.Module, args: CommonArgs, d: Dist, dtype: torch.dtype) -> None:
+    """The model onto the device: under --fsdp sharded block by block (a whole model is never there), else moved
+    whole. A LoRA BaseView moves only its own head: its base is placed as a model of its own."""
+    if args.fsdp and not isinstance(model, BaseView):
+        shard_model(model, d, dtype)
+    else:
+        model.to(d.device)
+
+
+@contextmanager
+def gathered(model: torch.nn.Module):
+    """Under FSDP2, every parameter gathered once for a whole generation and freed after it: generate's token steps
+    call the blocks (and the root's own layers) outside the root forward, which would otherwise gather per block and
+    per token, or not at all. A no-op for an unsharded model."""
+    model = getattr(model, "_orig_mod", model)
+    if not isinstance(model, FSDPModule) or getattr(model, "gathered", False):  # nested: the outer one frees
+        yield
+        return
+    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for module in sharded:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    model.gathered = True
+    try:
+        yield
+    finally:
+        model.gathered = False
+        for module in sharded:
+            module.reshard()
+            module.set_reshard_after_forward(True, recurse=False)
+
+
+def wrap_model(model: torch.nn.Module, d: Dist, compile: str) -> torch.nn.Module:
+    """The training forward: torch.compile (--compile), then DDP under torchrun. Generation, evaluation and saving use
+    the raw module."""
+    if use_compile(compile, d.device):
+        model = torch.compile(model)
+    if d.ddp and not isinstance(getattr(model, "_orig_mod", model), FSDPModule):  # FSDP2 needs no wrapper
+        model = replicate(model, d)
+    return model
+
+
+def replicate(model: torch.nn.Module, d: Dist) -> DDP:
+    """DDP with the gradients as views into its all-reduce buckets: no second copy of every gradient."""
+    device_ids = [d.local_rank] if d.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+
+def grad_sync(model: torch.nn.Module, sync: bool):
+    """Gradient accumulation: DDP all-reduces only where sync (the last micro-batch of a step), through the public
+    no_sync(); a plain module needs no context."""
+    bare = getattr(model, "_orig_mod", model)
+    if isinstance(bare, FSDPModule):  # FSDP2 has no no_sync(): reduce-scatter on the last micro-batch only
+        bare.set_requires_gradient_sync(sync)
+        return nullcontext()
+    if sync or not isinstance(model, DDP):
+        return nullcontext()
+    return model.no_sync()
+
+
+# -----------------------------------------------------------------------------
+# collectives
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks in place (identity without DDP); returns x."""
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def all_reduce_dict(sums: dict[str, torch.Tensor | float], device) -> dict[str, float]:
+    """Named sums over ranks in one all-reduce (float64, stacked in key order on device; identity without DDP)."""
+    stacked = torch.stack(
+        [torch.as_tensor(value, dtype=torch.float64, device=device).detach() for value in sums.values()]
+    )
+    return dict(zip(sums, all_reduce_sum(stacked).tolist()))
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def cleanup_dist() -> None:
+    """The end of a distributed run. Gloo's worker threads free each finished collective's tensors, which takes the
+    GIL; a DDP reducer freed later at the end of main (holding the GIL) destroys the process group and joins those
+    threads, and if one is still freeing the last all-gather the two wait for each other forever (pytorch/pytorch
+    #56297; seen at exit under a loaded CPU). A barrier, then a short GIL-free sleep, lets them finish first."""
+    if dist.is_initialized():
+        dist.barrier()
+        time.sleep(0.05)
+        dist.destroy_process_group()
