@@ -1,6 +1,6 @@
 """Plumbing every stage shares and nothing else: the user-error type, the shared flags, printing, seeding, the
 NaN-guarded optimizer step, logging, the LR schedule, MFU, reward functions. It imports nothing of this repo
-(parallel.py holds devices, DDP and FSDP2; ckpt.py checkpoints and resume).
+(parallel.py holds devices, DDP and FSDP2; checkpoints.py checkpoints and resume).
 
 Nothing algorithmic lives here; each stage's algorithm is inline in its own train_*.py.
 """

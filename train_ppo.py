@@ -511,7 +511,7 @@ class CollapseDetector:
     up (z > z_threshold) and a length jump up or perplexity jump down (|z| > z_threshold) both lie within the last
     `lag` iterations. The std has a floor of 5% of the window's mean level, so a flat series does not alarm on noise,
     and of 1 nat for KL, so the first rise from KL = 0 when the actor starts moving is not a jump.
-    Calibration on the built-in task: bench/ablation.py replays it on every run (README, "Ablation")."""
+    Calibration on the built-in task: bench/ablation.py replays it on every run (docs/results.md, "Ablation")."""
 
     KEYS = ("kl", "response_len", "perplexity")
     FLOOR = {"kl": 1.0, "response_len": 0.0, "perplexity": 0.0}  # absolute std floors, in each series' units

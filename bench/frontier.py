@@ -25,7 +25,7 @@ import tyro
 from ablation import first_alarm, read_scalars, spread
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ORACLE = ["--rm-ckpt", "none", "--reward-fn", "data:gold_reward"]
+ORACLE = ["--rm-ckpt", "none", "--reward-fn", "task:gold_reward"]
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,10 @@ class Method:
     """the method's own flags"""
 
 
-# adding a method is one entry; PPO's reward-KL betas 0.3/0.1/0.03 span about 2-8 nats (README, "Ablation"); the
-# loss-KL estimators (grpo, dr_grpo) use k3 on the current log-probs, whose beta is on another scale: a first pass
-# found GRPO at 3 nats for 0.15 and collapsing at 0.05 (11 nats), Dr. GRPO under 3 nats down to 0.015 (its per-token
-# gradient is smaller), hence their longer sweeps
+# adding a method is one entry; PPO's reward-KL betas 0.3/0.1/0.03 span about 2-8 nats (docs/results.md,
+# "Ablation"); the loss-KL estimators (grpo, dr_grpo) use k3 on the current log-probs, whose beta is on another
+# scale: a first pass found GRPO at 3 nats for 0.15 and collapsing at 0.05 (11 nats), Dr. GRPO under 3 nats down to
+# 0.015 (its per-token gradient is smaller), hence their longer sweeps
 METHODS = {
     "ppo_max": Method("ppo", (0.3, 0.1, 0.03), 0.1),
     "grpo": Method("ppo", (0.3, 0.15, 0.08, 0.05, 0.015), 0.15, ("--adv-estimator", "grpo")),
