@@ -32,16 +32,17 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import tyro
 
+import checkpoints
 import common
 import hf
 from common import UserError, format_sample, write_atomic
 from data import calibration_error, encode_prefs, encode_prompts, read_jsonl, responses_of
-from model import logprobs_from_logits, response_forward, sample, score_seqs, sequence_scores
+from model import aggregate_rm_scores, logprobs_from_logits, response_forward, sample, score_seqs, sequence_scores
 from task import build_task, gold_reward, is_valid
 
 
@@ -54,8 +55,14 @@ class Args:
     """a name per policy for the table and JSON (None: sft, ppo, ... from the checkpoints' kinds)"""
     ref: str = "out/sft/ckpt.pt"
     """reference policy for kl and win_rate_vs_ref"""
-    rm: Optional[str] = "out/rm/ckpt.pt"
-    """reward model for `score` ("none": skip)"""
+    rm: list[str] = field(default_factory=lambda: ["out/rm/ckpt.pt"])
+    """reward models for `score`, best-of-N and --kl-optimal ("none": no RM): one, or the K members of an ensemble,
+    their scores combined by --rm-agg"""
+    rm_agg: Literal["mean", "min", "uwo"] = "mean"
+    """how an ensemble's scores combine: mean, min (the worst case) or uwo = mean - --rm-uwo-coef x the members'
+    variance (Coste et al. 2023); one RM is its own score under all three"""
+    rm_uwo_coef: float = 1.0
+    """--rm-agg uwo: the weight of the members' variance"""
     pairs: bool = False
     """reward-model mode: accuracy, margin, calibration and Bayes ceiling of --rm on held-out preference pairs"""
     pairs_data: Optional[str] = None
@@ -64,6 +71,14 @@ class Args:
     """prompt JSONL ({"prompt": str}) to sample on (None: the built-in task's held-out prompts; gold needs those)"""
     best_of_n: Optional[list[int]] = None
     """best-of-N sizes: per prompt max(N) samples, the first N reranked by --rm, the best scored (rows <name>_bon<N>)"""
+    kl_optimal: Optional[list[float]] = None
+    """betas of the KL-regularised optimum pi* ∝ ref exp(r / beta), estimated from the --seeds samples per prompt of the
+    first --policy (which must be --ref) by self-normalised importance weights, for r = the gold reward (built-in
+    task; rows <name>_opt_gold_b<beta>) and r = --rm (rows <name>_opt_rm_b<beta>): what that reward signal can buy
+    at each KL, before any RL (DESIGN §5d)"""
+    sample_cache: Optional[str] = None
+    """--kl-optimal: keep the reference's samples in this file and reuse them while it matches (the same policy,
+    prompts, seeds and sampling settings), so screening another reward model only rescores them"""
     reward_fn: Optional[str] = None
     """module:function or path/to/file.py:function, fn(prompt, response, ended) -> float (as train_ppo.py's): its mean
     over the samples is the reward_fn column, your own objective on held-out prompts"""
@@ -178,7 +193,7 @@ def win_rate(gold: list, ref_gold: list) -> float:
 
 
 @torch.no_grad()
-def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=None, rm=None) -> dict:
+def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=None, rms=()) -> dict:
     """One response per prompt of one generation batch; per-sample lists (see sample_policy)."""
     query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
     samples = sample(model, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator)
@@ -190,10 +205,12 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
         ref_logprobs = logprobs_from_logits(ref_logits, response)
         kl = ((samples.logprobs - ref_logprobs) * response_mask).sum(1)
     score = torch.full((len(prompts),), float("nan"), device=device)
-    if rm is not None:
+    member_scores = torch.zeros(0, len(prompts), device=device)
+    if rms:
         mask = torch.cat([query_mask, response_mask], 1)
-        _, token_scores = rm(torch.cat([query, response], 1), mask, logits=False)
-        score = sequence_scores(token_scores, mask)
+        members = [sequence_scores(rm(torch.cat([query, response], 1), mask, logits=False)[1], mask) for rm in rms]
+        member_scores = torch.stack(members)  # (K, B)
+        score = aggregate_rm_scores(member_scores, args.rm_agg, args.rm_uwo_coef)
     return {
         "prompt": list(prompts),
         "response": samples.texts,
@@ -203,21 +220,23 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
         "n": lengths.tolist(),
         "kl": kl.tolist(),
         "score": score.tolist(),
+        "member_scores": member_scores.t().tolist(),
     }
 
 
 @torch.no_grad()
-def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rm=None) -> dict:
+def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rms=()) -> dict:
     """One response per prompt and seed, seed-major; per-sample lists of everything the metrics need (the single
     source of every metric): prompt, response (text without EOS), tokens (with EOS), ended, logprob_sum, n (tokens),
-    kl (to ref, 0 without), score (RM, NaN without), prompt_index (the cluster of the standard errors), seed. Each
-    seed gets a fresh generator, so seed s draws the same samples whatever --seeds is."""
+    kl (to ref, 0 without), score (the RMs' aggregate, NaN without), member_scores (each RM's), prompt_index (the
+    cluster of the standard errors), seed. Each seed gets a fresh generator, so seed s draws the same samples
+    whatever --seeds is."""
     samples = {}
     for seed in range(args.seed, args.seed + args.seeds):
         generator = torch.Generator(device=device).manual_seed(seed)
         for start in range(0, len(prompts), args.batch_size):
             batch_prompts = prompts[start : start + args.batch_size]
-            batch = sample_batch(model, tok, batch_prompts, args, device, generator, ref, rm)
+            batch = sample_batch(model, tok, batch_prompts, args, device, generator, ref, rms)
             batch["prompt_index"] = list(range(start, start + len(batch_prompts)))
             batch["seed"] = [seed] * len(batch_prompts)
             for key, values in batch.items():
@@ -277,6 +296,64 @@ def best_of_n(samples: dict, n: int, first_seed: int, missing_eos_penalty: float
     return picked
 
 
+def tilted_estimates(rewards: torch.Tensor, values: dict, beta: float) -> dict:
+    """The KL-regularised optimum pi*(y|x) ∝ ref(y|x) exp(r(x, y) / beta), estimated per prompt from M samples of the
+    reference (DESIGN §5d): rewards (P, M) and per-sample values (P, M) -> per prompt (P,) the self-normalised
+    importance-weighted mean E*[f] = sum_i w_i f_i of each value with w = softmax(r / beta), kl = sum_i w_i log(M w_i)
+    (the weighted sample against the uniform one: KL(pi* || ref), at most log M) and ess = 1 / sum_i w_i^2 (the
+    effective number of samples)."""
+    num_samples = rewards.size(1)
+    log_weights = torch.log_softmax(rewards.double() / beta, dim=1)
+    weights = log_weights.exp()
+    estimates = {name: (weights * value.double()).sum(1) for name, value in values.items()}
+    estimates["kl"] = (weights * (log_weights + math.log(num_samples))).sum(1)
+    estimates["ess"] = 1.0 / (weights**2).sum(1)
+    return estimates
+
+
+def kl_optimal_rows(name: str, samples: dict, betas: list, builtin: bool, missing_eos_penalty: float) -> dict:
+    """Rows <name>_opt_gold_b<beta> (tilted by the gold reward, built-in task) and <name>_opt_rm_b<beta> (tilted by
+    the RMs' aggregate score, a response without EOS scoring missing_eos_penalty as in PPO) from sample_policy's
+    lists of the reference, every prompt with the same M samples. Each row: gold, score, kl and valid_frac with
+    their standard errors over prompts, ess (the mean effective sample size per prompt), samples (M) and a warning
+    when the estimate is not to be trusted (kl within 1 nat of its ceiling log M, or ess under 4)."""
+    order = sorted(range(len(samples["prompt"])), key=lambda i: (samples["prompt_index"][i], samples["seed"][i]))
+    num_prompts = len(set(samples["prompt_index"]))
+
+    def grid(values) -> torch.Tensor:  # (P, M), prompt-major
+        return torch.tensor([float(values[i]) for i in order], dtype=torch.float64).view(num_prompts, -1)
+
+    ended = [bool(e) for e in samples["ended"]]
+    score = [s if e else missing_eos_penalty for s, e in zip(samples["score"], ended)]
+    values = {"score": grid(score)}
+    signals = {}
+    if builtin:
+        gold = [gold_reward(p, r, e) for p, r, e in zip(samples["prompt"], samples["response"], ended)]
+        values["gold"] = grid(gold)
+        values["valid_frac"] = grid([is_valid(r, e) for r, e in zip(samples["response"], ended)])
+        signals["gold"] = values["gold"]
+    if not math.isnan(samples["score"][0]):
+        signals["rm"] = values["score"]
+    num_samples = values["score"].size(1)
+    rows = {}
+    for signal, rewards in signals.items():
+        for beta in betas:
+            estimates = tilted_estimates(rewards, values, beta)
+            row = {}
+            for key in ("gold", "score", "kl", "valid_frac"):
+                stat = mean_se(estimates[key].tolist(), list(range(num_prompts))) if key in estimates else None
+                row[key] = None if stat is None else stat["value"]
+                row[f"{key}_se"] = None if stat is None else stat["se"]
+            row |= {"ess": estimates["ess"].mean().item(), "samples": num_samples, "beta": beta, "warning": None}
+            ceiling = math.log(num_samples)
+            if row["kl"] > ceiling - 1 or row["ess"] < 4:
+                row["warning"] = (
+                    f"kl {row['kl']:.2f} near its ceiling log M {ceiling:.2f}, or ess under 4: more --seeds"
+                )
+            rows[f"{name}_opt_{signal}_b{beta:g}"] = row
+    return rows
+
+
 def select(samples: dict, indices: list) -> dict:
     """sample_policy's lists at the given sample indices."""
     return {key: [values[index] for index in indices] for key, values in samples.items()}
@@ -330,9 +407,8 @@ def print_table(results: dict) -> None:
 # main
 
 
-def main(args: Args) -> dict:
-    t0 = time.time()
-    # 0. settings no run can measure
+def check_args(args: Args) -> None:
+    """Settings no run can measure: one line each."""
     if not args.temperature > 0:
         raise UserError(
             f"--temperature {args.temperature:g}: kl and perplexity are measured at the sampling temperature; "
@@ -342,8 +418,72 @@ def main(args: Args) -> dict:
         raise UserError(f"--seeds {args.seeds}: samples per prompt, use >= 1")
     if args.best_of_n and min(args.best_of_n) < 1:
         raise UserError(f"--best-of-n {min(args.best_of_n)}: N counts samples per prompt, use >= 1")
-    if args.best_of_n and (not args.rm or args.rm == "none"):
+    if args.best_of_n and not rm_paths(args):
         raise UserError("--best-of-n reranks with a reward model: pass --rm")
+    if args.kl_optimal and args.policy[0] != args.ref:
+        raise UserError(
+            f"--kl-optimal tilts the reference's own samples: the first --policy ({args.policy[0]}) must be --ref "
+            f"({args.ref})"
+        )
+    if args.kl_optimal and min(args.kl_optimal) <= 0:
+        raise UserError(f"--kl-optimal {min(args.kl_optimal):g}: beta is the strength of the KL term, use > 0")
+
+
+def rm_paths(args: Args) -> list[str]:
+    """--rm as a list of checkpoints ("none": no RM; a single string from code, as older callers pass it)."""
+    paths = [args.rm] if isinstance(args.rm, str) else list(args.rm or [])
+    return [path for path in paths if path and path != "none"]
+
+
+def load_rms(paths: list[str], device, tok) -> list:
+    """The reward models (scalar heads), each with the given tokenizer's state, in eval mode on device."""
+    rms = []
+    for path in paths:
+        rm, rm_tok, _ = load_model(path, "--rm", device, want="score")
+        if rm_tok.state() != tok.state():
+            raise UserError(f"--rm {path}: its tokenizer differs from the reference's")
+        rms.append(rm)
+    return rms
+
+
+@torch.no_grad()
+def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) -> dict:
+    """--kl-optimal: --seeds samples per prompt of the reference (from --sample-cache when it matches), scored by
+    every RM (member_scores) and their aggregate (score), a response's score read at its last token."""
+    key = dict(
+        ref=checkpoints.file_sha256(args.ref),
+        prompts=prompts,
+        seed=args.seed,
+        seeds=args.seeds,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+    )
+    cached = (
+        torch.load(args.sample_cache, weights_only=False)
+        if args.sample_cache and os.path.exists(args.sample_cache)
+        else None
+    )
+    if cached is not None and cached["key"] == key:
+        samples = cached["samples"]
+        print(f"eval: {len(samples['prompt'])} reference samples from {args.sample_cache}")
+    else:
+        samples = sample_policy(model, tok, prompts, args, device)
+        if args.sample_cache:
+            torch.save({"key": key, "samples": samples}, args.sample_cache)
+    if rms:
+        sequences = [tok.encode(p, bos=True) + ids for p, ids in zip(samples["prompt"], samples["tokens"])]
+        members = torch.stack(
+            [score_seqs(rm, sequences, tok.pad_id, args.batch_size, device, torch.float32) for rm in rms]
+        )
+        samples["member_scores"] = members.t().tolist()
+        samples["score"] = aggregate_rm_scores(members, args.rm_agg, args.rm_uwo_coef).tolist()
+    return samples
+
+
+def main(args: Args) -> dict:
+    t0 = time.time()
+    check_args(args)
     common.seed_everything(args.seed)
     device = torch.device(
         "cuda"
@@ -357,12 +497,13 @@ def main(args: Args) -> dict:
     task = build_task(args.task_dir, args.task_seed) if needs_task else None
     results = {}
     if args.pairs:
-        results["rm"] = rm_metrics(args, task, device)
-        cells = [f"{key} {format_value(results['rm'], key)}" for key in ("accuracy", "margin", "bayes_ceiling")]
-        cells += [f"ece {results['rm']['ece']:.3f}", f"pairs {results['rm']['pairs']}"]
-        print("| rm | " + " | ".join(cells) + " |")
+        results = rm_metrics(args, task, device)
+        for name, entry in results.items():
+            cells = [f"{key} {format_value(entry, key)}" for key in ("accuracy", "margin", "bayes_ceiling")]
+            cells += [f"ece {entry['ece']:.3f}", f"pairs {entry['pairs']}"]
+            print(f"| {name} | " + " | ".join(cells) + " |")
         return write_json(args.json, results)
-    # 1. prompts, reference and reward model
+    # 1. prompts, reference and reward models
     rows = read_jsonl(args.prompts or task["eval_prompts"], "prompts", "--prompts")
     prompts = [r["prompt"] for r in rows][: args.num_samples]
     names = args.names or [os.path.basename(os.path.dirname(p)) or f"policy{i}" for i, p in enumerate(args.policy)]
@@ -370,11 +511,12 @@ def main(args: Args) -> dict:
         raise UserError(f"--names: {len(names)} names for {len(args.policy)} policies")
     ref, ref_tok, _ = load_model(args.ref, "--ref", device)
     reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
-    rm = None
-    if args.rm and args.rm != "none":
-        rm, rm_tok, _ = load_model(args.rm, "--rm", device, want="score")
-        if rm_tok.state() != ref_tok.state():
-            raise UserError(f"--rm {args.rm}: its tokenizer differs from the reference's ({args.ref})")
+    rms = load_rms(rm_paths(args), device, ref_tok)
+    if args.kl_optimal:  # the limit: the reference's samples, tilted by each reward signal
+        samples = reference_samples(ref, ref_tok, prompts, args, device, rms)
+        results = kl_optimal_rows(names[0], samples, args.kl_optimal, builtin, args.missing_eos_penalty)
+        print_limit_table(results)
+        return write_json(args.json, results)
     # 2. the reference answers the same prompts with the same seeds (win rate), then each policy
     ref_samples = sample_policy(ref, ref_tok, prompts, args, device)
     _, ref_gold = policy_metrics(ref_samples, builtin, None)
@@ -384,7 +526,7 @@ def main(args: Args) -> dict:
             raise UserError(f"--policy {path}: its tokenizer differs from the reference's ({args.ref})")
         # best-of-N draws max(N) seeds per prompt once; the plain row takes the first --seeds of them
         num_seeds = max([args.seeds, *(args.best_of_n or [])])
-        samples = sample_policy(model, tok, prompts, replace(args, seeds=num_seeds), device, ref=ref, rm=rm)
+        samples = sample_policy(model, tok, prompts, replace(args, seeds=num_seeds), device, ref=ref, rms=rms)
         if reward_fn is not None:
             responses = zip(samples["prompt"], samples["response"], samples["ended"])
             samples["reward_fn"] = [float(reward_fn(p, r, e)) for p, r, e in responses]
@@ -404,6 +546,14 @@ def main(args: Args) -> dict:
         "± is one standard error over prompts (samples of a prompt clustered)"
     )
     return write_json(args.json, results)
+
+
+def print_limit_table(rows: dict) -> None:
+    """The --kl-optimal rows as a markdown table."""
+    cols = ["beta", "gold", "score", "kl", "valid_frac", "ess", "samples"]
+    print("| tilted | " + " | ".join(cols) + " | warning |\n|---|" + "---|" * (len(cols) + 1))
+    for name, row in rows.items():
+        print(f"| {name} | " + " | ".join(format_value(row, c) for c in cols) + f" | {row['warning'] or ''} |")
 
 
 def write_json(path: Optional[str], results: dict) -> dict:
@@ -429,20 +579,39 @@ def weighted_mean_se(values: list, weights: list, cluster: list) -> dict:
 
 @torch.no_grad()
 def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
-    """Reward-model mode: accuracy (pair weights of K-wise records, ties 1/2), mean margin, ECE and, on the built-in
-    task, the empirical Bayes ceiling (the gold reward's own accuracy on the drawn labels) on the same pairs; the
-    means with their standard errors clustered by record."""
-    if not args.rm or args.rm == "none":
+    """Reward-model mode: {"rm": metrics} of the --rm aggregate and, for an ensemble, {"rm_member<k>": ...} of each
+    member (pair_metrics)."""
+    paths = rm_paths(args)
+    if not paths:
         raise UserError("--pairs needs --rm")
-    rm, tok, ckpt = load_model(args.rm, "--rm", device, want="score")
+    rms = []
+    for path in paths:
+        rm, tok, ckpt = load_model(path, "--rm", device, want="score")
+        rms.append((rm, ckpt))
     rows = read_jsonl(args.pairs_data or task["pairs_eval"], "pairs", "--pairs-data")
-    examples, _ = encode_prefs(tok, rows, rm.config.block_size)
-    scores = score_seqs(rm, [s for ex in examples for s in ex[0]], tok.pad_id, args.batch_size, device, torch.float32)
-    scores = scores.tolist()
+    examples, _ = encode_prefs(tok, rows, rms[0][0].config.block_size)
+    sequences = [s for ex in examples for s in ex[0]]
+    members = torch.stack(
+        [score_seqs(rm, sequences, tok.pad_id, args.batch_size, device, torch.float32) for rm, _ in rms]
+    )
+    aggregate = aggregate_rm_scores(members, args.rm_agg, args.rm_uwo_coef)
+    seconds = round(sum(ckpt.get("seconds", 0.0) for _, ckpt in rms), 1)
+    results = {"rm": pair_metrics(aggregate.tolist(), examples, args.pairs_data is None) | {"seconds": seconds}}
+    if len(rms) > 1:
+        for k, (scores, (_, ckpt)) in enumerate(zip(members, rms), start=1):
+            metrics = pair_metrics(scores.tolist(), examples, args.pairs_data is None)
+            results[f"rm_member{k}"] = metrics | {"seconds": round(ckpt.get("seconds", 0.0), 1)}
+    return results
+
+
+def pair_metrics(scores: list, examples: list, builtin: bool) -> dict:
+    """Accuracy (pair weights of K-wise records, ties 1/2), mean margin, ECE and, on the built-in task, the empirical
+    Bayes ceiling (the gold reward's own accuracy on the drawn labels) on the same pairs, from the scores of every
+    encoded record's sequences in order; the means with their standard errors clustered by record."""
     gaps, gold_gaps, weights, record = [], [], [], []
     start = 0
     for record_index, (seqs, _, pairs, _, row) in enumerate(examples):
-        gold = [gold_reward(row["prompt"], r, True) for r in responses_of(row)] if args.pairs_data is None else None
+        gold = [gold_reward(row["prompt"], r, True) for r in responses_of(row)] if builtin else None
         for chosen, rejected, weight in pairs:
             gaps.append(scores[start + chosen] - scores[start + rejected])
             gold_gaps.append(gold[chosen] - gold[rejected] if gold else 0.0)
@@ -451,7 +620,7 @@ def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
         start += len(seqs)
     accuracy = weighted_mean_se(pair_outcomes(gaps), weights, record)
     margin = weighted_mean_se(gaps, weights, record)
-    ceiling = weighted_mean_se(pair_outcomes(gold_gaps), weights, record) if args.pairs_data is None else None
+    ceiling = weighted_mean_se(pair_outcomes(gold_gaps), weights, record) if builtin else None
     return {
         "accuracy": accuracy["value"],
         "accuracy_se": accuracy["se"],
@@ -461,7 +630,6 @@ def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
         "bayes_ceiling": None if ceiling is None else ceiling["value"],
         "bayes_ceiling_se": None if ceiling is None else ceiling["se"],
         "pairs": len(gaps),
-        "seconds": round(ckpt.get("seconds", 0.0), 1),
     }
 
 

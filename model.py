@@ -211,6 +211,19 @@ def score_seqs(model, seqs: list[list[int]], pad_id: int, batch_size: int, devic
     return out
 
 
+def aggregate_rm_scores(scores: Tensor, agg: str, coef: float = 0.0) -> Tensor:
+    """An ensemble of K reward models' scores (K, B) -> (B,) (DESIGN §5d): mean; min (the worst case over members);
+    uwo = mean - coef * the members' population variance (uncertainty-weighted optimisation, Coste et al. 2023,
+    https://arxiv.org/abs/2310.02743). One member (K = 1) is its own score under all three."""
+    if agg == "mean":
+        return scores.mean(0)
+    if agg == "min":
+        return scores.min(0).values
+    if agg == "uwo":
+        return scores.mean(0) - coef * scores.var(0, correction=0)
+    raise ValueError(f"unknown RM aggregation {agg!r}: expected mean, min or uwo")
+
+
 @dataclass
 class Samples:
     """What `sample` returns: a batch of generated responses and what every caller derives from them."""

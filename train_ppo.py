@@ -22,7 +22,7 @@ torchrun --standalone --nproc_per_node 8 train_ppo.py --sft-ckpt sft/ckpt.pt --r
 import copy
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable, Literal, Optional
 
@@ -37,7 +37,7 @@ import parallel
 from common import Trained, UserError, exact_div, format_sample, print0
 from data import Order, Tokenizer, encode_prompts, encode_sft, pad_right, read_jsonl
 from lora import BaseView
-from model import entropy_from_logits, lm_loss, logprobs_from_logits, response_forward, sample
+from model import aggregate_rm_scores, entropy_from_logits, lm_loss, logprobs_from_logits, response_forward, sample
 from task import build_task, gold_reward
 
 
@@ -48,9 +48,18 @@ class Args(common.CommonArgs):
     """where ckpt.pt, TensorBoard event files and samples.jsonl go"""
     # --- models and data
     sft_ckpt: str = "out/sft/ckpt.pt"
-    """policy init and frozen reference"""
-    rm_ckpt: str = "out/rm/ckpt.pt"
-    """frozen reward model, also the critic's init; 'none': --reward-fn alone, critic from the SFT trunk"""
+    """the policy's init (an SFT, DPO or PPO checkpoint), and the frozen reference unless --ref-ckpt"""
+    ref_ckpt: Optional[str] = None
+    """the frozen reference of the KL penalty (None: --sft-ckpt); a later round of iterated RLHF starts its policy
+    from the last round's and keeps the SFT policy as the reference"""
+    rm_ckpt: list[str] = field(default_factory=lambda: ["out/rm/ckpt.pt"])
+    """frozen reward models: one, or the K members of an ensemble combined by --rm-agg; the first is also the critic's
+    init; 'none': --reward-fn alone, critic from the SFT trunk"""
+    rm_agg: Literal["mean", "min", "uwo"] = "mean"
+    """an ensemble's scores combined: mean, min (the worst case) or uwo = mean - --rm-uwo-coef x the members'
+    variance (uncertainty-weighted optimisation, Coste et al. 2023); one RM is its own score under all three"""
+    rm_uwo_coef: float = 1.0
+    """--rm-agg uwo: the weight of the members' population variance"""
     reward_fn: Optional[str] = None
     """module:function or path/to/file.py:function, fn(prompt: str, response: str, ended: bool) -> float, added to
     the RM score (e.g. task:gold_reward)"""
@@ -107,9 +116,9 @@ class Args(common.CommonArgs):
     kl_penalty: Optional[Literal["reward", "loss"]] = None
     """where the KL goes: -beta*kl in the rewards, or beta*k3 on the current log-probs in the policy loss (None: loss
     for grpo, reward for the others)"""
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    """per-token KL estimate in the reward penalty: k1 = logp - ref_logp, k3 = (r - 1) - log r with r = ref_p / p (the
-    loss penalty is always k3)"""
+    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = None
+    """per-token KL estimate, with d = logp - ref_logp: k1 = d, k2 = d^2 / 2, k3 = (r - 1) - log r with r = ref_p / p
+    (None: k1 in the reward, k3 in the loss; k1 in the loss is refused: its expected gradient is zero)"""
     kl_target: Optional[float] = None
     """adaptive KL controller (Ziegler et al. 2019): target KL per sequence in nats (None: fixed --kl-coef)"""
     kl_horizon: int = 10000
@@ -217,6 +226,19 @@ def resolve_estimator_defaults(args: Args) -> Args:
     return replace(args, **resolved)
 
 
+def resolve_args(args: Args) -> Args:
+    """Every setting that depends on others, resolved once at start-up (checkpoints.resume_args applies it to the
+    saved args too, so both compare like with like): the RM list (a checkpoint from before ensembles saved one path),
+    older names of reward functions, the estimator's defaults, and the KL estimator of its placement (k1 in the
+    reward, k3 in the loss)."""
+    rm_ckpt = [args.rm_ckpt] if isinstance(args.rm_ckpt, str) else list(args.rm_ckpt)
+    reward_fn = common.REWARD_FN_ALIASES.get(args.reward_fn, args.reward_fn)
+    args = resolve_estimator_defaults(replace(args, rm_ckpt=rm_ckpt, reward_fn=reward_fn))
+    if args.kl_estimator is None:
+        return replace(args, kl_estimator="k3" if args.kl_penalty == "loss" else "k1")
+    return args
+
+
 def uses_critic(args: Args) -> bool:
     """Only gae has a critic: the critic-free estimators build, step and save none."""
     return args.adv_estimator in CRITIC_ESTIMATORS
@@ -227,8 +249,12 @@ def check_args(args: Args) -> None:
     estimator = args.adv_estimator
     if args.temperature <= 0:
         raise UserError(f"--temperature {args.temperature}: PPO samples from the tempered distribution; use > 0")
-    if args.rm_ckpt == "none" and args.reward_fn is None:
+    if args.rm_ckpt == ["none"] and args.reward_fn is None:
         raise UserError("--rm-ckpt none needs --reward-fn module:function (e.g. task:gold_reward)")
+    if "none" in args.rm_ckpt and len(args.rm_ckpt) > 1:
+        raise UserError(f"--rm-ckpt {' '.join(args.rm_ckpt)}: 'none' stands alone (no reward model)")
+    if args.kl_penalty == "loss" and args.kl_estimator == "k1":
+        raise UserError("--kl-estimator k1 in the loss: its expected gradient is zero; use k2 or k3")
     if args.group_size < 1 or (estimator in GROUP_ESTIMATORS and args.group_size < 2):
         raise UserError(f"--group-size {args.group_size}: {estimator} compares responses within a group, use >= 2")
     if args.dynamic_sampling and args.group_size < 2:
@@ -282,10 +308,13 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, kl_estimator: str = "k1"):
     """scores (B,), the rest (B, T) -> (rewards, kl), both (B, T) and 0 on padding: rewards = -kl_coef * kl, plus the
     score on the last valid token (the EOS). KL estimators (http://joschu.net/blog/kl-approx.html), masked before any
-    exponential (padding may hold any log-prob): k1 = logp - ref_logp, k3 = (r - 1) - log r with r = ref_p / p."""
+    exponential (padding may hold any log-prob): k1 = logp - ref_logp, k2 = k1^2 / 2, k3 = (r - 1) - log r with
+    r = ref_p / p."""
     log_ratio = torch.where(mask.bool(), logprobs - ref_logprobs, 0.0)
     if kl_estimator == "k1":
         kl = log_ratio
+    elif kl_estimator == "k2":
+        kl = 0.5 * log_ratio**2
     elif kl_estimator == "k3":
         kl = torch.expm1(-log_ratio) + log_ratio  # unbiased and >= 0
     else:
@@ -422,14 +451,20 @@ def ppo_policy_loss(
     return pg_loss, stats
 
 
-def kl_loss(logprobs, ref_logprobs, mask, weights, denom, kl_coef: float) -> torch.Tensor:
-    """--kl-penalty loss (GRPO): kl_coef * sum(k3 * weights) / denom (loss_weights), k3 = (r - 1) - log r with
-    r = ref_p / p per token on the current log-probs (B, T), differentiable in logprobs, masked before the
-    exponential (a pad token's log-prob may be anything). k3 is an unbiased estimate of KL(pi || ref), but its
-    on-policy gradient is that of KL(ref || pi), not of KL(pi || ref) (Liu et al. 2025)."""
-    log_ratio = torch.where(mask.bool(), ref_logprobs - logprobs, 0.0)
-    k3 = torch.expm1(log_ratio) - log_ratio
-    return kl_coef * (k3 * weights).sum() / denom
+def kl_loss(logprobs, ref_logprobs, mask, weights, denom, kl_coef: float, estimator: str = "k3") -> torch.Tensor:
+    """--kl-penalty loss (GRPO): kl_coef * sum(k * weights) / denom (loss_weights) per token on the current log-probs
+    (B, T), differentiable in logprobs, masked before the exponential (a pad token's log-prob may be anything). With
+    d = logp - ref_logp: k3 = (r - 1) - log r, r = ref_p / p, is an unbiased estimate of KL(pi || ref) but its
+    on-policy gradient is that of KL(ref || pi); k2 = d^2 / 2 is biased, and its on-policy gradient is that of
+    KL(pi || ref), the gradient k1 gives in the reward (Liu et al. 2025, DESIGN §5d)."""
+    log_ratio = torch.where(mask.bool(), logprobs - ref_logprobs, 0.0)
+    if estimator == "k3":
+        kl = torch.expm1(-log_ratio) + log_ratio
+    elif estimator == "k2":
+        kl = 0.5 * log_ratio**2
+    else:
+        raise ValueError(f"kl_loss estimator {estimator!r}: k2 or k3 (k1's expected gradient is zero)")
+    return kl_coef * (kl * weights).sum() / denom
 
 
 def ppo_value_loss(values, old_values, returns, mask, cliprange_value: Optional[float], denom=None):
@@ -559,13 +594,14 @@ class CollapseDetector:
 @dataclass
 class Models:
     """PPO's four roles: actor (policy, LM head) and the frozen reference, critic (scalar head; None for a critic-free
-    estimator) and the frozen reward model (scalar head; None with --rm-ckpt none). Under LoRA the reference is the
-    actor with its adapters off and the reward model the critic's base with the RM's own head (lora.BaseView)."""
+    estimator) and the frozen reward models (scalar heads: one, the K members of an ensemble, or none with --rm-ckpt
+    none). Under LoRA the reference is the actor with its adapters off and the first reward model the critic's base
+    with the RM's own head (lora.BaseView)."""
 
     actor: torch.nn.Module
     ref: torch.nn.Module
     critic: Optional[torch.nn.Module]
-    reward_model: Optional[torch.nn.Module]
+    reward_models: list[torch.nn.Module]
 
     def compiled(self, setting: str, device: torch.device) -> "Models":
         """The training forward of each role: torch.compile'd under --compile (a LoRA view switches its base's
@@ -577,16 +613,19 @@ class Models:
         def compile_role(model):
             return model if model is None or isinstance(model, BaseView) else torch.compile(model)
 
-        return Models(*(compile_role(model) for model in (self.actor, self.ref, self.critic, self.reward_model)))
+        reward_models = [compile_role(model) for model in self.reward_models]
+        return Models(compile_role(self.actor), compile_role(self.ref), compile_role(self.critic), reward_models)
 
 
 @torch.no_grad()
 def score_rollout(models: Models, query, query_mask, samples, micro_batch_size: int, temperature: float, amp) -> dict:
     """Step 3's no-grad passes of the training forward, per micro-batch: old and reference log-probs and the entropy
-    (B, T), values (B, T) from the critic and RM scores (B,) read at the last real token (the EOS), each masked."""
+    (B, T), values (B, T) from the critic, each masked, and every reward model's score read at the last real token
+    (the EOS): rm_scores (K, B)."""
     response, mask = samples.response, samples.mask
     prompt_len = query.size(1)
     parts = {"logprobs": [], "ref_logprobs": [], "entropy": [], "values": [], "rm_scores": []}
+    eos_position = prompt_len + samples.last[:, None]  # (B, 1)
     for start in range(0, response.size(0), micro_batch_size):
         rows = slice(start, start + micro_batch_size)
         micro_batch = (query[rows], query_mask[rows], response[rows], mask[rows])
@@ -595,16 +634,18 @@ def score_rollout(models: Models, query, query_mask, samples, micro_batch_size: 
             ref_logits, _ = response_forward(models.ref, *micro_batch, temperature)
             if models.critic is not None:
                 parts["values"].append(response_forward(models.critic, *micro_batch, temperature)[1])
-            if models.reward_model is not None:  # the RM reads its score at the last real token (the EOS)
-                sequence = torch.cat([query[rows], response[rows]], 1)
-                sequence_mask = torch.cat([query_mask[rows], mask[rows]], 1)
-                _, token_scores = models.reward_model(sequence, sequence_mask, logits=False)
-                eos_position = prompt_len + samples.last[rows, None]
-                parts["rm_scores"].append(token_scores.float().gather(1, eos_position).squeeze(1))
+            sequence = torch.cat([query[rows], response[rows]], 1)
+            sequence_mask = torch.cat([query_mask[rows], mask[rows]], 1)
+            member_scores = []  # an RM reads its score at the last real token (the EOS)
+            for reward_model in models.reward_models:
+                _, token_scores = reward_model(sequence, sequence_mask, logits=False)
+                member_scores.append(token_scores.float().gather(1, eos_position[rows]).squeeze(1))
+            if member_scores:
+                parts["rm_scores"].append(torch.stack(member_scores))  # (K, micro-batch)
         parts["logprobs"].append(logprobs_from_logits(logits, response[rows]))
         parts["ref_logprobs"].append(logprobs_from_logits(ref_logits, response[rows]))
         parts["entropy"].append(entropy_from_logits(logits))
-    scored = {key: torch.cat(values) for key, values in parts.items() if values}
+    scored = {key: torch.cat(values, dim=-1 if key == "rm_scores" else 0) for key, values in parts.items() if values}
     for key in ("logprobs", "ref_logprobs", "entropy", "values"):
         if key in scored:
             scored[key] = scored[key] * mask
@@ -661,8 +702,12 @@ def rollout(
     ref_logprobs = scored["ref_logprobs"]
     values = scored.get("values")
     logprob_error = check_logprobs(samples.logprobs, logprobs, mask, dtype)
-    # score = RM (calibration folded into its head) + coef * reward_fn; a response without EOS gets the penalty instead
-    rm_scores = scored.get("rm_scores", torch.zeros(len(prompts), device=device))
+    # score = each RM's score (its calibration folded into its head), aggregated over an ensemble (--rm-agg), + coef *
+    # reward_fn; a response without EOS gets the penalty instead
+    member_scores = scored.get("rm_scores")  # (K, B), None without an RM
+    rm_scores = torch.zeros(len(prompts), device=device)
+    if member_scores is not None:
+        rm_scores = aggregate_rm_scores(member_scores, args.rm_agg, args.rm_uwo_coef)
     fn_scores = torch.zeros_like(rm_scores)
     if reward_fn is not None:
         values_of_fn = [float(reward_fn(p, t, e)) for p, t, e in zip(prompts, samples.texts, ended.tolist())]
@@ -709,9 +754,13 @@ def rollout(
         experience["values"] = values
         experience["returns"] = returns
     gold = [gold_fn(p, t, e) for p, t, e in zip(prompts, samples.texts, ended.tolist())] if gold_fn else None
-    parts = {}  # the score's two parts, logged apart when there are two
+    parts = {}  # the score's two parts, logged apart when there are two; an ensemble's spread
     if reward_fn is not None:
-        parts = {"rm_score": rm_scores, "reward_fn": fn_scores} if "rm_scores" in scored else {"reward_fn": fn_scores}
+        parts = (
+            {"rm_score": rm_scores, "reward_fn": fn_scores} if member_scores is not None else {"reward_fn": fn_scores}
+        )
+    if member_scores is not None and member_scores.size(0) > 1:
+        parts["score_std"] = member_scores.std(0, correction=0)
     metrics = rollout_metrics(experience, scored["entropy"], score_norm, parts, gold, args.mask_truncated)
     metrics["rollout/logprob_err"] = logprob_error
     records = []
@@ -724,8 +773,9 @@ def rollout(
 
 def rollout_metrics(experience: dict, entropy, score_norm, score_parts: dict, gold, mask_truncated: bool) -> dict:
     """The rollout's DESIGN §6 metrics, global means over every rank's responses and tokens from one all-reduce of
-    named sums. score_parts: the RM's and the reward function's own scores (B,) when a reward function is given
-    (objective/rm_score, objective/reward_fn); gold: per response (built-in task) or None."""
+    named sums. score_parts: per-response values (B,) logged as objective/<name>: the RMs' and the reward
+    function's own scores when a reward function is given (rm_score, reward_fn), an ensemble's spread (score_std,
+    the members' population std); gold: per response (built-in task) or None."""
     mask = experience["mask"]
     logprobs = experience["logprobs"]
     kl_per_sequence = ((logprobs - experience["ref_logprobs"]) * mask).sum(1)  # objective/kl is always the summed k1
@@ -874,14 +924,15 @@ class LossTerms:
     cliprange_high: Optional[float]
     dual_clip: Optional[float]
     kl_coef: Optional[float]
+    kl_estimator: str  # k3 or k2, when the KL is in the loss
     entropy_coef: float
 
 
 def actor_loss(logits, logprobs, batch: dict, terms: LossTerms, denom) -> tuple[torch.Tensor, dict]:
     """Every term of the actor's loss on one micro-batch, each aggregated the same way (sum of per-token values times
-    batch["weights"], over denom: loss_weights): the clipped policy loss, plus beta * k3 against the reference
-    (--kl-penalty loss, GRPO), minus entropy_coef * entropy. Returns (loss, stats: the policy loss's stats, pg_loss,
-    and kl_loss where present)."""
+    batch["weights"], over denom: loss_weights): the clipped policy loss, plus beta * k3 (or k2) against the
+    reference (--kl-penalty loss, GRPO), minus entropy_coef * entropy. Returns (loss, stats: the policy loss's stats,
+    pg_loss, and kl_loss where present)."""
     mask = batch["loss_mask"]
     weights = batch["weights"]
     pg_loss, stats = ppo_policy_loss(
@@ -898,7 +949,7 @@ def actor_loss(logits, logprobs, batch: dict, terms: LossTerms, denom) -> tuple[
     stats["pg_loss"] = pg_loss.detach()
     loss = pg_loss
     if terms.kl_coef is not None:  # GRPO: beta * k3 against the reference, aggregated alike
-        kl_term = kl_loss(logprobs, batch["ref_logprobs"], mask, weights, denom, terms.kl_coef)
+        kl_term = kl_loss(logprobs, batch["ref_logprobs"], mask, weights, denom, terms.kl_coef, terms.kl_estimator)
         stats["kl_loss"] = kl_term.detach()
         loss = loss + kl_term
     if terms.entropy_coef > 0:
@@ -990,7 +1041,9 @@ def ppo_update(
     critic_forward = None if critic is None else critic.forward or critic.model
     use_ptx = train_actor and args.ptx_coef > 0 and ptx_sampler is not None
     kl_in_loss = loss_kl_coef if args.kl_penalty == "loss" else None
-    terms = LossTerms(args.cliprange, args.cliprange_high, args.dual_clip, kl_in_loss, args.entropy_coef)
+    terms = LossTerms(
+        args.cliprange, args.cliprange_high, args.dual_clip, kl_in_loss, args.kl_estimator, args.entropy_coef
+    )
     # the policy loss's tokens: --mask-truncated drops the responses without EOS, --dynamic-sampling the groups that
     # only fill the batch; whitening statistics come from these tokens too (with neither flag, every token, bit for
     # bit): a dropped response's advantages never move the update
@@ -1134,18 +1187,18 @@ def _token_sum(mean: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.where(tokens > 0, mean * tokens, torch.zeros_like(mean))
 
 
-def iteration_flops(actor, critic, reward_model, sequence_len: int, sequences: int, ppo_epochs: int) -> float:
+def iteration_flops(models: Models, sequence_len: int, sequences: int, ppo_epochs: int) -> float:
     """Training-equivalent FLOPs of one PPO iteration for perf/mfu (flops_per_token counts a forward and a backward,
     a forward is a third of it): generation, old and reference log-probs (three actor-sized forwards), the values and
-    the RM score (two forwards), then ppo_epochs forward-backward passes of the actor and the critic over the rollout.
-    sequence_len = prompt + response positions; sequences summed over ranks."""
-    actor_flops = actor.flops_per_token(sequence_len)
-    critic_flops = critic.flops_per_token(sequence_len) if critic is not None else 0
-    # the RM's forward reads its scalar head only (logits=False), like the critic's: critic-sized (without a critic,
+    each RM's score (a forward each), then ppo_epochs forward-backward passes of the actor and the critic over the
+    rollout. sequence_len = prompt + response positions; sequences summed over ranks."""
+    actor_flops = models.actor.flops_per_token(sequence_len)
+    critic_flops = models.critic.flops_per_token(sequence_len) if models.critic is not None else 0
+    # an RM's forward reads its scalar head only (logits=False), like the critic's: critic-sized (without a critic,
     # the RM's own count, its LM head included when it has one)
     reward_flops = 0
-    if reward_model is not None:
-        reward_flops = critic_flops if critic is not None else reward_model.flops_per_token(sequence_len)
+    for reward_model in models.reward_models:
+        reward_flops += critic_flops if models.critic is not None else reward_model.flops_per_token(sequence_len)
     rollout_flops = (3 * actor_flops + critic_flops + reward_flops) / 3
     update_flops = ppo_epochs * (actor_flops + critic_flops)
     return sequences * sequence_len * (rollout_flops + update_flops)
@@ -1155,43 +1208,48 @@ def iteration_flops(actor, critic, reward_model, sequence_len: int, sequences: i
 # main: the set-up in named builders, then the loop
 
 
-def load_inputs(args: Args) -> tuple[dict, Optional[dict]]:
-    """The SFT checkpoint (policy init and reference) and the RM checkpoint (None with --rm-ckpt none), checked to
-    share one tokenizer."""
+def load_inputs(args: Args) -> tuple[dict, dict, list[dict]]:
+    """The SFT checkpoint (the policy's init), the reference's (--ref-ckpt, else the same) and the RM checkpoints
+    (none with --rm-ckpt none), checked to share one tokenizer."""
     sft = checkpoints.load_checkpoint(args.sft_ckpt, kind=("sft", "dpo", "ppo"), flag="--sft-ckpt")
-    rm = None
-    if args.rm_ckpt != "none":
-        rm = checkpoints.load_checkpoint(args.rm_ckpt, kind="rm", flag="--rm-ckpt")
-    if rm is not None and rm["tokenizer"] != sft["tokenizer"]:
-        raise UserError(
-            f"--rm-ckpt {args.rm_ckpt}: its tokenizer differs from --sft-ckpt {args.sft_ckpt}'s "
-            "(train the RM from this SFT checkpoint)"
-        )
-    return sft, rm
+    ref = sft
+    if args.ref_ckpt is not None:
+        ref = checkpoints.load_checkpoint(args.ref_ckpt, kind=("sft", "dpo", "ppo"), flag="--ref-ckpt")
+    rms = [checkpoints.load_checkpoint(path, kind="rm", flag="--rm-ckpt") for path in args.rm_ckpt if path != "none"]
+    for flag, path, ckpt in [("--ref-ckpt", args.ref_ckpt, ref)] + [
+        ("--rm-ckpt", p, c) for p, c in zip(args.rm_ckpt, rms)
+    ]:
+        if ckpt["tokenizer"] != sft["tokenizer"]:
+            raise UserError(
+                f"{flag} {path}: its tokenizer differs from --sft-ckpt {args.sft_ckpt}'s (train it from this SFT "
+                "checkpoint)"
+            )
+    return sft, ref, rms
 
 
-def build_models(args: Args, sft: dict, rm: Optional[dict]) -> Models:
+def build_models(args: Args, sft: dict, ref: dict, rms: list[dict]) -> Models:
     """Every model from the checkpoints already in memory, on the CPU, LoRA and --grad-ckpt applied; the frozen ones
-    frozen. PPO-max's critic starts from the RM (or, with no RM, from the SFT trunk with a fresh head); the
+    frozen. PPO-max's critic starts from the first RM (or, with no RM, from the SFT trunk with a fresh head); the
     critic-free estimators build none. With LoRA one base serves two roles: the reference is the actor with its
-    adapters off, and the reward model the critic's base with the RM's own (frozen) score head."""
+    adapters off (when it is the actor's init), and the first reward model the critic's base with the RM's own
+    (frozen) score head; the other members of an ensemble are full frozen models."""
     actor = hf.model_from_checkpoint(sft)
     parallel.prepare_model(actor, args, "actor")
     lora = args.lora_rank > 0
-    ref = BaseView(actor) if lora else hf.model_from_checkpoint(sft)
+    reference = BaseView(actor) if lora and ref is sft else hf.model_from_checkpoint(ref)
     critic = None
     if uses_critic(args):
-        critic = hf.model_from_checkpoint(rm if rm is not None else sft, lm_head=False, score_head=True)
+        critic = hf.model_from_checkpoint(rms[0] if rms else sft, lm_head=False, score_head=True)
         parallel.prepare_model(critic, args, "critic")
-    reward_model = None
-    if rm is not None and lora and critic is not None:
-        reward_model = BaseView(critic, score_head=copy.deepcopy(critic.score_head).requires_grad_(False))
-    elif rm is not None:
-        reward_model = hf.model_from_checkpoint(rm)
-    for model in (ref, reward_model):
-        if model is not None:
-            model.requires_grad_(False)
-    return Models(actor, ref, critic, reward_model)
+    reward_models = []
+    for k, rm in enumerate(rms):
+        if k == 0 and lora and critic is not None:
+            reward_models.append(BaseView(critic, score_head=copy.deepcopy(critic.score_head).requires_grad_(False)))
+        else:
+            reward_models.append(hf.model_from_checkpoint(rm))
+    for model in (reference, *reward_models):
+        model.requires_grad_(False)
+    return Models(actor, reference, critic, reward_models)
 
 
 def build_optimizers(args: Args, models: Models, max_steps: int, device_type: str) -> tuple[Trained, Optional[Trained]]:
@@ -1331,15 +1389,15 @@ CONSOLE = (
 def main(args: Args) -> None:
     t_start = time.time()
     # the estimator's defaults, resolved once (printed below; the checkpoint keeps them); --resume: the run's own flags
-    args = checkpoints.resume_args(args, "ppo", resolve_estimator_defaults)
+    args = checkpoints.resume_args(args, "ppo", resolve_args)
     check_args(args)
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses to replace a run silently
     common.seed_everything(args.seed)  # before any model is built: a fresh critic head follows --seed
     # 1. checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
-    sft, rm = load_inputs(args)
+    sft, ref, rms = load_inputs(args)
     tok = Tokenizer.from_state(sft["tokenizer"])
     reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
-    models = build_models(args, sft, rm)
+    models = build_models(args, sft, ref, rms)
     prompts, too_long, ptx, gold_fn = load_prompts(args, tok, models.actor.config.block_size)
 
     # 2. sizes, distributed set-up, optimizers, state
@@ -1356,12 +1414,12 @@ def main(args: Args) -> None:
     )
     print0(
         f"estimator {args.adv_estimator}: {sizes.prompts_per_rank * d.world_size} prompts x group_size "
-        f"{args.group_size} | kl {args.kl_penalty} ({'k3' if args.kl_penalty == 'loss' else args.kl_estimator}) beta "
+        f"{args.group_size} | kl {args.kl_penalty} ({args.kl_estimator}) beta "
         f"{args.kl_coef} | reward_norm {args.reward_norm} clip {args.reward_clip} | adv_whiten {args.adv_whiten} | "
         f"loss_agg {args.loss_agg} | cliprange {args.cliprange}/{args.cliprange_high or args.cliprange} dual_clip "
         f"{args.dual_clip} | mask_truncated {args.mask_truncated} | critic {'yes' if models.critic else 'no'}"
     )
-    for model in (models.actor, models.ref, models.critic, models.reward_model):
+    for model in (models.actor, models.ref, models.critic, *models.reward_models):
         if model is not None:
             model.eval()  # eval mode always: dropout off in all four models
             parallel.place_model(model, args, d, dtype)  # --fsdp shards the frozen models too
@@ -1377,10 +1435,14 @@ def main(args: Args) -> None:
     run = checkpoints.Run("ppo", args, d, tok, trained, started=t_start)
     step = 0
     updates = 0  # optimizer steps taken
-    sft_hash = checkpoints.file_sha256(args.sft_ckpt)
-    rm_hash = checkpoints.file_sha256(args.rm_ckpt) if rm else None
+    hashes = {  # what the run started from: --resume refuses a changed input
+        "sft_hash": checkpoints.file_sha256(args.sft_ckpt),
+        "ref_hash": checkpoints.file_sha256(args.ref_ckpt) if args.ref_ckpt else None,
+        "rm_hashes": [checkpoints.file_sha256(path) for path in args.rm_ckpt if path != "none"],
+    }
     if args.resume:
-        ckpt = run.resume({"sft_hash": ("--sft-ckpt", sft_hash), "rm_hash": ("--rm-ckpt", rm_hash)}, sampler)
+        flags = {"sft_hash": "--sft-ckpt", "ref_hash": "--ref-ckpt", "rm_hashes": "--rm-ckpt"}
+        ckpt = run.resume({key: (flags[key], digest) for key, digest in hashes.items()}, sampler)
         reward_moments.load_state_dict(ckpt["reward_moments"])
         kl_controller.load_state_dict(ckpt["kl_ctl"])
         data_state = ckpt["data_state"]
@@ -1457,9 +1519,7 @@ def main(args: Args) -> None:
         )
         sequence_len = experience["query"].size(1) + experience["mask"].size(1)
         sequences = experience["mask"].size(0) * d.world_size
-        flops = iteration_flops(
-            models.actor, models.critic, models.reward_model, sequence_len, sequences, args.ppo_epochs
-        )
+        flops = iteration_flops(models, sequence_len, sequences, args.ppo_epochs)
         metrics |= update_metrics
         if critic is not None:
             metrics["train/critic_lr"] = critic_lr
@@ -1493,7 +1553,7 @@ def main(args: Args) -> None:
                 skipped=guard.skipped,
             )
             ppo_state = dict(reward_moments=reward_moments.state_dict(), kl_ctl=kl_controller.state_dict())
-            run.save(step, data_state, sampler, **ppo_state, sft_hash=sft_hash, rm_hash=rm_hash)
+            run.save(step, data_state, sampler, **ppo_state, **hashes)
 
     # 4. a few samples to look at
     for record in samples[:5]:

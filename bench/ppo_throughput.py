@@ -31,7 +31,7 @@ import common  # noqa: E402
 from common import StepGuard, Trained  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from train_ppo import Args as PPOArgs  # noqa: E402
-from train_ppo import Models, RunningMoments, ppo_update, resolve_estimator_defaults, rollout, uses_critic  # noqa: E402
+from train_ppo import Models, RunningMoments, ppo_update, resolve_args, rollout, uses_critic  # noqa: E402
 
 
 @dataclass
@@ -180,7 +180,7 @@ def main(args: Args) -> None:
     # train_ppo's own settings object, with the values this benchmark has always used for gae; a critic-free
     # estimator keeps its own defaults (group size, KL placement, normalisation, whitening, aggregation)
     gae_settings = dict(kl_coef=0.1, reward_norm="norm", reward_clip=5.0, adv_whiten="minibatch")
-    ppo_settings = resolve_estimator_defaults(
+    ppo_settings = resolve_args(
         PPOArgs(
             adv_estimator=args.adv_estimator,
             max_new_tokens=R,
@@ -253,7 +253,7 @@ def main(args: Args) -> None:
         sync()
         t0 = time.perf_counter()
         exp, stats, _ = rollout(
-            Models(fwd[policy], fwd[ref], fwd[critic], fwd[reward_model]),
+            Models(fwd[policy], fwd[ref], fwd[critic], [fwd[reward_model]]),
             tok,
             prompts[it * B : (it + 1) * B],
             ppo_settings,

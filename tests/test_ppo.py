@@ -88,7 +88,7 @@ CKPT_KEYS = {
     "reward_moments",
     "kl_ctl",
     "sft_hash",
-    "rm_hash",
+    "rm_hashes",
 }
 
 
@@ -458,7 +458,7 @@ def update_once(actor, critic, exp, micro_batch_size, **settings):
         *entries(actor, critic),
         StepGuard(),
         exp,
-        resolve_estimator_defaults(args),
+        train_ppo.resolve_args(args),
         micro_batch_size=micro_batch_size,
         generator=torch.Generator().manual_seed(0),
         loss_kl_coef=0.1,
@@ -664,7 +664,7 @@ def rollout_kwargs(reward_fn=None, **settings):
     """rollout()'s arguments after the prompts: Args (settings overridden by keyword) and the run's state."""
     defaults = dict(max_new_tokens=12, temperature=0.9, missing_eos_penalty=-3.0, gamma=1.0, lam=0.95)
     return dict(
-        args=resolve_estimator_defaults(train_ppo.Args(**(defaults | settings))),
+        args=train_ppo.resolve_args(train_ppo.Args(**(defaults | settings))),
         micro_batch_size=4,
         generator=torch.Generator().manual_seed(0),
         reward_kl_coef=0.1,
@@ -687,7 +687,7 @@ def test_rollout_kl_zero_score_on_eos_and_first_minibatch(tok):
     critic, rm = tiny(tok, 1, lm_head=False, score_head=True), tiny(tok, 2, score_head=True)
     prompts = [f"Review of The Silent River ({a}):" for a in ("plot", "music", "acting, ending")] + ["Review of"] * 5
     exp, stats, samples = train_ppo.rollout(
-        train_ppo.Models(actor, ref, critic, rm),
+        train_ppo.Models(actor, ref, critic, [rm]),
         tok,
         prompts,
         **rollout_kwargs(
@@ -718,7 +718,7 @@ def test_rollout_kl_zero_score_on_eos_and_first_minibatch(tok):
         *entries(actor, critic, grad_clip=1.0),
         StepGuard(),
         exp,
-        resolve_estimator_defaults(args),
+        train_ppo.resolve_args(args),
         micro_batch_size=2,
         generator=torch.Generator().manual_seed(0),
     )
@@ -738,7 +738,7 @@ def test_rollout_raises_on_logprob_mismatch(tok, monkeypatch):
     monkeypatch.setattr(actor, "generate", bad_generate)
     with pytest.raises(RuntimeError, match="generation log-probs differ"):
         train_ppo.rollout(
-            train_ppo.Models(actor, actor, critic, None),
+            train_ppo.Models(actor, actor, critic, []),
             tok,
             ["Review of"] * 4,
             **rollout_kwargs(reward_fn=lambda p, r, e: 0.0),
@@ -811,7 +811,7 @@ def test_ppo_smoke_gold_reward(tmp_path, task_dir, sft_ckpt):
     )
     train_ppo.main(args)
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
-    assert CKPT_KEYS <= set(ckpt) and ckpt["kind"] == "ppo" and ckpt["step"] == 3 and ckpt["rm_hash"] is None
+    assert CKPT_KEYS <= set(ckpt) and ckpt["kind"] == "ppo" and ckpt["step"] == 3 and ckpt["rm_hashes"] == []
     assert len(ckpt["sft_hash"]) == 64
     policy, critic = GPT.from_checkpoint(ckpt), GPT.from_checkpoint(ckpt, key="critic")
     assert policy.config.lm_head and critic.config.score_head and not critic.config.lm_head
@@ -863,7 +863,7 @@ def test_ppo_smoke_critic_free(tmp_path, task_dir, sft_ckpt, estimator, flags):
     assert ckpt["args"]["critic_warmup_steps"] == 0
     scalars = read_scalars(out)
     actor_tags = ACTOR_TAGS | {"policy/clipfrac_low", "policy/clipfrac_high"}
-    if train_ppo.resolve_estimator_defaults(args).kl_penalty == "loss":
+    if train_ppo.resolve_args(args).kl_penalty == "loss":
         actor_tags.add("policy/kl_loss")
     tags = (set(PPO_TAGS) - VALUE_TAGS) | actor_tags
     if args.mask_truncated:
@@ -900,7 +900,7 @@ def test_ppo_smoke_with_reward_model(tmp_path, task_dir, sft_ckpt):
         train_ppo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=sft_ckpt, rm_ckpt=rm_path, max_steps=2, **TINY_PPO)
     )
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
-    assert ckpt["rm_hash"] is not None and "objective/gold" in read_scalars(out)
+    assert len(ckpt["rm_hashes"]) == 1 and "objective/gold" in read_scalars(out)
     bad_path = str(tmp_path / "rm_bad.pt")
     checkpoints.save_checkpoint(
         torch.load(rm_path, weights_only=False) | {"tokenizer": {**sft["tokenizer"], "name": "x"}}, bad_path
@@ -1023,7 +1023,7 @@ def _logprob_check_worker(rank: int, port: int, tokenizer_state: dict, queue) ->
         actor.generate = bad_generate
     kwargs = rollout_kwargs(reward_fn=lambda prompt, response, ended: 0.0)
     try:
-        train_ppo.rollout(train_ppo.Models(actor, actor, critic, None), tok, ["Review of"] * 4, **kwargs)
+        train_ppo.rollout(train_ppo.Models(actor, actor, critic, []), tok, ["Review of"] * 4, **kwargs)
         queue.put((rank, "no error"))
     except RuntimeError as error:
         queue.put((rank, str(error)))
@@ -1087,11 +1087,16 @@ def test_iteration_flops_against_a_hand_count():
     update = epochs * (actor_per_token + critic_per_token)
     want = sequences * seq_len * (rollout + update)
     assert actor.flops_per_token(seq_len) == actor_per_token
-    got = train_ppo.iteration_flops(actor, critic, reward_model, seq_len, sequences, epochs)
+    models = train_ppo.Models(actor, actor, critic, [reward_model])
+    got = train_ppo.iteration_flops(models, seq_len, sequences, epochs)
     assert got == pytest.approx(want, rel=1e-12)
     # --rm-ckpt none: no RM forward
-    without_rm = train_ppo.iteration_flops(actor, critic, None, seq_len, sequences, epochs)
+    without_rm = train_ppo.iteration_flops(train_ppo.Models(actor, actor, critic, []), seq_len, sequences, epochs)
     assert want - without_rm == pytest.approx(sequences * seq_len * critic_per_token / 3, rel=1e-12)
+    ensemble = train_ppo.iteration_flops(
+        train_ppo.Models(actor, actor, critic, [reward_model] * 3), seq_len, sequences, epochs
+    )
+    assert ensemble - got == pytest.approx(2 * sequences * seq_len * critic_per_token / 3, rel=1e-12)  # a forward each
 
 
 def test_ppo_starts_from_a_dpo_checkpoint(tmp_path, task_dir, sft_ckpt):
@@ -1149,7 +1154,7 @@ def test_reward_fn_from_a_file_or_a_module_beside_the_working_folder(tmp_path, t
 def test_rollout_logs_the_rm_score_and_the_reward_function_apart(tok):
     actor, critic, rm = tiny(tok, 0), tiny(tok, 1, lm_head=False, score_head=True), tiny(tok, 2, score_head=True)
     kwargs = rollout_kwargs(reward_fn=lambda p, r, e: 0.25, reward_fn_coef=2.0, reward_norm="none", reward_clip=None)
-    exp, stats, _ = train_ppo.rollout(train_ppo.Models(actor, actor, critic, rm), tok, ["Review of"] * 4, **kwargs)
+    exp, stats, _ = train_ppo.rollout(train_ppo.Models(actor, actor, critic, [rm]), tok, ["Review of"] * 4, **kwargs)
     assert stats["objective/reward_fn"] == pytest.approx(0.25)
     ended = exp["ended"].bool()
     if ended.any():  # the score of an ended response is the RM's plus coef x the function's
