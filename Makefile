@@ -6,6 +6,8 @@
 #                        needs out/sft and out/rm from `make demo`; resumes; table in out/ablation/ablation.md)
 #   make frontier        gold vs KL for PPO-max, GRPO, Dr. GRPO, RLOO, REINFORCE++, the gold-reward oracle, DPO and
 #                        best-of-N (about 1 h; needs `make demo`; resumes; out/frontier/frontier.md and .png)
+#   make online          iterated RLHF: rounds of PPO, on-policy pairs labelled by the task's simulated human and a
+#                        new reward model (needs `make demo`; resumes; out/online/results.json)
 PYTHON ?= python3
 VENV   := .venv
 PY     ?= $(VENV)/bin/python
@@ -28,7 +30,7 @@ EVAL_FLAGS :=
 endif
 COMMON := --task-dir $(DATA)
 
-.PHONY: demo test venv clean ablation frontier wheels
+.PHONY: demo test venv clean ablation frontier online wheels
 
 venv: $(VENV)/.installed
 
@@ -58,6 +60,10 @@ frontier: venv
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
 	$(PY) bench/frontier.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \
 		--out-dir $(OUT)/frontier
+
+online: venv
+	$(PY) train_online.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \
+		--out-dir $(OUT)/online
 
 test: venv
 	$(PY) -m ruff format --check .

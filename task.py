@@ -214,18 +214,27 @@ def sample_response(rng: random.Random, prompt: str) -> str:
     return " " + " ".join(sentences)
 
 
+def annotate(rng: random.Random, prompt: str, a: str, b: str, ended_a: bool = True, ended_b: bool = True) -> bool:
+    """The task's simulated human: True when it prefers response a to response b, drawn from a Bradley-Terry model
+    on the gold reward, P(a > b) = sigmoid((gold_a - gold_b) / BT_TEMPERATURE). It labels the offline pairs and the
+    on-policy pairs of iterated RLHF (train_online.py) alike, so both are exactly as noisy."""
+    delta = (gold_reward(prompt, a, ended_a) - gold_reward(prompt, b, ended_b)) / BT_TEMPERATURE
+    return rng.random() < 1 / (1 + math.exp(-delta))
+
+
 def sample_pair(rng: random.Random, prompt: str) -> dict:
-    """Two distinct demonstrations labelled by a Bradley-Terry model on the gold reward."""
+    """Two distinct demonstrations labelled by the simulated human (annotate)."""
     a = sample_response(rng, prompt)
     b = sample_response(rng, prompt)
     while b == a:
         b = sample_response(rng, prompt)
-    delta = (gold_reward(prompt, a, True) - gold_reward(prompt, b, True)) / BT_TEMPERATURE
-    a_wins = rng.random() < 1 / (1 + math.exp(-delta))
+    a_wins = annotate(rng, prompt, a, b)
     return {"prompt": prompt, "chosen": a if a_wins else b, "rejected": b if a_wins else a}
 
 
-TASK_FILES = ("pretrain", "sft", "sft_eval", "pairs", "pairs_eval", "prompts", "eval_prompts")
+# new files go at the end: each file's random stream is drawn in this order, so the earlier files stay as they were.
+# pairs_extra: more offline pairs, for comparing iterated RLHF with an RM trained once on as many offline labels
+TASK_FILES = ("pretrain", "sft", "sft_eval", "pairs", "pairs_eval", "prompts", "eval_prompts", "pairs_extra")
 TASK_SIZES = {
     "pretrain": 20000,
     "sft": 20000,
@@ -234,6 +243,7 @@ TASK_SIZES = {
     "pairs_eval": 4000,
     "prompts": 8192,
     "eval_prompts": 1024,
+    "pairs_extra": 20000,
 }
 TINY_SIZES = {
     "pretrain": 1000,
@@ -243,6 +253,7 @@ TINY_SIZES = {
     "pairs_eval": 200,
     "prompts": 512,
     "eval_prompts": 128,
+    "pairs_extra": 1000,
 }
 
 
@@ -254,7 +265,7 @@ def _task_records(name: str, rng: random.Random, n: int, train_titles: list[str]
             records.append({"text": prompt + sample_response(rng, prompt)})
         elif name in ("sft", "sft_eval"):
             records.append({"prompt": prompt, "response": sample_response(rng, prompt)})
-        elif name in ("pairs", "pairs_eval"):
+        elif name in ("pairs", "pairs_eval", "pairs_extra"):
             records.append(sample_pair(rng, prompt))
         else:
             records.append({"prompt": prompt})

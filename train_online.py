@@ -1,0 +1,269 @@
+"""Iterated RLHF with on-policy labels (InstructGPT's and Llama 2's rounds): the reward model is what caps PPO
+(DESIGN §5d), and a reward model trained on the policy's own samples is a better one where the policy now lives.
+
+Round 0 is the start: the SFT policy and its reward model(s). Each round r >= 1 then runs, in order:
+  1. PPO, a fresh run from round r-1's policy (round 1: the SFT policy) against round r-1's reward model(s), the
+     reference still the SFT policy (--ref-ckpt); the critic starts from that reward model, and the optimizers, LR
+     schedule, reward moments and KL controller start fresh;
+  2. pairs sampled from the new policy on training prompts, two responses a prompt;
+  3. labelled by the annotator: the built-in task's simulated human (task.annotate: Bradley-Terry on the gold reward,
+     as noisy as the offline labels), a judge of yours (--labeler module:function, fn(prompt, response_a,
+     response_b) -> P(a is better), from which the label is drawn), or people (--labeler human); identical pairs and
+     pairs with a response that never ended are dropped and counted;
+  4. the next reward model(s) trained from the SFT checkpoint on every label so far (the offline pairs and every
+     round's);
+  5. the round's policy evaluated on the held-out prompts.
+Every stage is the stage script itself, run as a subprocess; every round's pairs, reward models, policy and
+evaluation are kept under --out-dir/round<r>/, and a step whose output is there is not run again, so the command
+resumes where it stopped. --out-dir/results.json holds a row per round, round<r>: gold, kl and valid_frac (each with
+_se), labels (distinct labelled pairs any reward model so far was trained on) and episodes (PPO episodes so far).
+
+python train_online.py                                   # after make demo: 3 rounds on the built-in task
+python train_online.py --labeler myjudge:prefer          # your judge
+python train_online.py --labeler human                   # people: each round stops at round<r>/to_label.jsonl
+"""
+
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional
+
+import torch
+import tyro
+
+import common
+import hf
+from common import UserError, print0, write_atomic
+from data import encode_prompts, read_jsonl
+from model import sample
+from task import annotate, build_task
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class Args:
+    out_dir: str = "out/online"
+    """where every round's pairs, reward models, policy and evaluation go (round<r>/), and results.json"""
+    sft_ckpt: str = "out/sft/ckpt.pt"
+    """round 0's policy, every round's reference and every reward model's init"""
+    rm_ckpt: list[str] = field(default_factory=lambda: ["out/rm/ckpt.pt"])
+    """round 0's reward model(s): one, or the members of an ensemble"""
+    rounds: int = 3
+    """rounds of PPO, sampling, labelling and reward-model training"""
+    pairs_per_round: int = 6000
+    """on-policy pairs sampled a round (two responses a training prompt), before the drops"""
+    ensemble: int = 1
+    """reward models trained a round, seeds 1..K (an ensemble when K > 1, combined by --rm-agg)"""
+    rm_agg: Literal["mean", "min", "uwo"] = "mean"
+    """how PPO and the evaluation combine an ensemble's scores (train_ppo.py's --rm-agg)"""
+    rm_uwo_coef: float = 1.0
+    """--rm-agg uwo: the weight of the members' variance"""
+    labeler: str = "task"
+    """task (the built-in task's simulated human) | human (export each round's pairs, import the labels) |
+    module:function or path/to/file.py:function, fn(prompt, response_a, response_b) -> P(a is better)"""
+    ppo_flags: str = "--kl-coef 0.15"
+    """train_ppo.py flags of every round (its defaults otherwise: 12,800 episodes)"""
+    rm_flags: str = ""
+    """train_rm.py flags of every round's reward models (its defaults otherwise: one epoch over all labels so far)"""
+    eval_flags: str = ""
+    """eval.py flags of every round's evaluation (its defaults otherwise: 512 held-out prompts, one sample each)"""
+    data: Optional[str] = None
+    """the offline preference JSONL the first reward models were trained on (None: the built-in task's pairs)"""
+    prompts: Optional[str] = None
+    """training prompts JSONL the pairs are sampled on (None: the built-in task's PPO prompts)"""
+    task_seed: int = 1337
+    """seed of the built-in task"""
+    task_dir: str = "out/data"
+    """where the built-in task is cached"""
+    seed: int = 1
+    """seed of the sampling and the simulated labels (round r samples with seed * 1000 + r)"""
+    temperature: float = 1.0
+    """sampling temperature of the pairs"""
+    max_new_tokens: int = 64
+    """longest sampled response"""
+    device: str = "auto"
+    """auto | cpu | cuda, for the sampling here (the stages take theirs from their flags)"""
+
+
+def run_stage(script: str, flags: list[str], extra: str, log: str) -> None:
+    """One stage script as a subprocess with this interpreter; its output goes to log; a failure ends the driver
+    with the log's last lines."""
+    command = [sys.executable, os.path.join(ROOT, script), *flags, *shlex.split(extra)]
+    started = time.time()
+    with open(log, "w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=os.getcwd())
+    if done.returncode != 0:
+        tail = open(log).read().strip().splitlines()[-5:]
+        raise UserError(f"{script} failed (see {log}): " + " / ".join(tail))
+    print0(f"  {script} done in {time.time() - started:.0f}s ({log})")
+
+
+def load_labeler(spec: str) -> Callable:
+    """--labeler -> fn(rng, prompt, a, b) -> True when a is preferred: the task's simulated human, or a user's judge
+    fn(prompt, a, b) -> P(a is better), from which the label is drawn."""
+    if spec == "task":
+        return annotate
+    judge = common.load_reward_fn(spec, flag="--labeler")
+
+    def draw(rng: random.Random, prompt: str, a: str, b: str) -> bool:
+        return rng.random() < float(judge(prompt, a, b))
+
+    return draw
+
+
+@torch.no_grad()
+def sample_pairs(policy_path: str, prompts: list[str], args: Args, seed: int) -> tuple[list[dict], dict]:
+    """Two responses per prompt from the policy (its tempered distribution, batches of 128 prompts): the pairs
+    {"prompt", "response_a", "response_b"} to label, and the counts of those dropped (identical responses, a
+    response that never ended: the reward model appends EOS to every response it reads)."""
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else "cpu")
+    device = device if args.device == "auto" else torch.device(args.device)
+    policy, tok, _ = hf.load_init(policy_path, flag="--sft-ckpt", kind=("sft", "dpo", "ppo"))
+    policy = policy.to(device).eval()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    pairs, dropped = [], {"identical": 0, "not_ended": 0}
+    for start in range(0, len(prompts), 128):
+        chunk = prompts[start : start + 128]
+        doubled = [prompt for prompt in chunk for _ in range(2)]  # a pair's two responses in one batch
+        query, query_mask = (t.to(device) for t in encode_prompts(tok, doubled))
+        samples = sample(policy, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator)
+        ended = samples.ended.tolist()
+        for i, prompt in enumerate(chunk):
+            a, b = samples.texts[2 * i], samples.texts[2 * i + 1]
+            if not (ended[2 * i] and ended[2 * i + 1]):
+                dropped["not_ended"] += 1
+            elif a == b:
+                dropped["identical"] += 1
+            else:
+                pairs.append({"prompt": prompt, "response_a": a, "response_b": b})
+    return pairs, dropped
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def label_pairs(to_label: list[dict], args: Args, labels_path: str, seed: int) -> Optional[list[dict]]:
+    """The labelled pairs {"prompt", "chosen", "rejected"}: drawn from the annotator, or (--labeler human) read from
+    labels_path, the exported pairs with "a_wins": true | false added by people (None until that file exists)."""
+    if args.labeler == "human":
+        if not os.path.exists(labels_path):
+            return None
+        rows = [json.loads(line) for line in open(labels_path) if line.strip()]
+        wins = [row.get("a_wins") for row in rows]
+        if any(not isinstance(win, bool) for win in wins):
+            raise UserError(f'{labels_path}: every line needs "a_wins": true or false')
+    else:
+        labeler = load_labeler(args.labeler)
+        rng = random.Random(seed)
+        rows = to_label
+        wins = [labeler(rng, row["prompt"], row["response_a"], row["response_b"]) for row in rows]
+    labelled = []
+    for row, a_wins in zip(rows, wins):
+        a, b = row["response_a"], row["response_b"]
+        labelled.append({"prompt": row["prompt"], "chosen": a if a_wins else b, "rejected": b if a_wins else a})
+    return labelled
+
+
+def eval_row(eval_json: str, name: str, labels: int, episodes: int) -> dict:
+    """A results.json row from a round's evaluation."""
+    entry = json.load(open(eval_json))[name]
+    row = {key: entry.get(key) for key in ("gold", "gold_se", "kl", "kl_se", "valid_frac", "valid_frac_se")}
+    return row | {"score": entry.get("score"), "labels": labels, "episodes": episodes}
+
+
+def main(args: Args) -> None:
+    started = time.time()
+    if args.rounds < 1 or args.pairs_per_round < 2 or args.ensemble < 1:
+        raise UserError("--rounds, --ensemble >= 1 and --pairs-per-round >= 2")
+    os.makedirs(args.out_dir, exist_ok=True)
+    task = build_task(args.task_dir, args.task_seed)
+    offline_path = args.data or task["pairs"]
+    offline = read_jsonl(offline_path, "pairs", "--data")
+    prompts = [row["prompt"] for row in read_jsonl(args.prompts or task["prompts"], "prompts", "--prompts")]
+    per_round = args.pairs_per_round
+    rm_base = ["--task-dir", args.task_dir, "--task-seed", str(args.task_seed), "--init", args.sft_ckpt]
+    if args.data is None:  # held-out pairs: the task's, the same every round
+        rm_base += ["--eval-data", task["pairs_eval"]]
+    results_path = os.path.join(args.out_dir, "results.json")
+    results = json.load(open(results_path)) if os.path.exists(results_path) else {}
+    policy, rms = args.sft_ckpt, list(args.rm_ckpt)
+    eval_base = ["--ref", args.sft_ckpt, "--task-dir", args.task_dir, "--rm-agg", args.rm_agg]
+    eval_base += ["--rm-uwo-coef", str(args.rm_uwo_coef)]
+    if "round0" not in results:
+        json_path = os.path.join(args.out_dir, "round0_eval.json")
+        flags = eval_base + ["--policy", policy, "--names", "round0", "--rm", *rms, "--json", json_path]
+        run_stage("eval.py", flags, args.eval_flags, os.path.join(args.out_dir, "round0_eval.log"))
+        results["round0"] = eval_row(json_path, "round0", len(offline), 0)
+        write_atomic(results_path, json.dumps(results, indent=2))
+    labelled_so_far = list(offline)
+    episodes = 0
+    for r in range(1, args.rounds + 1):
+        folder = os.path.join(args.out_dir, f"round{r}")
+        os.makedirs(folder, exist_ok=True)
+        print0(f"round {r}: policy {policy} | reward model(s) {' '.join(rms)}")
+        # 1. PPO from the last policy, against the last reward model(s), the SFT policy as the reference
+        ppo = os.path.join(folder, "ppo", "ckpt.pt")
+        if not os.path.exists(os.path.join(folder, "ppo.done")):
+            flags = ["--sft-ckpt", policy, "--ref-ckpt", args.sft_ckpt, "--rm-ckpt", *rms, "--rm-agg", args.rm_agg]
+            flags += ["--rm-uwo-coef", str(args.rm_uwo_coef), "--task-dir", args.task_dir, "--overwrite"]
+            flags += ["--out-dir", os.path.dirname(ppo)]
+            run_stage("train_ppo.py", flags, args.ppo_flags, os.path.join(folder, "ppo.log"))
+            write_atomic(os.path.join(folder, "ppo.done"), "")
+        ppo_run = torch.load(ppo, map_location="cpu", weights_only=False, mmap=True)
+        episodes += ppo_run["step"] * ppo_run["args"]["rollout_batch_size"]
+        # 2.-3. on-policy pairs, labelled
+        pairs_path = os.path.join(folder, "pairs.jsonl")
+        if not os.path.exists(pairs_path):
+            export = os.path.join(folder, "to_label.jsonl")
+            start = (r - 1) * per_round % len(prompts)
+            round_prompts = [prompts[(start + i) % len(prompts)] for i in range(per_round)]
+            to_label, dropped = sample_pairs(ppo, round_prompts, args, seed=args.seed * 1000 + r)
+            write_jsonl(export, to_label)
+            labels_path = os.path.join(folder, "labels.jsonl")
+            labelled = label_pairs(to_label, args, labels_path, seed=args.seed * 1000 + r)
+            if labelled is None:
+                print0(
+                    f'round {r}: {len(to_label)} pairs to label in {folder}/to_label.jsonl: add "a_wins": true or '
+                    f"false to each line, save it as {labels_path}, and run this command again"
+                )
+                return
+            write_jsonl(pairs_path, labelled)
+            stats = {"sampled": per_round, "kept": len(labelled), "dropped": dropped}
+            write_atomic(os.path.join(folder, "pairs_stats.json"), json.dumps(stats, indent=2))
+            print0(f"round {r}: {len(labelled)} of {per_round} pairs labelled ({dropped} dropped)")
+        labelled_so_far += [json.loads(line) for line in open(pairs_path)]  # written above (maybe none kept)
+        # 4. the next reward model(s), from the SFT checkpoint on every label so far
+        all_pairs = os.path.join(folder, "pairs_all.jsonl")
+        if not os.path.exists(all_pairs):
+            write_jsonl(all_pairs, labelled_so_far)
+        members = []
+        for k in range(1, args.ensemble + 1):
+            out = os.path.join(folder, f"rm{k}")
+            if not os.path.exists(out + ".done"):
+                flags = rm_base + ["--data", all_pairs, "--seed", str(k), "--out-dir", out, "--overwrite"]
+                run_stage("train_rm.py", flags, args.rm_flags, out + ".log")
+                write_atomic(out + ".done", "")
+            members.append(os.path.join(out, "ckpt.pt"))
+        # 5. the round's policy, on the held-out prompts (scored by the reward model(s) it was trained against)
+        json_path = os.path.join(folder, "eval.json")
+        if not os.path.exists(json_path):
+            flags = eval_base + ["--policy", ppo, "--names", f"round{r}", "--rm", *rms, "--json", json_path]
+            run_stage("eval.py", flags, args.eval_flags, os.path.join(folder, "eval.log"))
+        results[f"round{r}"] = eval_row(json_path, f"round{r}", len(labelled_so_far), episodes)
+        write_atomic(results_path, json.dumps(results, indent=2))
+        policy, rms = ppo, members
+    print0(f"online done in {time.time() - started:.0f}s: {results_path}")
+    for name, row in results.items():
+        gold = "-" if row["gold"] is None else f"{row['gold']:.3f} ± {row['gold_se']:.3f}"
+        print0(f"  {name}: gold {gold} | kl {row['kl']:.2f} | labels {row['labels']} | episodes {row['episodes']}")
+
+
+if __name__ == "__main__":
+    common.run_main(main, tyro.cli(Args))
