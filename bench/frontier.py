@@ -26,13 +26,15 @@ from ablation import first_alarm, read_scalars, spread
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORACLE = ["--rm-ckpt", "none", "--reward-fn", "task:gold_reward"]
+LIMIT_BETAS = (1.0, 0.5, 0.3, 0.2, 0.15, 0.1, 0.075, 0.05, 0.03)
 
 
 @dataclass(frozen=True)
 class Method:
     kind: str
-    """ppo (train_ppo.py, strength = --kl-coef), dpo (train_dpo.py, strength = --beta) or bon (eval.py's best-of-N
-    from the SFT policy, strength = N)"""
+    """ppo (train_ppo.py, strength = --kl-coef), dpo (train_dpo.py, strength = --beta), bon (eval.py's best-of-N
+    from the SFT policy, strength = N) or limit (eval.py --kl-optimal: the KL-regularised optimum from the SFT
+    policy's samples, strength = beta, flags = the reward signal: gold or rm)"""
     strengths: tuple
     """the sweep, strongest KL control first"""
     middle: Optional[float]
@@ -60,6 +62,10 @@ METHODS = {
     "grpo_oracle": Method("ppo", (0.15, 0.05), None, ("--adv-estimator", "grpo", *ORACLE)),
     "dpo": Method("dpo", (1.0, 0.3, 0.1), 0.3),
     "best_of_n": Method("bon", (1, 4, 16, 64), 16),
+    # the two limits (DESIGN §5d): tilted by the gold reward, what any method can reach at that KL; tilted by the RM,
+    # what a perfect optimiser of this RM reaches, scored on gold
+    "limit_gold": Method("limit", LIMIT_BETAS, None, ("gold",)),
+    "limit_rm": Method("limit", LIMIT_BETAS, None, ("rm",)),
 }
 
 
@@ -85,6 +91,8 @@ class Args:
     """held-out prompts sampled per point by eval.py"""
     bon_samples: int = 256
     """held-out prompts for best-of-N (each gets max(N) samples)"""
+    limit_samples: int = 256
+    """SFT samples per held-out prompt for the two limits (eval.py --kl-optimal --seeds), drawn once and cached"""
     table_only: bool = False
     """start nothing: write the table and the plot from the finished runs"""
     extra: str = ""
@@ -105,6 +113,10 @@ def commands(args: Args, method: str, strength: float, seed: int) -> list[list[s
     if spec.kind == "bon":
         evaluate += ["--policy", args.sft_ckpt, "--names", "sft", "--num-samples", str(args.bon_samples)]
         return [evaluate + ["--best-of-n", *map(str, spec.strengths)]]
+    if spec.kind == "limit":  # both limits share one set of samples (the cache), each only scores them
+        evaluate += ["--policy", args.sft_ckpt, "--names", "sft", "--num-samples", str(args.eval_samples)]
+        evaluate += ["--seeds", str(args.limit_samples), "--sample-cache", os.path.join(args.out_dir, "limit.pt")]
+        return [evaluate + ["--kl-optimal", *map(str, spec.strengths)]]
     if spec.kind == "dpo":
         train = [python, os.path.join(ROOT, "train_dpo.py"), "--init", args.sft_ckpt, "--beta", f"{strength:g}"]
     else:
@@ -159,6 +171,8 @@ def summarize(args: Args, method: str, strength: float, seed: int, seconds: floa
         results = json.load(f)
     if spec.kind == "bon":
         return {n: row_of(results[f"sft_bon{n}"], seconds) for n in spec.strengths}
+    if spec.kind == "limit":
+        return {beta: row_of(results[f"sft_opt_{spec.flags[0]}_b{beta:g}"], seconds) for beta in spec.strengths}
     row = row_of(results[method], seconds)
     if spec.kind == "ppo":
         series, start = event_series(out)
@@ -169,8 +183,8 @@ def summarize(args: Args, method: str, strength: float, seed: int, seconds: floa
 
 
 def row_of(result: dict, seconds: float) -> dict:
-    row = {key: result[key] for key in ("gold", "gold_se", "score", "kl", "valid_frac", "response_len")}
-    return row | {"seconds": seconds, "time_to_90": None, "first_alarm": None}
+    row = {key: result.get(key) for key in ("gold", "gold_se", "score", "kl", "valid_frac", "response_len")}
+    return row | {"seconds": seconds, "time_to_90": None, "first_alarm": None, "warning": result.get("warning")}
 
 
 def start(args: Args, point: tuple, threads: int) -> Optional[subprocess.Popen]:
@@ -216,13 +230,13 @@ def points(args: Args, names: list[str]) -> list[tuple]:
     todo = []
     for name in names:
         spec = METHODS[name]
-        if spec.kind == "bon":
+        if spec.kind in ("bon", "limit"):
             todo.append((name, max(spec.strengths), args.seeds[0]))
             continue
         todo += [(name, strength, args.seeds[0]) for strength in spec.strengths]
     for name in names:  # the extra seeds last: a run cut short has every method's line first
         spec = METHODS[name]
-        if spec.kind != "bon" and spec.middle is not None:
+        if spec.kind not in ("bon", "limit") and spec.middle is not None:
             todo += [(name, spec.middle, seed) for seed in args.seeds[1:]]
     return todo
 
@@ -269,37 +283,47 @@ def table(rows: dict[str, dict[float, list[dict]]], args: Args) -> str:
 
 
 def plot(rows: dict[str, dict[float, list[dict]]], sft_gold: Optional[float], path: str) -> None:
-    """Gold against KL, one line per method (points = strengths, seeds averaged; error bars = gold's SE)."""
+    """Gold against sqrt(KL) (Gao et al. 2022's d: where the methods live, 0-5 nats, gets most of the width; the
+    ticks read in nats), one line per method (points = strengths, seeds averaged; error bars = gold's SE), the two
+    limits as lines: gold's (what any method can reach at that KL) and the RM's (a perfect optimiser of this RM),
+    their estimates past log M (flagged by eval.py) left out."""
+    import math
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.5), dpi=110)
+    figure, axes = plt.subplots(figsize=(7.5, 4.8), dpi=110)
     for name, by_strength in rows.items():
         kls, golds, errors = [], [], []
         for runs in by_strength.values():
+            if any(run.get("warning") for run in runs):
+                continue
             kls.append(sum(run["kl"] for run in runs) / len(runs))
             golds.append(sum(run["gold"] for run in runs) / len(runs))
             errors.append(max(run["gold_se"] for run in runs))
         order = sorted(range(len(kls)), key=lambda i: kls[i])
+        x = [math.sqrt(max(kls[i], 0.0)) for i in order]
+        y = [golds[i] for i in order]
+        if name.startswith("limit"):
+            style = dict(color="black", linewidth=2.2 if name == "limit_gold" else 1.4)
+            style["linestyle"] = "-" if name == "limit_gold" else "--"
+            label = "limit: tilted by gold" if name == "limit_gold" else "limit: tilted by the RM (a perfect optimiser)"
+            axes.plot(x, y, label=label, zorder=1, **style)
+            continue
         style = "--" if "oracle" in name else "-"
-        axes.errorbar(
-            [kls[i] for i in order],
-            [golds[i] for i in order],
-            yerr=[errors[i] for i in order],
-            fmt="o" + style,
-            markersize=4,
-            capsize=2,
-            label=name,
-        )
+        yerr = [errors[i] for i in order]
+        axes.errorbar(x, y, yerr=yerr, fmt="o" + style, markersize=4, capsize=2, label=name, zorder=2)
     if sft_gold is not None:
         axes.axhline(sft_gold, color="grey", linewidth=0.8, linestyle=":", label="sft")
-    axes.set_xlabel("KL to the SFT policy (nats per response)")
+    ticks = [0, 0.5, 1, 2, 4, 8, 16]
+    axes.set_xticks([math.sqrt(t) for t in ticks], [f"{t:g}" for t in ticks])
+    axes.set_xlabel("KL to the SFT policy (nats per response; the axis is its square root)")
     axes.set_ylabel("gold reward (held-out prompts)")
-    axes.set_title("Gold vs KL on the built-in task, equal episodes")
+    axes.set_title("Gold vs KL on the built-in task, equal episodes, and the KL-optimal limits")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8, ncol=2)
+    axes.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     figure.savefig(path)
 

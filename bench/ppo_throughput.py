@@ -81,6 +81,8 @@ class Args(Shape):
     adv_estimator: str = "gae"
     """train_ppo's --adv-estimator: gae | grpo | rloo | reinforce_pp (critic-free: no critic built, scored or trained;
     the same responses per iteration, --batch / group_size prompts)"""
+    rm_members: int = 1
+    """reward models scoring each rollout (train_ppo's --rm-ckpt a b ...: an ensemble's K forwards a micro-batch)"""
     floor: bool = True
     """record the linear layers' GEMM shapes in the warm-up iteration and time them alone: the `[floor]` line (CPU,
     fp32)"""
@@ -177,6 +179,7 @@ def main(args: Args) -> None:
     ref.load_state_dict(policy.state_dict())
     rm_cfg = GPTConfig(**{**cfg.__dict__, "lm_head": False, "score_head": True})
     reward_model = GPT(rm_cfg).to(device).requires_grad_(False)
+    members = [reward_model] + [GPT(rm_cfg).to(device).requires_grad_(False) for _ in range(args.rm_members - 1)]
     # train_ppo's own settings object, with the values this benchmark has always used for gae; a critic-free
     # estimator keeps its own defaults (group size, KL placement, normalisation, whitening, aggregation)
     gae_settings = dict(kl_coef=0.1, reward_norm="norm", reward_clip=5.0, adv_whiten="minibatch")
@@ -200,7 +203,7 @@ def main(args: Args) -> None:
         critic = GPT(rm_cfg).to(device)
         critic.load_state_dict(reward_model.state_dict())  # the critic starts from the RM (as TRL's examples)
         critic_opt = critic.configure_optimizers(0.0, 3e-6, (0.9, 0.95), device.type)
-    models = [m for m in (policy, ref, reward_model, critic) if m is not None]
+    models = [m for m in (policy, ref, *members, critic) if m is not None]
     for m in models:
         m.eval()
     actor_opt = policy.configure_optimizers(0.0, 3e-6, (0.9, 0.95), device.type)
@@ -253,7 +256,7 @@ def main(args: Args) -> None:
         sync()
         t0 = time.perf_counter()
         exp, stats, _ = rollout(
-            Models(fwd[policy], fwd[ref], fwd[critic], [fwd[reward_model]]),
+            Models(fwd[policy], fwd[ref], fwd[critic], [fwd[member] for member in members]),
             tok,
             prompts[it * B : (it + 1) * B],
             ppo_settings,
@@ -299,7 +302,7 @@ def main(args: Args) -> None:
     critic_share = 1 if critic is not None else 0
     flops = {
         "generate": B * L * fa / 3,
-        "scoring": B * L * (2 * fa + (1 + critic_share) * fc) / 3,
+        "scoring": B * L * (2 * fa + (args.rm_members + critic_share) * fc) / 3,
         "update": args.ppo_epochs * B * L * (fa + critic_share * fc),
     }
     # the peak: measured fp32 matmuls on CPU; the vendor's dense bf16 figure on a known GPU (common.GPU_PEAK_FLOPS)
@@ -309,7 +312,7 @@ def main(args: Args) -> None:
         else common.peak_flops(device)
     )
     # TRL takes the old log-probs from its generation's scores: its scoring phase skips the policy forward
-    scoring_without_policy = B * L * (fa + (1 + critic_share) * fc) / 3
+    scoring_without_policy = B * L * (fa + (args.rm_members + critic_share) * fc) / 3
     print(
         f"[flops] generate={flops['generate'] / 1e9:.2f} scoring={flops['scoring'] / 1e9:.2f} "
         f"scoring_without_policy={scoring_without_policy / 1e9:.2f} update={flops['update'] / 1e9:.2f} GFLOP "
