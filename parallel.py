@@ -176,11 +176,27 @@ def gathered(model: torch.nn.Module):
             module.set_reshard_after_forward(True, recurse=False)
 
 
+# dynamo caches graphs per code object: every model of a run (PPO's actor, reference, critic, each RM) is an entry of
+# GPT.forward's, once with grad and once without where both run, and the actor's ptx call (no mask) one more: 6 + K
+# for PPO with K reward models, each compiled once since no shape ever recompiles; the default limit of 8 would
+# leave an ensemble's last members eager
+RECOMPILE_LIMIT = 64
+
+
+def compile_forward(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile of a training forward with dynamic shapes (DESIGN §7): every batch and sequence length, and
+    every logits_to_keep, is one graph, so a run of varying response lengths compiles each call signature once and
+    never reaches dynamo's recompile limit (static shapes recompiled at each new length: 8 times in 8 PPO iterations,
+    bench/recompiles.py). Eager runs are untouched."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(model, dynamic=True)
+
+
 def wrap_model(model: torch.nn.Module, d: Dist, compile: str) -> torch.nn.Module:
     """The training forward: torch.compile (--compile), then DDP under torchrun. Generation, evaluation and saving use
     the raw module."""
     if use_compile(compile, d.device):
-        model = torch.compile(model)
+        model = compile_forward(model)
     if d.ddp and not isinstance(getattr(model, "_orig_mod", model), FSDPModule):  # FSDP2 needs no wrapper
         model = replicate(model, d)
     return model

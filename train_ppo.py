@@ -140,6 +140,10 @@ class Args(common.CommonArgs):
     """DAPO clip-higher: the ratio is clipped to [1 - cliprange, 1 + cliprange_high] (None: cliprange)"""
     dual_clip: Optional[float] = None
     """dual-clip constant c > 1 (Ye et al. 2020): for A < 0 the per-token loss is capped at -c*A (None: off)"""
+    tis_cap: Optional[float] = None
+    """truncated importance sampling (Yao et al. 2025), for a sampler whose numerics differ from the trainer's (bf16):
+    each token's policy loss weighted by min(pi_old / pi_sampler, C), pi_old the training forward's probability of
+    the sampled token and pi_sampler the generation's own (None: off)"""
     cliprange_value: Optional[float] = 0.2
     """value clip around the rollout's values (None: off)"""
     entropy_coef: float = 0.0
@@ -271,6 +275,8 @@ def check_args(args: Args) -> None:
         raise UserError(
             f"--cliprange-high {args.cliprange_high}: the upper bound 1 + eps needs eps > 0 and a --cliprange"
         )
+    if args.tis_cap is not None and args.tis_cap <= 0:
+        raise UserError(f"--tis-cap {args.tis_cap}: the cap of an importance weight, use > 0 (e.g. 2)")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise UserError(f"--dual-clip {args.dual_clip}: the cap -c*A needs c > 1")
     if args.cliprange_value is not None and args.cliprange_value <= 0:
@@ -451,6 +457,17 @@ def ppo_policy_loss(
     return pg_loss, stats
 
 
+def tis_weights(old_logprobs, sampler_logprobs, mask, cap: float) -> tuple[torch.Tensor, dict]:
+    """Truncated importance sampling (Yao et al. 2025): per token (B, T) min(pi_old / pi_sampler, cap), pi_old the
+    training forward's probability of the sampled token and pi_sampler the sampler's own, masked before the
+    exponential (0 on padding); stats: tis_weight_mean, tis_clipfrac (the share of tokens whose ratio exceeds the
+    cap), means over the valid tokens."""
+    ratio = torch.exp(torch.where(mask.bool(), old_logprobs - sampler_logprobs, 0.0))
+    weights = ratio.clamp(max=cap) * mask
+    stats = {"tis_weight_mean": masked_mean(weights, mask), "tis_clipfrac": masked_mean((ratio > cap).float(), mask)}
+    return weights, stats
+
+
 def kl_loss(logprobs, ref_logprobs, mask, weights, denom, kl_coef: float, estimator: str = "k3") -> torch.Tensor:
     """--kl-penalty loss (GRPO): kl_coef * sum(k * weights) / denom (loss_weights) per token on the current log-probs
     (B, T), differentiable in logprobs, masked before the exponential (a pad token's log-prob may be anything). With
@@ -611,7 +628,7 @@ class Models:
             return self
 
         def compile_role(model):
-            return model if model is None or isinstance(model, BaseView) else torch.compile(model)
+            return model if model is None or isinstance(model, BaseView) else parallel.compile_forward(model)
 
         reward_models = [compile_role(model) for model in self.reward_models]
         return Models(compile_role(self.actor), compile_role(self.ref), compile_role(self.critic), reward_models)
@@ -749,6 +766,7 @@ def rollout(
         advantages=advantages,
         scores=scores,
         ended=ended.float(),
+        sampler_logprobs=samples.logprobs * mask,
     )
     if values is not None:
         experience["values"] = values
@@ -935,13 +953,14 @@ def actor_loss(logits, logprobs, batch: dict, terms: LossTerms, denom) -> tuple[
     pg_loss, and kl_loss where present)."""
     mask = batch["loss_mask"]
     weights = batch["weights"]
+    pg_weights = weights * batch["tis"] if "tis" in batch else weights  # --tis-cap: the policy loss only
     pg_loss, stats = ppo_policy_loss(
         logprobs,
         batch["logprobs"],
         batch["advantages"],
         mask,
         terms.cliprange,
-        weights=weights,
+        weights=pg_weights,
         denom=denom,
         cliprange_high=terms.cliprange_high,
         dual_clip=terms.dual_clip,
@@ -1037,8 +1056,10 @@ def ppo_update(
     minibatch_rows = exact_div(rows_per_rank, args.num_minibatches, "rollout rows per rank over --num-minibatches")
     grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
     amp = parallel.autocast(device, dtype)
-    actor_forward = actor.forward or actor.model
-    critic_forward = None if critic is None else critic.forward or critic.model
+    actor_forward = actor.model if actor.forward is None else actor.forward
+    critic_forward = None
+    if critic is not None:
+        critic_forward = critic.model if critic.forward is None else critic.forward
     use_ptx = train_actor and args.ptx_coef > 0 and ptx_sampler is not None
     kl_in_loss = loss_kl_coef if args.kl_penalty == "loss" else None
     terms = LossTerms(
@@ -1053,6 +1074,15 @@ def ppo_update(
     if args.dynamic_sampling:
         loss_mask = loss_mask * experience["informative"][:, None]
     batch = experience | {"loss_mask": loss_mask}
+    tis_metrics = {}
+    if args.tis_cap is not None:  # truncated importance sampling: the sampler's and the trainer's numerics differ
+        tis, tis_stats = tis_weights(experience["logprobs"], experience["sampler_logprobs"], loss_mask, args.tis_cap)
+        batch["tis"] = tis
+        tokens = loss_mask.sum()
+        sums = parallel.all_reduce_dict(
+            {key: value * tokens for key, value in tis_stats.items()} | {"n": tokens}, device
+        )
+        tis_metrics = {f"policy/{key}": sums[key] / max(sums["n"], 1.0) for key in tis_stats}
     if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (TRL)
         mean, variance = global_moments(batch["advantages"], loss_mask, device)
         batch["advantages"] = masked_whiten(batch["advantages"], mask, mean=mean, var=variance)
@@ -1136,7 +1166,7 @@ def ppo_update(
                     losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums[entry.name].items())
                     print0(f"step {step}: the {role}'s sums when its grad norm was not finite: {losses}")
             updates += len(stepped) == len(stepping)
-    metrics = update_metrics(totals, steps, guard, device)
+    metrics = update_metrics(totals, steps, guard, device) | tis_metrics
     return metrics, {"updates": updates, "skipped": guard.skipped - skipped_before, "first": first}
 
 

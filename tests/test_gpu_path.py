@@ -3,6 +3,7 @@ forward (inductor's CPU backend) of SFT and of the PPO update against eager fp32
 per graph here, so the compiled tests use 1-layer models and one static shape each (DESIGN §9)."""
 
 import copy
+import logging
 import math
 import os
 import shutil
@@ -102,11 +103,15 @@ def test_every_stage_runs_under_bf16_autocast(tmp_path, task_dir):
                 warmup_steps=1,
                 log_every=1,
                 sample_every=1,
+                tis_cap=2.0,
             )
         )
         finite_checkpoint(os.path.join(out, "ckpt.pt"))
         scalars = read_scalars(out)
         assert all(math.isfinite(value) for value in scalars["policy/loss"])
+        # --tis-cap 2 under bf16: the sampler and the trainer disagree a little, the weights stay near 1
+        assert all(0.5 < value <= 2.0 for value in scalars["policy/tis_weight_mean"])
+        assert all(0.0 <= value < 0.5 for value in scalars["policy/tis_clipfrac"])
 
 
 @needs_compiler
@@ -156,3 +161,63 @@ def test_compiled_sft_matches_eager(tmp_path, task_dir):
         losses[setting] = read_scalars(out)["train/loss"]
         finite_checkpoint(os.path.join(out, "ckpt.pt"))
     assert losses["on"] == pytest.approx(losses["off"], rel=1e-4)
+
+
+@needs_compiler
+def test_compiled_ppo_compiles_each_call_once_whatever_the_lengths(tmp_path, task_dir, monkeypatch):
+    """PPO with --compile on over iterations whose response lengths vary (a 1-layer policy whose EOS is likely): the
+    training forward is compiled with dynamic shapes, so once every call signature has run (the rollout's no-grad
+    passes, the critic's update, then the actor's and its ptx) the count of compiled frames stops growing and never
+    reaches dynamo's recompile limit. With static shapes it recompiled at each new length: 8 frames in 8 iterations and
+    the limit hit once (bench/recompiles.py, the code before this)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import recompiles
+
+    sft, rm = recompiles.tiny_checkpoints(str(tmp_path), task_dir, eos_boost=4.0)
+    frames, widths = [], []  # per iteration: compiled frames so far; the update's micro-batch widths
+    real_rollout, real_take_rows = train_ppo.rollout, train_ppo.take_rows
+
+    def rollout(*args, **kwargs):
+        frames.append(counters["frames"]["total"])
+        widths.append(set())
+        return real_rollout(*args, **kwargs)
+
+    def take_rows(batch, index, width=None):
+        taken = real_take_rows(batch, index, width)
+        if width is not None:  # a micro-batch: its prompts and responses, trimmed to its longest response
+            widths[-1].add(taken["query"].size(1) + taken["response"].size(1))
+        return taken
+
+    monkeypatch.setattr(train_ppo, "rollout", rollout)
+    monkeypatch.setattr(train_ppo, "take_rows", take_rows)
+    hits = recompiles.LimitHits()
+    logging.getLogger("torch._dynamo").addHandler(hits)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        train_ppo.main(
+            train_ppo.Args(
+                out_dir=str(tmp_path / "ppo"),
+                task_dir=task_dir,
+                sft_ckpt=sft,
+                rm_ckpt=[rm],
+                compile="on",
+                max_steps=5,
+                rollout_batch_size=8,
+                num_minibatches=2,
+                micro_batch_size=2,
+                ptx_batch_size=4,
+                max_new_tokens=24,
+                critic_warmup_steps=1,
+                warmup_steps=1,
+            )
+        )
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(hits)
+    total = counters["frames"]["total"]
+    later = set().union(*widths[2:])
+    assert len(later) >= 3 and not later <= widths[1], widths  # new lengths after every signature has compiled
+    assert frames[2:] == [total] * 3 and total == counters["stats"]["unique_graphs"]
+    assert total <= train_ppo.parallel.RECOMPILE_LIMIT and hits.hits == 0

@@ -1191,3 +1191,35 @@ def test_cliprange_none_is_the_plain_policy_gradient():
     loss, stats = ppo_policy_loss(lp, old, adv, mask, None)
     want = (-adv * torch.exp(lp - old) * mask).sum() / mask.sum()
     assert loss.item() == pytest.approx(want.item(), abs=1e-12) and stats["clipfrac"] == 0
+
+
+def test_tis_weights_against_the_formula():
+    """--tis-cap C: min(exp(old - sampler), C) per valid token, 0 on padding whatever its log-probs (masked before the
+    exponential); the stats are the valid tokens' mean weight and the share above the cap."""
+    lengths, mask, (old, sampler, _, _, _) = ragged(B=6, seed=11)
+    sampler = old + 0.8 * sampler  # ratios on both sides of the cap
+    sampler = torch.where(mask.bool(), sampler, torch.full_like(sampler, -1000.0))
+    weights, stats = train_ppo.tis_weights(old, sampler, mask, 1.5)
+    want, above, n = [], 0, 0
+    for b, length in enumerate(lengths):
+        for t in range(length):
+            ratio = math.exp(old[b, t].item() - sampler[b, t].item())
+            assert weights[b, t].item() == pytest.approx(min(ratio, 1.5), abs=1e-12)
+            want.append(min(ratio, 1.5))
+            above += ratio > 1.5
+            n += 1
+        assert (weights[b, length:] == 0).all()
+    assert stats["tis_weight_mean"].item() == pytest.approx(sum(want) / n, abs=1e-12)
+    assert stats["tis_clipfrac"].item() == pytest.approx(above / n, abs=1e-12) and 0 < above < n
+
+
+def test_tis_weights_of_one_leave_the_update_unchanged():
+    """With the sampler's log-probs equal to the trainer's (fp32), --tis-cap changes nothing: the weights are 1."""
+    outcomes = []
+    for tis_cap in (None, 2.0):
+        actor, critic, exp = fake_experience()
+        exp["sampler_logprobs"] = exp["logprobs"].clone()
+        outcomes.append(update_once(actor, critic, exp, 4, tis_cap=tis_cap) | {"weights": actor.state_dict()})
+    assert outcomes[1]["policy/tis_weight_mean"] == pytest.approx(1.0) and outcomes[1]["policy/tis_clipfrac"] == 0
+    for name, value in outcomes[0]["weights"].items():
+        assert torch.allclose(value, outcomes[1]["weights"][name], atol=1e-7), name
