@@ -26,14 +26,26 @@ class Tokenizer:
 
     bos_id: the id a sequence starts with, or None. A Hugging Face tokenizer whose own encode adds a BOS (Llama) gets
     one; the task BPE and GPT-2 have none. encode(text, bos=True) prepends it: pass bos=True for what starts a sequence
-    (a prompt, a {"text"} row) and never for a response that follows a prompt, so the BOS appears once, first."""
+    (a prompt, a {"text"} row) and never for a response that follows a prompt, so the BOS appears once, first.
+    chat: the tokenizer has a chat template (DESIGN §3, "Conversational data"): conversations are rendered by it, and
+    its end-of-turn token (<|im_end|>, <|eot_id|>, ...) is eos_id, every response's stop and score token. Without
+    one, conversations take HH's layout ("\n\nHuman: ...\n\nAssistant: ...") as text."""
 
     def __init__(
-        self, backend, name: str, eos_id: int, pad_id: int, vocab_size: int, source: dict, bos_id: int | None = None
+        self,
+        backend,
+        name: str,
+        eos_id: int,
+        pad_id: int,
+        vocab_size: int,
+        source: dict,
+        bos_id: int | None = None,
+        chat: bool = False,
     ):
         assert pad_id != eos_id, f"pad_id {pad_id} must differ from eos_id {eos_id}"
         self.backend, self.name, self.eos_id, self.pad_id, self.vocab_size = backend, name, eos_id, pad_id, vocab_size
         self.bos_id = bos_id
+        self.chat = chat
         self._source = source  # what state() needs beyond the ids to rebuild the backend
 
     def encode(self, text: str, bos: bool = False) -> list[int]:
@@ -48,8 +60,66 @@ class Tokenizer:
         ids = [int(i) for i in ids if i != self.pad_id and i != self.eos_id]
         return self.backend.decode(ids)
 
+    def render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        """A conversation's ids: the chat template's rendering (generation_prompt: ending with the assistant turn's
+        header), a BOS first only where the tokenizer has one and the template added none; without a template, HH's
+        layout as text (generation_prompt: ending with "\n\nAssistant:")."""
+        if not self.chat:
+            return self.encode(hh_text(messages, generation_prompt), bos=True)
+        rendered = self.backend.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True
+        )
+        ids = list(rendered["input_ids"])
+        return ids if self.bos_id is None or ids[:1] == [self.bos_id] else [self.bos_id] + ids
+
+    def render_text(self, messages: list[dict], generation_prompt: bool) -> str:
+        """The rendered conversation as a string (what --reward-fn and the logs see of a conversational prompt)."""
+        if not self.chat:
+            return hh_text(messages, generation_prompt)
+        return self.backend.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+    def reply(self, prompt: list[dict], reply: list[dict]) -> list[int]:
+        """The ids an assistant reply (its messages) adds after the prompt rendered with the generation prompt,
+        through its last end-of-turn token (in place of an appended EOS, never both); without a template, the
+        reply's text in HH's layout and EOS."""
+        if not self.chat:
+            return self.encode(hh_text(reply, False, after_prompt=True)) + [self.eos_id]
+        head = self.render(prompt, True)
+        whole = self.render(prompt + reply, False)
+        if whole[: len(head)] != head:
+            raise UserError(f"tokenizer {self.name!r}: its chat template does not render the prompt as a prefix")
+        return _through_last(whole[len(head) :], self.eos_id)
+
+    def conversation(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """SFT on a conversation: its ids through the last assistant turn and a target mask (per token, 1 = learned)
+        that covers every assistant turn, each from its first token through its end-of-turn. A turn's span is
+        found by rendering the conversation before it with the generation prompt (most templates mark no assistant
+        spans themselves)."""
+        if not self.chat:  # HH's layout: each assistant turn's text learned, its "\n\nAssistant:" header not
+            ids, mask = [], []
+            for i, message in enumerate(messages):
+                learned = message["role"] == "assistant"
+                head = self.encode(hh_text([message], False) if not learned else HH_ASSISTANT, bos=i == 0)
+                text = self.encode(f" {message['content']}") if learned else []
+                ids += head + text
+                mask += [0] * len(head) + [1] * len(text)
+            return ids + [self.eos_id], mask + [1]
+        whole = self.render(messages, False)
+        mask = [0] * len(whole)
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start = len(self.render(messages[:i], True))
+            turn = _through_last(whole[start : len(self.render(messages[: i + 1], False))], self.eos_id)
+            if self.render(messages[:i], True) != whole[:start] or not turn:
+                raise UserError(f"tokenizer {self.name!r}: its chat template does not render each turn as a prefix")
+            mask[start : start + len(turn)] = [1] * len(turn)
+        end = max(i for i, m in enumerate(mask) if m) + 1
+        return whole[:end], mask[:end]
+
     def state(self) -> dict:
-        """The ids and what rebuilds the backend; a Hugging Face tokenizer's also says bos_id (its BOS decision)."""
+        """The ids and what rebuilds the backend; a Hugging Face tokenizer's also says bos_id (its BOS decision) and
+        chat (whether its chat template renders conversations, its end-of-turn token the EOS)."""
         return {
             "name": self.name,
             "eos_id": self.eos_id,
@@ -64,8 +134,8 @@ class Tokenizer:
         decided per tokenizer) adds none, as the stages that trained on it did."""
         if "ranks" in d:  # a BPE stored in full (the task tokenizer)
             tok = bpe_tokenizer(d["name"], [base64.b64decode(r) for r in d["ranks"]], d["pat_str"])
-        else:
-            tok = load_tokenizer(d["spec"])
+        else:  # a state without chat was saved before chat templates were used: the tokenizer's own EOS then
+            tok = load_tokenizer(d["spec"], chat=d.get("chat", False))
         if "bos_id" not in d:
             tok.bos_id = None
             tok._source.pop("bos_id", None)
@@ -130,8 +200,43 @@ def hub_error(name_or_path: str, what: str, error: Exception) -> str:
     )
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """ "gpt2" (tiktoken r50k_base), "hf:<name-or-path>" (transformers.AutoTokenizer) or a task tokenizer.json path."""
+def _through_last(ids: list[int], token: int) -> list[int]:
+    """ids up to and including the last `token` (what a template renders after the end-of-turn left out); all of
+    them when token is not there."""
+    positions = [i for i, t in enumerate(ids) if t == token]
+    return ids[: positions[-1] + 1] if positions else ids
+
+
+HH_NAMES = {"system": "System", "user": "Human", "assistant": "Assistant"}
+
+
+def hh_text(messages: list[dict], generation_prompt: bool, after_prompt: bool = False) -> str:
+    """A conversation in Anthropic HH's layout, "\n\nHuman: ...\n\nAssistant: ...", the text of a tokenizer with no
+    chat template; generation_prompt: it ends with "\n\nAssistant:"; after_prompt: the messages are a reply whose
+    first assistant turn follows a prompt that ended so (its text only, " ..." )."""
+    parts = []
+    for i, message in enumerate(messages):
+        if after_prompt and i == 0 and message["role"] == "assistant":
+            parts.append(f" {message['content']}")
+        else:
+            parts.append(f"\n\n{HH_NAMES[message['role']]}: {message['content']}")
+    return "".join(parts) + ("\n\nAssistant:" if generation_prompt else "")
+
+
+def _end_of_turn(hf) -> int | None:
+    """The id a Hugging Face chat template closes an assistant turn with: the first special token after the
+    generation prompt in a rendered probe conversation (None when there is none: a template without one)."""
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    head = hf.apply_chat_template(probe[:1], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    whole = hf.apply_chat_template(probe, tokenize=True, return_dict=True)["input_ids"]
+    special = set(hf.all_special_ids) - {hf.unk_token_id, hf.pad_token_id}  # a probe word may be unknown
+    return next((token for token in list(whole)[len(head) :] if token in special), None)
+
+
+def load_tokenizer(spec: str, chat: bool | None = None) -> Tokenizer:
+    """ "gpt2" (tiktoken r50k_base), "hf:<name-or-path>" (transformers.AutoTokenizer) or a task tokenizer.json path.
+    chat: use a Hugging Face tokenizer's chat template (None: when it has one; False: its own EOS, as a checkpoint
+    saved before chat templates were used)."""
     if spec == "gpt2":
         try:
             enc = tiktoken.get_encoding("r50k_base")
@@ -156,12 +261,16 @@ def load_tokenizer(spec: str) -> Tokenizer:
         if hf.eos_token_id is None:
             raise UserError(f"tokenizer {spec!r} has no eos token")
         vocab_size = len(hf)
-        pad_id = hf.pad_token_id if hf.pad_token_id is not None and hf.pad_token_id != hf.eos_token_id else vocab_size
+        chat = bool(getattr(hf, "chat_template", None)) if chat is None else chat
+        eos_id = hf.eos_token_id
+        if chat:  # the template's end-of-turn token stops and scores every response
+            eos_id = _end_of_turn(hf)
+            if eos_id is None:
+                raise UserError(f"tokenizer {spec!r}: its chat template closes an assistant turn with no special token")
+        pad_id = hf.pad_token_id if hf.pad_token_id is not None and hf.pad_token_id != eos_id else vocab_size
         bos_id = _hf_bos_id(hf)
-        source = {"spec": spec, "bos_id": bos_id}
-        return Tokenizer(
-            hf, spec, eos_id=hf.eos_token_id, pad_id=pad_id, vocab_size=vocab_size, source=source, bos_id=bos_id
-        )
+        source = {"spec": spec, "bos_id": bos_id} | ({"chat": True} if chat else {})
+        return Tokenizer(hf, spec, eos_id, pad_id, vocab_size, source=source, bos_id=bos_id, chat=chat)
     if not os.path.isfile(spec):
         raise UserError(f"{spec}: no such tokenizer file (expected 'gpt2', 'hf:<name-or-path>' or a tokenizer.json)")
     try:
@@ -217,8 +326,44 @@ def read_train_eval(train_path: str, eval_path: str | None, kind: str) -> tuple[
     return train_rows[:-n_eval], train_rows[-n_eval:]
 
 
+ROLES = ("system", "user", "assistant")
+
+
+def _messages_problem(value, field: str, assistant_only: bool = False, last_assistant: bool = False) -> str | None:
+    """What is wrong with a conversation field (a list of {"role", "content"} messages), or None."""
+    if not isinstance(value, list) or not value:
+        return f"field {field!r} must be a non-empty list of messages"
+    for turn, message in enumerate(value, start=1):
+        if not isinstance(message, dict):
+            return f"field {field!r} turn {turn}: expected a message object, got {type(message).__name__}"
+        for key in ("role", "content"):
+            if key not in message:
+                return f"field {field!r} turn {turn}: missing {key!r}"
+            if not isinstance(message[key], str):
+                return f"field {field!r} turn {turn}: {key!r} must be a string, got {type(message[key]).__name__}"
+        if message["role"] not in ROLES:
+            return f"field {field!r} turn {turn}: role {message['role']!r} is not one of {', '.join(ROLES)}"
+        if assistant_only and message["role"] != "assistant":
+            return f"field {field!r} turn {turn}: a reply holds assistant turns only, not {message['role']!r}"
+    if last_assistant and value[-1]["role"] != "assistant":
+        return (
+            f"field {field!r}: the last turn must be the assistant's (it is what SFT learns), not {value[-1]['role']!r}"
+        )
+    return None
+
+
 def _check_fields(obj: dict, kind: str) -> str | None:
-    """What is wrong with one record of this kind, or None."""
+    """What is wrong with one record of this kind, or None. Conversational records (DESIGN §3): SFT {"messages"},
+    prompts {"prompt": [messages]}, preferences {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
+    (the replies' assistant turns)."""
+    if kind == "sft" and "messages" in obj:
+        return _messages_problem(obj["messages"], "messages", last_assistant=True)
+    if kind == "ultrafeedback":
+        for key in ("chosen", "rejected"):
+            problem = _messages_problem(obj.get(key), key) if key in obj else f"missing field {key!r}"
+            if problem:
+                return problem
+        return None
     fields = {
         "sft": ("prompt", "response"),
         "text": ("text",),
@@ -229,17 +374,30 @@ def _check_fields(obj: dict, kind: str) -> str | None:
         fields = ("prompt", "responses", "ranking") if "responses" in obj else ("prompt", "chosen", "rejected")
     if fields is None:
         raise ValueError(f"unknown jsonl kind {kind!r}")
+    conversational = kind in ("prompts", "pairs") and isinstance(obj.get("prompt"), list)
     for k in fields:
         if k not in obj:
             return f"missing field {k!r} (a {kind} record needs {', '.join(fields)})"
-        if k not in ("responses", "ranking") and not isinstance(obj[k], str):
+        if k in ("responses", "ranking"):
+            continue
+        if conversational:
+            problem = _messages_problem(obj[k], k, assistant_only=k != "prompt")
+            if problem:
+                return problem
+        elif not isinstance(obj[k], str):
             return f"field {k!r} must be a string, got {type(obj[k]).__name__}"
     if "prompt" in fields and not obj["prompt"]:  # an all-empty batch has nothing to generate from
         return "field 'prompt' is empty (a prompt needs at least one token)"
     if "responses" in fields:
         resp, ranking = obj["responses"], obj["ranking"]
-        if not isinstance(resp, list) or len(resp) < 2 or not all(isinstance(r, str) for r in resp):
-            return "field 'responses' must be a list of at least 2 strings"
+        kind_of = list if conversational else str
+        if not isinstance(resp, list) or len(resp) < 2 or not all(isinstance(r, kind_of) for r in resp):
+            what = "conversations (lists of assistant messages)" if conversational else "strings"
+            return f"field 'responses' must be a list of at least 2 {what}"
+        for r in resp if conversational else []:
+            problem = _messages_problem(r, "responses", assistant_only=True)
+            if problem:
+                return problem
         ints = isinstance(ranking, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ranking)
         if not ints or sorted(ranking) != list(range(len(resp))):
             return f"field 'ranking' must be a permutation of 0..{len(resp) - 1}"
@@ -247,7 +405,8 @@ def _check_fields(obj: dict, kind: str) -> str | None:
 
 
 def read_jsonl(path: str, kind: str, flag: str | None = None) -> list[dict]:
-    """Read and validate a UTF-8 JSONL file of kind "sft", "text", "prompts", "pairs" or "hh" (Anthropic-HH); a missing
+    """Read and validate a UTF-8 JSONL file of kind "sft", "text", "prompts", "pairs", "hh" (Anthropic-HH) or
+    "ultrafeedback" (UltraFeedback-binarized); a missing
     or empty file, bad UTF-8, bad JSON, a line that is not an object or a bad field is a one-line UserError
     `path:line: what is wrong` (a missing file names the flag that gave it). Blank lines are skipped."""
     if not os.path.isfile(path):
@@ -297,10 +456,51 @@ def hh_to_pair(chosen: str, rejected: str) -> dict | None:
     return {"prompt": prompt, "chosen": c, "rejected": r}
 
 
-def convert_hh(src: str, dst: str) -> tuple[int, int]:
-    """Anthropic-HH JSONL ({"chosen": str, "rejected": str} a line) -> our preference JSONL at dst, written atomically;
-    returns (written, skipped). A bad line stops before anything is written, with `path:line: what is wrong`."""
-    pairs = [hh_to_pair(r["chosen"], r["rejected"]) for r in read_jsonl(src, "hh")]
+def hh_messages(dialogue: str) -> list[dict]:
+    """An HH dialogue ("\n\nHuman: ...\n\nAssistant: ...") as messages (hh_text's inverse)."""
+    names = {f"\n\n{name}:": role for role, name in HH_NAMES.items()}
+    pattern = "(" + "|".join(re.escape(marker) for marker in names) + ")"
+    pieces = re.split(pattern, dialogue)
+    messages = []
+    for marker, content in zip(pieces[1::2], pieces[2::2]):
+        messages.append({"role": names[marker], "content": content.strip()})
+    return messages
+
+
+def hh_pair_messages(pair: dict) -> dict:
+    """An HH pair as a conversational one: the prompt's dialogue as messages, each answer one assistant turn."""
+    prompt = hh_messages(pair["prompt"].removesuffix(HH_ASSISTANT))
+    replies = {key: [{"role": "assistant", "content": pair[key].strip()}] for key in ("chosen", "rejected")}
+    return {"prompt": prompt} | replies
+
+
+def ultrafeedback_to_pair(chosen: list[dict], rejected: list[dict]) -> dict | None:
+    """One UltraFeedback-binarized record (its chosen and rejected conversations, each repeating the user turns) ->
+    {"prompt": the turns up to the last user one, "chosen"/"rejected": the assistant turns after it}; None when the
+    two differ before that point, or a reply is empty, or both replies are the same."""
+    last_user = [i for i, message in enumerate(chosen) if message["role"] == "user"]
+    if not last_user:
+        return None
+    cut = last_user[-1] + 1
+    prompt, chosen_reply, rejected_reply = chosen[:cut], chosen[cut:], rejected[cut:]
+    if rejected[:cut] != prompt or not chosen_reply or not rejected_reply or chosen_reply == rejected_reply:
+        return None
+    if any(message["role"] != "assistant" for message in chosen_reply + rejected_reply):
+        return None
+    return {"prompt": prompt, "chosen": chosen_reply, "rejected": rejected_reply}
+
+
+def convert(src: str, dst: str, kind: str, messages: bool = False) -> tuple[int, int]:
+    """A public preference set as our preference JSONL at dst, written atomically; returns (written, skipped).
+    kind hh: Anthropic-HH ({"chosen": str, "rejected": str} dialogues; messages: write conversational records);
+    ultrafeedback: UltraFeedback-binarized ({"chosen": [messages], "rejected": [messages]}, each repeating the user
+    turns, always conversational). A bad line stops before anything is written, with `path:line: what is wrong`."""
+    if kind == "hh":
+        pairs = [hh_to_pair(r["chosen"], r["rejected"]) for r in read_jsonl(src, "hh")]
+        if messages:
+            pairs = [hh_pair_messages(pair) if pair else None for pair in pairs]
+    else:
+        pairs = [ultrafeedback_to_pair(r["chosen"], r["rejected"]) for r in read_jsonl(src, "ultrafeedback")]
     rows = [p for p in pairs if p]
     skipped = len(pairs) - len(rows)
     if not rows:
@@ -310,6 +510,11 @@ def convert_hh(src: str, dst: str) -> tuple[int, int]:
     except OSError as e:
         raise UserError(f"{dst}: cannot write ({e.strerror or type(e).__name__})") from None
     return len(rows), skipped
+
+
+def convert_hh(src: str, dst: str) -> tuple[int, int]:
+    """Anthropic-HH JSONL -> our (string) preference JSONL (convert)."""
+    return convert(src, dst, "hh")
 
 
 # -----------------------------------------------------------------------------
@@ -332,10 +537,27 @@ def pad_right(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def encode_prompts(tok: Tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts as a generation batch: [BOS] + prompt ids (the BOS if the tokenizer has one), left-padded -> (query
-    (B, P) long, query_mask (B, P) float)."""
-    return pad_left([tok.encode(prompt, bos=True) for prompt in prompts], tok.pad_id)
+def prompt_ids(tok: Tokenizer, prompt) -> list[int]:
+    """A prompt's ids: a string as it is ([BOS] + its text, the BOS if the tokenizer has one), a conversation (a list
+    of messages) rendered with the assistant's generation prompt (Tokenizer.render)."""
+    return tok.encode(prompt, bos=True) if isinstance(prompt, str) else tok.render(prompt, True)
+
+
+def prompt_text(tok: Tokenizer, prompt) -> str:
+    """A prompt as a string: itself, or a conversation rendered (what --reward-fn, samples and logs see)."""
+    return prompt if isinstance(prompt, str) else tok.render_text(prompt, True)
+
+
+def response_ids(tok: Tokenizer, prompt, response) -> list[int]:
+    """A response's ids after its prompt: a string's text and EOS; a reply (assistant messages after a
+    conversation) as the template renders it, through its end-of-turn token (Tokenizer.reply)."""
+    return tok.encode(response) + [tok.eos_id] if isinstance(response, str) else tok.reply(prompt, response)
+
+
+def encode_prompts(tok: Tokenizer, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts (strings or conversations) as a generation batch, left-padded -> (query (B, P) long, query_mask (B, P)
+    float)."""
+    return pad_left([prompt_ids(tok, prompt) for prompt in prompts], tok.pad_id)
 
 
 class Order:
@@ -364,21 +586,39 @@ def encode_sft(tok: Tokenizer, rows: list[dict], block_size: int, mask_prompt: b
     loss_mask[t] = 1 if token t is a target.
 
     The first token is never a target; with mask_prompt no prompt token is. A {"text"} row is an empty prompt
-    followed by the text. Rows longer than block_size tokens are skipped and counted.
+    followed by the text. A {"messages"} row learns every assistant turn (Tokenizer.conversation). Rows longer than
+    block_size tokens are skipped and counted.
     """
     examples, skipped = [], 0
     for row in rows:
-        prompt_ids = tok.encode(row.get("prompt", ""), bos=True)
-        ids = prompt_ids + tok.encode(row["response"] if "response" in row else row["text"]) + [tok.eos_id]
+        if "messages" in row:
+            ids, loss_mask = tok.conversation(row["messages"])
+            loss_mask = [0] + loss_mask[1:]  # the first token is never a target
+        else:
+            head = tok.encode(row.get("prompt", ""), bos=True)
+            ids = head + tok.encode(row["response"] if "response" in row else row["text"]) + [tok.eos_id]
+            n_masked = max(len(head), 1) if mask_prompt else 1
+            loss_mask = [0] * n_masked + [1] * (len(ids) - n_masked)
         if len(ids) > block_size:
             skipped += 1
             continue
-        n_masked = max(len(prompt_ids), 1) if mask_prompt else 1
-        examples.append((ids, [0] * n_masked + [1] * (len(ids) - n_masked)))
+        examples.append((ids, loss_mask))
     return examples, skipped
 
 
-def responses_of(row: dict) -> list[str]:
+def sft_prompt(row: dict):
+    """What an SFT record answers: its prompt, or a conversation before its last (assistant) turn."""
+    return row["messages"][:-1] if "messages" in row else row["prompt"]
+
+
+def sft_sequence(tok: Tokenizer, row: dict) -> list[int]:
+    """An SFT record's whole sequence (prompt, response and its stop token): a reward model's calibration input."""
+    if "messages" in row:
+        return tok.conversation(row["messages"])[0]
+    return prompt_ids(tok, row["prompt"]) + response_ids(tok, row["prompt"], row["response"])
+
+
+def responses_of(row: dict) -> list:
     """A preference record's responses: [chosen, rejected], or the K-wise "responses"."""
     return row["responses"] if "responses" in row else [row["chosen"], row["rejected"]]
 
@@ -397,13 +637,13 @@ def encode_prefs(tok, rows: list[dict], block_size: int) -> tuple[list, int]:
     counted."""
     examples, skipped = [], 0
     for row in rows:
-        prompt_ids = tok.encode(row["prompt"], bos=True)
+        head = prompt_ids(tok, row["prompt"])
         ranking = row.get("ranking", [0, 1])
-        seqs = [prompt_ids + tok.encode(r) + [tok.eos_id] for r in responses_of(row)]
+        seqs = [head + response_ids(tok, row["prompt"], r) for r in responses_of(row)]
         if max(len(s) for s in seqs) > block_size:
             skipped += 1
             continue
-        examples.append((seqs, len(prompt_ids), ranking_pairs(ranking), ranking[0], row))
+        examples.append((seqs, len(head), ranking_pairs(ranking), ranking[0], row))
     return examples, skipped
 
 
@@ -420,10 +660,16 @@ def calibration_error(gaps: torch.Tensor, n_bins: int = 10) -> float:
 
 
 def _cli(argv: list[str]) -> None:
-    """python data.py hh anthropic_hh.jsonl pairs.jsonl"""
-    if len(argv) != 3 or argv[0] != "hh":
-        raise UserError("usage: python data.py hh anthropic_hh.jsonl pairs.jsonl (gunzip the HH files first)")
-    written, skipped = convert_hh(argv[1], argv[2])
+    """python data.py hh anthropic_hh.jsonl pairs.jsonl [--messages] | ultrafeedback uf.jsonl pairs.jsonl"""
+    usage = (
+        "usage: python data.py hh anthropic_hh.jsonl pairs.jsonl [--messages] (gunzip the HH files first) | "
+        "python data.py ultrafeedback ultrafeedback_binarized.jsonl pairs.jsonl"
+    )
+    messages = "--messages" in argv
+    argv = [arg for arg in argv if arg != "--messages"]
+    if len(argv) != 3 or argv[0] not in ("hh", "ultrafeedback") or (messages and argv[0] != "hh"):
+        raise UserError(usage)
+    written, skipped = convert(argv[1], argv[2], argv[0], messages)
     print(f"wrote {written} pairs to {argv[2]} ({skipped} skipped: no shared prompt, an empty or a tied answer)")
 
 

@@ -41,7 +41,7 @@ import checkpoints
 import common
 import hf
 from common import UserError, format_sample, write_atomic
-from data import calibration_error, encode_prefs, encode_prompts, read_jsonl, responses_of
+from data import calibration_error, encode_prefs, encode_prompts, prompt_ids, prompt_text, read_jsonl, responses_of
 from model import aggregate_rm_scores, logprobs_from_logits, response_forward, sample, score_seqs, sequence_scores
 from task import build_task, gold_reward, is_valid
 
@@ -212,7 +212,7 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
         member_scores = torch.stack(members)  # (K, B)
         score = aggregate_rm_scores(member_scores, args.rm_agg, args.rm_uwo_coef)
     return {
-        "prompt": list(prompts),
+        "prompt": [prompt_text(tok, prompt) for prompt in prompts],
         "response": samples.texts,
         "tokens": [response[row, : lengths[row]].tolist() for row in range(len(prompts))],
         "ended": samples.ended.tolist(),
@@ -472,7 +472,8 @@ def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) 
         if args.sample_cache:
             torch.save({"key": key, "samples": samples}, args.sample_cache)
     if rms:
-        sequences = [tok.encode(p, bos=True) + ids for p, ids in zip(samples["prompt"], samples["tokens"])]
+        heads = {prompt_text(tok, prompt): prompt_ids(tok, prompt) for prompt in prompts}  # text -> its ids
+        sequences = [heads[p] + ids for p, ids in zip(samples["prompt"], samples["tokens"])]
         members = torch.stack(
             [score_seqs(rm, sequences, tok.pad_id, args.batch_size, device, torch.float32) for rm in rms]
         )

@@ -39,7 +39,7 @@ import tyro
 import common
 import hf
 from common import UserError, print0, write_atomic
-from data import encode_prompts, read_jsonl
+from data import encode_prompts, prompt_text, read_jsonl
 from model import sample
 from task import annotate, build_task
 
@@ -118,7 +118,7 @@ def load_labeler(spec: str) -> Callable:
 
 
 @torch.no_grad()
-def sample_pairs(policy_path: str, prompts: list[str], args: Args, seed: int) -> tuple[list[dict], dict]:
+def sample_pairs(policy_path: str, prompts: list, args: Args, seed: int) -> tuple[list[dict], dict]:
     """Two responses per prompt from the policy (its tempered distribution, batches of 128 prompts): the pairs
     {"prompt", "response_a", "response_b"} to label, and the counts of those dropped (identical responses, a
     response that never ended: the reward model appends EOS to every response it reads)."""
@@ -141,7 +141,10 @@ def sample_pairs(policy_path: str, prompts: list[str], args: Args, seed: int) ->
             elif a == b:
                 dropped["identical"] += 1
             else:
-                pairs.append({"prompt": prompt, "response_a": a, "response_b": b})
+                pair = {"prompt": prompt, "response_a": a, "response_b": b}
+                if isinstance(prompt, list):  # a conversation: the judge reads it rendered
+                    pair["prompt_text"] = prompt_text(tok, prompt)
+                pairs.append(pair)
     return pairs, dropped
 
 
@@ -163,10 +166,14 @@ def label_pairs(to_label: list[dict], args: Args, labels_path: str, seed: int) -
         labeler = load_labeler(args.labeler)
         rng = random.Random(seed)
         rows = to_label
-        wins = [labeler(rng, row["prompt"], row["response_a"], row["response_b"]) for row in rows]
+        wins = []
+        for row in rows:  # a conversation's judge reads it rendered
+            wins.append(labeler(rng, row.get("prompt_text", row["prompt"]), row["response_a"], row["response_b"]))
     labelled = []
     for row, a_wins in zip(rows, wins):
         a, b = row["response_a"], row["response_b"]
+        if isinstance(row["prompt"], list):  # a conversation's replies are assistant turns
+            a, b = [{"role": "assistant", "content": a}], [{"role": "assistant", "content": b}]
         labelled.append({"prompt": row["prompt"], "chosen": a if a_wins else b, "rejected": b if a_wins else a})
     return labelled
 

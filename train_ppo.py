@@ -35,7 +35,7 @@ import common
 import hf
 import parallel
 from common import Trained, UserError, exact_div, format_sample, print0
-from data import Order, Tokenizer, encode_prompts, encode_sft, pad_right, read_jsonl
+from data import Order, Tokenizer, encode_prompts, encode_sft, pad_right, prompt_ids, prompt_text, read_jsonl
 from lora import BaseView
 from model import aggregate_rm_scores, entropy_from_logits, lm_loss, logprobs_from_logits, response_forward, sample
 from task import build_task, gold_reward
@@ -705,6 +705,7 @@ def rollout(
     amp = parallel.autocast(device, dtype)
     # 1. generate with the KV cache from the tempered distribution (no top-k/top-p: the ratio must be on-policy)
     query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
+    prompt_texts = [prompt_text(tok, prompt) for prompt in prompts]
     with amp, parallel.gathered(models.actor):  # under --fsdp: the actor's parameters gathered once, not per token
         samples = sample(
             models.actor, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator
@@ -727,7 +728,8 @@ def rollout(
         rm_scores = aggregate_rm_scores(member_scores, args.rm_agg, args.rm_uwo_coef)
     fn_scores = torch.zeros_like(rm_scores)
     if reward_fn is not None:
-        values_of_fn = [float(reward_fn(p, t, e)) for p, t, e in zip(prompts, samples.texts, ended.tolist())]
+        texts = zip(prompt_texts, samples.texts, ended.tolist())  # a conversation: its rendered string
+        values_of_fn = [float(reward_fn(p, t, e)) for p, t, e in texts]
         fn_scores = torch.tensor(values_of_fn, device=device)
     scores = rm_scores + args.reward_fn_coef * fn_scores if reward_fn is not None else rm_scores
     scores = torch.where(ended, scores, torch.full_like(scores, args.missing_eos_penalty))
@@ -771,7 +773,7 @@ def rollout(
     if values is not None:
         experience["values"] = values
         experience["returns"] = returns
-    gold = [gold_fn(p, t, e) for p, t, e in zip(prompts, samples.texts, ended.tolist())] if gold_fn else None
+    gold = [gold_fn(p, t, e) for p, t, e in zip(prompt_texts, samples.texts, ended.tolist())] if gold_fn else None
     parts = {}  # the score's two parts, logged apart when there are two; an ensemble's spread
     if reward_fn is not None:
         parts = (
@@ -782,7 +784,7 @@ def rollout(
     metrics = rollout_metrics(experience, scored["entropy"], score_norm, parts, gold, args.mask_truncated)
     metrics["rollout/logprob_err"] = logprob_error
     records = []
-    for row, (prompt, text) in enumerate(zip(prompts, samples.texts)):
+    for row, (prompt, text) in enumerate(zip(prompt_texts, samples.texts)):
         record = {"prompt": prompt, "response": text, "ended": bool(ended[row]), "score": scores[row].item()}
         record["gold"] = gold[row] if gold else None
         records.append(record)
@@ -1305,7 +1307,7 @@ def load_prompts(args: Args, tok: Tokenizer, block_size: int) -> tuple[list[str]
     prompts = [
         row["prompt"] for row in read_jsonl(task["prompts"] if builtin else args.prompts, "prompts", "--prompts")
     ]
-    fitting = [prompt for prompt in prompts if len(tok.encode(prompt, bos=True)) + args.max_new_tokens <= block_size]
+    fitting = [prompt for prompt in prompts if len(prompt_ids(tok, prompt)) + args.max_new_tokens <= block_size]
     if not fitting:
         raise UserError(
             f"every prompt is longer than the context minus --max-new-tokens ({block_size} - {args.max_new_tokens} "

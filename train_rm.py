@@ -35,6 +35,7 @@ from data import (
     read_jsonl,
     read_train_eval,
     responses_of,
+    sft_sequence,
 )
 from model import lm_loss, score_seqs, sequence_scores
 from task import PROBE_KINDS, build_task, gold_reward, probe_texts
@@ -178,7 +179,7 @@ def encode_calibration(tok, rows: list[dict], block_size: int) -> list[list[int]
     """SFT rows -> [BOS] + prompt + response + EOS id lists, those longer than the context left out."""
     sequences = []
     for row in rows:
-        ids = tok.encode(row["prompt"], bos=True) + tok.encode(row["response"]) + [tok.eos_id]
+        ids = sft_sequence(tok, row)
         if len(ids) <= block_size:
             sequences.append(ids)
     return sequences

@@ -21,7 +21,17 @@ import common
 import hf
 import parallel
 from common import UserError, format_sample, print0
-from data import Order, encode_prompts, encode_sft, load_tokenizer, pad_right, read_jsonl, read_train_eval
+from data import (
+    Order,
+    encode_prompts,
+    encode_sft,
+    load_tokenizer,
+    pad_right,
+    prompt_text,
+    read_jsonl,
+    read_train_eval,
+    sft_prompt,
+)
 from model import lm_loss, sample
 from task import build_task, is_valid
 
@@ -103,7 +113,7 @@ def sample_responses(model, tok, prompts: list, temperature: float, max_new_toke
         chunk = prompts[start : start + batch]
         query, query_mask = (t.to(device) for t in encode_prompts(tok, chunk))
         samples = sample(model, tok, query, query_mask, max_new_tokens, temperature, generator=generator)
-        out += zip(chunk, samples.texts, samples.ended.tolist())
+        out += zip([prompt_text(tok, prompt) for prompt in chunk], samples.texts, samples.ended.tolist())
     return out
 
 
@@ -125,7 +135,7 @@ def main(args: Args) -> None:
     if builtin:
         prompts = [row["prompt"] for row in read_jsonl(task["eval_prompts"], "prompts")]
     else:
-        prompts = [row["prompt"] for row in eval_rows]
+        prompts = [sft_prompt(row) for row in eval_rows]
     tok = load_tokenizer(args.tokenizer or task["tokenizer"]) if args.init == "scratch" else None
     if args.init == "scratch" and tok is None:
         raise UserError("--init scratch on --data needs --tokenizer (gpt2, hf:<path> or a tokenizer.json)")
