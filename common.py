@@ -45,8 +45,9 @@ class CommonArgs:
     dtype: str = "auto"
     """auto | float32 | bfloat16 (auto: bf16 autocast on GPU, fp32 on CPU)"""
     compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile the training forward: auto = on CUDA only (on CPU it costs more than it saves), on = on CPU too
-    (inductor's CPU backend: for tests and the curious)"""
+    """torch.compile the training forward (dynamic shapes) and, in PPO's rollouts, the one-token decode step (static
+    KV caches; CUDA graphs on a GPU; not under --fsdp): auto = on CUDA only (on CPU it costs more than it saves), on =
+    on CPU too (inductor's CPU backend: for tests and the curious)"""
     fsdp: bool = False
     """shard every model's parameters, gradients and optimizer state over the ranks with FSDP2 (under torchrun; gloo
     on CPU, nccl on GPU; bf16 the FSDP2 way: parameters gathered in bf16, gradients reduced in fp32). Checkpoints

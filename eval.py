@@ -40,6 +40,7 @@ import tyro
 import checkpoints
 import common
 import hf
+import parallel
 from common import UserError, format_sample, write_atomic
 from data import calibration_error, encode_prefs, encode_prompts, prompt_ids, prompt_text, read_jsonl, responses_of
 from model import aggregate_rm_scores, logprobs_from_logits, response_forward, sample, score_seqs, sequence_scores
@@ -103,6 +104,9 @@ class Args:
     """where the built-in task is cached"""
     device: str = "auto"
     """auto | cpu | cuda"""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """decode with static KV caches and the one-token step compiled (CUDA graphs on a GPU): auto = on CUDA only; the
+    same tokens as the eager decode up to float rounding"""
     json: Optional[str] = None
     """write the numbers to this JSON file (merged into an existing one)"""
     show: int = 3
@@ -196,7 +200,10 @@ def win_rate(gold: list, ref_gold: list) -> float:
 def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=None, rms=()) -> dict:
     """One response per prompt of one generation batch; per-sample lists (see sample_policy)."""
     query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
-    samples = sample(model, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator)
+    compiled = parallel.use_compile(args.compile, device)
+    samples = sample(
+        model, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator, compiled=compiled
+    )
     response, response_mask = samples.response, samples.mask
     lengths = response_mask.sum(1).long()
     kl = torch.zeros(len(prompts), device=device)

@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from checkpoints import load_checkpoint
 from common import UserError
 from data import Tokenizer, hub_error, load_tokenizer
-from model import GPT, GPTConfig, logprobs_from_logits, sample_tokens, strip_wrapper_prefixes
+from model import GPT, GPTConfig, decode_loop, strip_wrapper_prefixes
 
 
 @dataclass
@@ -254,12 +255,14 @@ class HFCausalLM(nn.Module):
         top_p: float | None = None,
         min_new_tokens: int = 0,
         generator: torch.Generator | None = None,
+        compiled: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """model.GPT.generate's contract exactly (see its docstring): left-padded prompts, one prefill, then one token
-        a step through the HF model's own KV cache (a DynamicCache). Returns (response (B, Tn), response_mask (B, Tn),
-        logprobs (B, Tn)) with log-probs under the full tempered distribution."""
-        from transformers import DynamicCache
-
+        a step through the HF model's own KV cache, the sampling loop model.decode_loop. Returns (response (B, Tn),
+        response_mask (B, Tn), logprobs (B, Tn)) with log-probs under the full tempered distribution.
+        compiled: a StaticCache and the one-token forward compiled with fullgraph (mode="reduce-overhead" on CUDA),
+        for models transformers marks as compilable (_can_compile_fullgraph: Llama, Qwen, GPT-2, ...); any other
+        model decodes eagerly with a DynamicCache, as with compiled=False."""
         assert self.config.lm_head, "generate needs a model with an lm head"
         B, P = idx.size()
         assert P + max_new_tokens <= self.config.block_size, (
@@ -269,6 +272,19 @@ class HFCausalLM(nn.Module):
         if max_new_tokens <= 0:
             return idx.new_empty(B, 0), torch.zeros(B, 0, device=idx.device), torch.zeros(B, 0, device=idx.device)
         real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        static = compiled and getattr(self.hf, "_can_compile_fullgraph", False)
+        prefill = self._static_prefill if static else self._prefill
+        logits, advance = prefill(idx, real, max_new_tokens)
+        return decode_loop(
+            logits, advance, max_new_tokens, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator
+        )
+
+    def _prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int):
+        """The eager decode: a DynamicCache growing by a token a step; returns (the last prompt position's logits
+        (B, V), advance(token, step) -> the next logits)."""
+        from transformers import DynamicCache
+
+        B, P = idx.size()
         n_real = real.long().sum(-1)  # (B,) real prompt tokens
         key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1).long()  # (B, P + max_new_tokens)
         try:
@@ -276,32 +292,49 @@ class HFCausalLM(nn.Module):
         except TypeError:  # older transformers
             cache = DynamicCache()
         kw = {self._cache_kw: cache, "use_cache": True} | ({"logits_to_keep": 1} if self._keep_kw else {})
-        # prefill: the whole prompt once, logits of its last position only
         logits = self.hf(**self._inputs(idx, real), **kw).logits[:, -1]  # (B, V)
-        finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
-        tokens, masks, logprobs = [], [], []
-        for step in range(max_new_tokens):
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            logits = logits / temperature if temperature > 0 else logits
-            if step < min_new_tokens:
-                logits[:, eos_id] = -float("inf")
-            if temperature > 0:
-                tok = sample_tokens(GPT._filter(logits, top_k, top_p), generator)  # (B,)
-            else:
-                tok = logits.argmax(dim=-1)  # (B,)
-            lp = logprobs_from_logits(logits[:, None], tok[:, None]).squeeze(1)  # (B,) already tempered
-            tokens.append(tok.masked_fill(finished, pad_id))
-            masks.append((~finished).to(lp.dtype))
-            logprobs.append(lp.masked_fill(finished, 0.0))
-            finished = finished | (tok == eos_id)
-            if step == max_new_tokens - 1 or ((step + 1) % 8 == 0 and finished.all()):
-                break  # host sync only every 8 steps
-            # decode: the new token sits at position n_real + step; it sees the real prompt keys and all new keys
+
+        def advance(tok: Tensor, step: int) -> Tensor:
+            # the new token sits at position n_real + step; it sees the real prompt keys and all new keys
             Tk = P + step + 1
             pos = (n_real + step)[:, None]  # (B, 1)
             out = self.hf(input_ids=tok[:, None], attention_mask=key_real[:, :Tk], position_ids=pos, **kw)
-            logits = out.logits[:, -1]  # (B, V)
-        return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(logprobs, 1)
+            return out.logits[:, -1]  # (B, V)
+
+        return logits, advance
+
+    def _static_prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int):
+        """The fixed-shape decode: the prompts left-padded to a multiple of 16 (as model.GPT's), a StaticCache of
+        width + max_new_tokens slots (it counts the slots it has written), the prefill eager, then every step the
+        compiled forward with the same shapes: one token, its position, the whole (B, max_len) key mask (the cache
+        masks the slots after the current one)."""
+        from transformers import StaticCache
+
+        B, P = idx.size()
+        width = max(P, min(-(-P // 16) * 16, self.config.block_size - max_new_tokens))
+        idx = F.pad(idx, (width - P, 0), value=0)
+        real = F.pad(real, (width - P, 0), value=False)
+        n_real = real.long().sum(-1)  # (B,)
+        key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1).long()  # (B, max_len)
+        cache = StaticCache(config=self.hf.config, max_cache_len=width + max_new_tokens)
+        kw = {self._cache_kw: cache, "use_cache": True} | ({"logits_to_keep": 1} if self._keep_kw else {})
+        inputs = self._inputs(idx, real) | {"attention_mask": key_real}
+        logits = self.hf(**inputs, **kw).logits[:, -1]  # (B, V)
+        step_fn = self._compiled_forward(idx.device)
+
+        def advance(tok: Tensor, step: int) -> Tensor:
+            pos = (n_real + step)[:, None]  # (B, 1)
+            out = step_fn(input_ids=tok[:, None], attention_mask=key_real, position_ids=pos, **kw)
+            return out.logits[:, -1].clone()  # a copy: a CUDA graph reuses its output buffer
+
+        return logits, advance
+
+    def _compiled_forward(self, device: torch.device):
+        """The HF forward compiled once per model and device type (mode="reduce-overhead" on CUDA)."""
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        if getattr(self, "_compiled", None) is None or self._compiled[0] != mode:
+            self._compiled = (mode, torch.compile(self.hf.forward, fullgraph=True, mode=mode))
+        return self._compiled[1]
 
 
 # -----------------------------------------------------------------------------

@@ -68,6 +68,26 @@ class KVCache:
         return self.k[:, :, : self.pos], self.v[:, :, : self.pos]  # (B, nh, pos, hs)
 
 
+class StaticKVCache(nn.Module):
+    """Keys and values of one layer for a whole generation at fixed shapes (the compiled decode, DESIGN §7): buffers
+    (B, nh, max_len, hs) allocated once, zeros (an unwritten slot is masked out, and a zero attention weight times a
+    zero value adds nothing), written at `slots` (a long tensor the caller refills in place: the prompt's positions,
+    then the one new token's) and read whole, so the one-token step has the same shapes at every step and compiles
+    into one graph (a CUDA graph under mode="reduce-overhead"; buffers are what CUDA graphs may mutate)."""
+
+    def __init__(self, batch: int, n_head: int, max_len: int, head_size: int, slots: Tensor, dtype: torch.dtype):
+        super().__init__()
+        device = slots.device
+        self.register_buffer("k", torch.zeros(batch, n_head, max_len, head_size, device=device, dtype=dtype))
+        self.register_buffer("v", torch.zeros(batch, n_head, max_len, head_size, device=device, dtype=dtype))
+        self.slots = slots
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k.index_copy_(2, self.slots, k.to(self.k.dtype))
+        self.v.index_copy_(2, self.slots, v.to(self.v.dtype))
+        return self.k, self.v  # (B, nh, max_len, hs)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -130,6 +150,26 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def decode_one_token(model, token: Tensor, pos: Tensor, key_mask: Tensor, caches: list) -> Tensor:
+    """The fixed-shape decode step (gpt-fast's): token, pos (B, 1) long, key_mask (B, 1, 1, max_len) bool (the slots
+    this token attends to), caches (StaticKVCache per layer, written at their slots) -> logits (B, V) of the next
+    token. It draws no random number: sampling stays outside, eager, from the caller's generator."""
+    h = model._trunk(token, pos, key_mask, caches)
+    return model.lm_head(h[:, -1])
+
+
+_compiled_decode = {}  # mode -> decode_one_token compiled once per process
+
+
+def compiled_decode(device: torch.device):
+    """decode_one_token compiled with fullgraph: mode="reduce-overhead" on CUDA (CUDA graphs: no kernel launch per
+    op), inductor's default on CPU (for tests: --compile on)."""
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    if mode not in _compiled_decode:
+        _compiled_decode[mode] = torch.compile(decode_one_token, fullgraph=True, mode=mode)
+    return _compiled_decode[mode]
+
+
 def padded_causal_mask(real: Tensor) -> Tensor:
     """real: bool (B, T), True = real token -> bool (B, 1, T, T): causal AND key is real, OR the diagonal,
     so a left-pad query attends to itself and no attention row is fully masked."""
@@ -161,6 +201,57 @@ def sample_tokens(logits: Tensor, generator: torch.Generator | None = None) -> T
     u = torch.rand(logits.size(0), 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
     u = torch.minimum(u * cdf[:, -1:], cdf[:, -1:] * (1 - 1e-12))  # (B, 1)
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+
+
+def filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
+    """Keep the top_k largest logits, then the smallest set whose probability reaches top_p; the rest -> -inf."""
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs > top_p  # mass before a token already reaches top_p (the top one stays)
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
+    return logits
+
+
+def decode_loop(
+    logits: Tensor,
+    advance,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    min_new_tokens: int,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The sampling loop every generate shares (model.GPT's, hf.HFCausalLM's; eager or compiled decode): logits
+    (B, V) of each prompt's next token from the prefill, advance(token (B,), step) -> the next logits. Returns
+    generate's (response, response_mask, logprobs); see GPT.generate for the contract."""
+    B = logits.size(0)
+    finished = torch.zeros(B, dtype=torch.bool, device=logits.device)
+    tokens, masks, logprobs = [], [], []
+    for step in range(max_new_tokens):
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logits = logits / temperature if temperature > 0 else logits
+        if step < min_new_tokens:
+            logits[:, eos_id] = -float("inf")
+        if temperature > 0:  # the random draw: eager, from the caller's generator
+            tok = sample_tokens(filter_logits(logits, top_k, top_p), generator)  # (B,)
+        else:
+            tok = logits.argmax(dim=-1)  # (B,)
+        lp = logits.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (B,)
+        tokens.append(tok.masked_fill(finished, pad_id))
+        masks.append((~finished).to(lp.dtype))
+        logprobs.append(lp.masked_fill(finished, 0.0))
+        finished = finished | (tok == eos_id)
+        if step == max_new_tokens - 1 or ((step + 1) % 8 == 0 and finished.all()):
+            break  # host sync only every 8 steps
+        logits = advance(tok, step)  # (B, V)
+    return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(logprobs, 1)
 
 
 def lm_loss(logits: Tensor, targets: Tensor, mask: Tensor, denom: float | Tensor | None = None) -> Tensor:
@@ -357,6 +448,7 @@ class GPT(nn.Module):
         top_p: float | None = None,
         min_new_tokens: int = 0,
         generator: torch.Generator | None = None,
+        compiled: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Sample responses to left-padded prompts idx (B, P) with attention_mask (B, P) (None = no padding).
         One prefill over the prompts, then one token a step with a preallocated KV cache.
@@ -370,7 +462,10 @@ class GPT(nn.Module):
         order) give the same tokens, while a row moved to another position or into a batch of another size draws
         other uniforms and samples other tokens.
         Greedy (temperature 0) draws nothing: a row's tokens do not depend on the batch, up to floating-point ties.
-        generator: a torch.Generator on the model's device (None = the global RNG)."""
+        generator: a torch.Generator on the model's device (None = the global RNG).
+        compiled: decode with static KV caches (StaticKVCache) and the one-token step compiled (compiled_decode; the
+        prompts left-padded to a multiple of 16, so few shapes compile); the same tokens as the eager decode for the
+        same generator, up to float rounding (tests/test_decode.py)."""
         assert self.lm_head is not None, "generate needs a model with an lm head"
         B, P = idx.size()
         assert P + max_new_tokens <= self.config.block_size, (
@@ -380,49 +475,62 @@ class GPT(nn.Module):
         if max_new_tokens <= 0:  # nothing to generate (e.g. the prompt fills the context)
             return idx.new_empty(B, 0), torch.zeros(B, 0, device=idx.device), torch.zeros(B, 0, device=idx.device)
         real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        prefill = self._static_prefill if compiled else self._prefill
+        logits, advance = prefill(idx, real, max_new_tokens)
+        return decode_loop(
+            logits, advance, max_new_tokens, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator
+        )
+
+    def _prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int):
+        """The eager decode: the prompts through the trunk once into a KV cache that grows by a token a step; returns
+        (the last position's logits (B, V), advance(token, step) -> the next logits)."""
+        B, P = idx.size()
         n_real = real.long().sum(-1)  # (B,) real prompt tokens
         key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1)  # (B, P + max_new_tokens)
         kv_caches = [KVCache(P + max_new_tokens) for _ in range(self.config.n_layer)]
-        # prefill: the whole prompt once, logits of its last position only
         pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
         h = self._trunk(idx.masked_fill(~real, 0), pos, padded_causal_mask(real), kv_caches)
-        logits = self.lm_head(h[:, -1])  # (B, V)
-        finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
-        tokens, masks, logprobs = [], [], []
-        for step in range(max_new_tokens):
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            logits = logits / temperature if temperature > 0 else logits
-            if step < min_new_tokens:
-                logits[:, eos_id] = -float("inf")
-            if temperature > 0:
-                tok = sample_tokens(self._filter(logits, top_k, top_p), generator)  # (B,)
-            else:
-                tok = logits.argmax(dim=-1)  # (B,)
-            lp = logits.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (B,)
-            tokens.append(tok.masked_fill(finished, pad_id))
-            masks.append((~finished).to(lp.dtype))
-            logprobs.append(lp.masked_fill(finished, 0.0))
-            finished = finished | (tok == eos_id)
-            if step == max_new_tokens - 1 or ((step + 1) % 8 == 0 and finished.all()):
-                break  # host sync only every 8 steps
-            # decode: the new token sits at position n_real + step and attends to real prompt keys and all new keys
+
+        def advance(tok: Tensor, step: int) -> Tensor:
+            # the new token sits at position n_real + step and attends to the real prompt keys and all new keys
             Tk = P + step + 1
             h = self._trunk(tok[:, None], (n_real + step)[:, None], key_real[:, None, None, :Tk], kv_caches)
-            logits = self.lm_head(h[:, -1])  # (B, V)
-        return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(logprobs, 1)
+            return self.lm_head(h[:, -1])
 
-    @staticmethod
-    def _filter(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
-        """Keep the top_k largest logits, then the smallest set whose probability reaches top_p; the rest -> -inf."""
-        if top_k is not None:
-            kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
-            logits = logits.masked_fill(logits < kth, -float("inf"))
-        if top_p is not None:
-            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-            probs = F.softmax(sorted_logits, dim=-1)
-            drop = probs.cumsum(-1) - probs > top_p  # mass before a token already reaches top_p (the top one stays)
-            logits = logits.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
-        return logits
+        return self.lm_head(h[:, -1]), advance
+
+    def _static_prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int):
+        """The fixed-shape decode (generate's compiled=True): the prompts left-padded to a multiple of 16 (the slots a
+        prompt leaves empty are masked), a StaticKVCache per layer, the prefill eager; advance runs compiled_decode
+        with the same shapes at every step."""
+        B, P = idx.size()
+        width = max(P, min(-(-P // 16) * 16, self.config.block_size - max_new_tokens))  # a few widths compile
+        idx = F.pad(idx, (width - P, 0), value=0)
+        real = F.pad(real, (width - P, 0), value=False)
+        max_len = width + max_new_tokens
+        n_real = real.long().sum(-1)  # (B,)
+        key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1)  # (B, max_len)
+        device = idx.device
+        autocast = torch.is_autocast_enabled(device.type)
+        dtype = torch.get_autocast_dtype(device.type) if autocast else self.lm_head.weight.dtype
+        head_size = self.config.n_embd // self.config.n_head
+        slots = torch.arange(width, device=device)  # the prefill writes the prompt's slots
+        caches = [StaticKVCache(B, self.config.n_head, max_len, head_size, slots, dtype) for _ in self.transformer.h]
+        pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, width)
+        prefill_mask = F.pad(padded_causal_mask(real), (0, max_new_tokens), value=False)  # (B, 1, width, max_len)
+        h = self._trunk(idx.masked_fill(~real, 0), pos, prefill_mask, caches)
+        step_slot = torch.zeros(1, dtype=torch.long, device=device)  # then one slot a step, refilled in place
+        for cache in caches:
+            cache.slots = step_slot
+        step_fn = compiled_decode(device)
+        slot_ids = torch.arange(max_len, device=device)
+
+        def advance(tok: Tensor, step: int) -> Tensor:
+            step_slot.fill_(width + step)  # the new token's slot; it attends to the real prompt and every new key
+            key_mask = (key_real & (slot_ids <= width + step))[:, None, None, :]  # (B, 1, 1, max_len)
+            return step_fn(self, tok[:, None], (n_real + step)[:, None], key_mask, caches).clone()
+
+        return self.lm_head(h[:, -1]), advance
 
     def configure_optimizers(
         self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str

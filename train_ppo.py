@@ -703,12 +703,21 @@ def rollout(
     rank's texts as dicts)."""
     device = next(models.actor.parameters()).device
     amp = parallel.autocast(device, dtype)
-    # 1. generate with the KV cache from the tempered distribution (no top-k/top-p: the ratio must be on-policy)
+    # 1. generate with the KV cache from the tempered distribution (no top-k/top-p: the ratio must be on-policy);
+    # --compile: static caches and the one-token step compiled (CUDA graphs on a GPU), not under --fsdp
     query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
     prompt_texts = [prompt_text(tok, prompt) for prompt in prompts]
+    compiled = parallel.use_compile(args.compile, device) and not args.fsdp
     with amp, parallel.gathered(models.actor):  # under --fsdp: the actor's parameters gathered once, not per token
         samples = sample(
-            models.actor, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator
+            models.actor,
+            tok,
+            query,
+            query_mask,
+            args.max_new_tokens,
+            args.temperature,
+            generator=generator,
+            compiled=compiled,
         )
     # 2. generation stops each row at its first EOS and pads after it (mask includes the EOS); samples.ended says
     # which rows ended

@@ -12,6 +12,9 @@
 #   bash bench/gpu_check.sh scale        # issue #16 on the pipeline's checkpoints: PPO with LoRA, then bf16 FSDP2 on
 #                                        # one rank (the multi-rank paths are tested on CPU)
 #   bash bench/gpu_check.sh bench        # benchmark only
+#   bash bench/gpu_check.sh fast         # issue #23, at most about 5 minutes: versions, then eager against compiled
+#                                        # decode (tokens/s, HBM bandwidth) at GPT-2-small and Llama-1B shapes, the
+#                                        # PPO update's MFU and the compiles at Llama-1B shape; a timeout per section
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -27,6 +30,36 @@ p = torch.cuda.get_device_properties(0)
 print(f"gpu_check: torch {torch.__version__}, {p.name}, {p.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} device(s)")
 PY
 COMMON="--device cuda --dtype bfloat16 --task-dir $OUT/data"
+
+if [ "$WHAT" = fast ]; then
+  $PY - <<'PY'
+import subprocess, torch, transformers
+print(f"gpu_check fast: torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}")
+print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                     capture_output=True, text=True).stdout.strip())
+PY
+  section() {  # name, seconds, command...: a section that runs past its time is cut and reported, the next runs
+    local name=$1 limit=$2; shift 2
+    echo "gpu_check fast: [$name] (at most $limit s)"
+    timeout "$limit" "$@" || echo "gpu_check fast: [$name] stopped with status $? (124 = out of time)"
+  }
+  GPT2="--layers 12 --heads 12 --dim 768 --vocab 50257 --n-positions 1024"
+  LLAMA1B="--arch llama --layers 16 --heads 32 --kv-heads 8 --dim 2048 --intermediate 8192 --vocab 128256 \
+      --n-positions 1024"
+  # decode: bf16 weights (the bytes a decode must read), and Llama's fp32 weights under autocast (PPO's rollout today)
+  section decode-gpt2 50 $PY bench/decode.py --device cuda --dtype bfloat16 --weights bf16 $GPT2 --batch 64 \
+      --prompt-len 64 --resp-len 128 --threads 8
+  section decode-llama1b 70 $PY bench/decode.py --device cuda --dtype bfloat16 --weights bf16 $LLAMA1B --batch 64 \
+      --prompt-len 128 --resp-len 256 --threads 8
+  section decode-llama1b-fp32-weights 60 $PY bench/decode.py --device cuda --dtype bfloat16 --weights fp32 \
+      $LLAMA1B --batch 64 --prompt-len 128 --resp-len 256 --reps 2 --threads 8
+  # the update's MFU ([result] update ... % of peak), eager then compiled (training forward and decode step)
+  PPO1B="$LLAMA1B --batch 64 --prompt-len 128 --resp-len 128 --iters 3 --mini-batches 2 --micro-batch 16 \
+      --ppo-epochs 1 --threads 8 --device cuda --dtype bfloat16"
+  section update-llama1b-eager 60 $PY bench/ppo_throughput.py $PPO1B
+  section update-llama1b-compiled 100 $PY bench/ppo_throughput.py $PPO1B --compile
+  exit 0
+fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = pipeline ]; then
   rm -rf "$OUT/sft" "$OUT/rm" "$OUT/dpo" "$OUT/ppo"

@@ -22,12 +22,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import parallel  # noqa: E402
 from common import StepGuard, Trained  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from train_ppo import Args as PPOArgs  # noqa: E402
@@ -58,6 +60,49 @@ class Shape:
     """torch.set_num_threads"""
     seed: int = 1234
     """seed of models, prompts and sampling"""
+    arch: Literal["gpt", "llama"] = "gpt"
+    """gpt: model.GPT (GPT-2 layout); llama: a Hugging Face Llama built from a config behind hf.HFCausalLM (RMSNorm,
+    rotary, SwiGLU, grouped-query attention: the shape of the GPU goals, DESIGN §7)"""
+    kv_heads: int = 0
+    """llama: key/value heads (0 = --heads)"""
+    intermediate: int = 0
+    """llama: SwiGLU width (0 = 4 x --dim)"""
+
+
+def build_model(shape: Shape, device: torch.device, lm_head: bool = True, score_head: bool = False):
+    """A randomly initialised model of the shape: a model.GPT, or an hf.HFCausalLM around a LlamaForCausalLM."""
+    if shape.arch == "gpt":
+        config = GPTConfig(
+            block_size=shape.n_positions,
+            vocab_size=shape.vocab,
+            n_layer=shape.layers,
+            n_head=shape.heads,
+            n_embd=shape.dim,
+            dropout=0.0,
+            bias=True,
+            lm_head=lm_head,
+            score_head=score_head,
+        )
+        return GPT(config).to(device)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf import HFCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=shape.layers,
+        hidden_size=shape.dim,
+        intermediate_size=shape.intermediate or 4 * shape.dim,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads or shape.heads,
+        vocab_size=shape.vocab,
+        max_position_embeddings=shape.n_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    with torch.device(device):
+        return HFCausalLM(LlamaForCausalLM(config), lm_head=lm_head, score_head=score_head)
 
 
 @dataclass
@@ -77,7 +122,7 @@ class Args(Shape):
     dtype: str = "float32"
     """float32 | bfloat16 (autocast)"""
     compile: bool = False
-    """torch.compile the training forward (GPU)"""
+    """torch.compile the training forward (dynamic shapes, as train_ppo's --compile) and the rollout's decode step"""
     adv_estimator: str = "gae"
     """train_ppo's --adv-estimator: gae | grpo | rloo | reinforce_pp (critic-free: no critic built, scored or trained;
     the same responses per iteration, --batch / group_size prompts)"""
@@ -100,7 +145,7 @@ class IdTokenizer:
         return [int(t) for t in text.split()]
 
     def decode(self, ids) -> str:
-        return " ".join(str(i) for i in ids.tolist())
+        return " ".join(str(i) for i in ids)
 
 
 class GemmRecorder:
@@ -165,21 +210,11 @@ def main(args: Args) -> None:
     B, P, R = args.batch, args.prompt_len, args.resp_len
     mb = B // args.mini_batches
     micro = args.micro_batch or mb
-    cfg = GPTConfig(
-        block_size=args.n_positions,
-        vocab_size=args.vocab,
-        n_layer=args.layers,
-        n_head=args.heads,
-        n_embd=args.dim,
-        dropout=0.0,
-        bias=True,
-    )
-    policy = GPT(cfg).to(device)
-    ref = GPT(cfg).to(device).requires_grad_(False)
+    policy = build_model(args, device)
+    ref = build_model(args, device).requires_grad_(False)
     ref.load_state_dict(policy.state_dict())
-    rm_cfg = GPTConfig(**{**cfg.__dict__, "lm_head": False, "score_head": True})
-    reward_model = GPT(rm_cfg).to(device).requires_grad_(False)
-    members = [reward_model] + [GPT(rm_cfg).to(device).requires_grad_(False) for _ in range(args.rm_members - 1)]
+    members = [build_model(args, device, False, True).requires_grad_(False) for _ in range(args.rm_members)]
+    reward_model = members[0]
     # train_ppo's own settings object, with the values this benchmark has always used for gae; a critic-free
     # estimator keeps its own defaults (group size, KL placement, normalisation, whitening, aggregation)
     gae_settings = dict(kl_coef=0.1, reward_norm="norm", reward_clip=5.0, adv_whiten="minibatch")
@@ -193,6 +228,7 @@ def main(args: Args) -> None:
             num_minibatches=args.mini_batches,
             grad_clip=1.0,
             critic_grad_clip=1.0,
+            compile="on" if args.compile else "off",  # the rollout's decode step too
             **(gae_settings if args.adv_estimator == "gae" else {}),
         )
     )
@@ -200,14 +236,14 @@ def main(args: Args) -> None:
     critic = None
     critic_opt = None
     if uses_critic(ppo_settings):
-        critic = GPT(rm_cfg).to(device)
+        critic = build_model(args, device, False, True)
         critic.load_state_dict(reward_model.state_dict())  # the critic starts from the RM (as TRL's examples)
         critic_opt = critic.configure_optimizers(0.0, 3e-6, (0.9, 0.95), device.type)
     models = [m for m in (policy, ref, *members, critic) if m is not None]
     for m in models:
         m.eval()
     actor_opt = policy.configure_optimizers(0.0, 3e-6, (0.9, 0.95), device.type)
-    fwd = {m: torch.compile(m) if args.compile else m for m in models}
+    fwd = {m: parallel.compile_forward(m) if args.compile else m for m in models}  # as train_ppo's --compile
     fwd[None] = None
     tok = IdTokenizer(args.vocab)
     g = torch.Generator().manual_seed(args.seed)
@@ -339,11 +375,17 @@ def main(args: Args) -> None:
     # decode is bandwidth-bound on a GPU: each step reads the policy's weights and the KV cache so far
     weight_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
     kv_elem = 2 if dtype != torch.float32 else 4
-    kv_bytes = sum(2 * args.layers * B * (P + t) * args.dim * kv_elem for t in range(R))
+    kv_width = args.dim * (args.kv_heads or args.heads) // args.heads  # grouped-query attention reads fewer keys
+    kv_bytes = sum(2 * args.layers * B * (P + t) * kv_width * kv_elem for t in range(R))
     print(
         f"[result] decode traffic {(R * weight_bytes + kv_bytes) / 1e9:.2f} GB (weights {weight_bytes / 1e6:.0f} MB "
         f"x {R} steps + KV cache) -> {(R * weight_bytes + kv_bytes) / med['generate'] / 1e9:.0f} GB/s achieved"
     )
+    if args.compile:  # a run's compiles: training-forward frames (dynamic shapes) and graphs (+ the decode step's)
+        from torch._dynamo.utils import counters
+
+        graphs = counters["stats"]["unique_graphs"]
+        print(f"[result] compiled frames {counters['frames']['total']} graphs {graphs} over {args.iters} iterations")
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     print(
         f"ppo_throughput: sec_per_iter={med['total']:.3f} gen_tok_per_s={B * R / med['total']:.1f} "

@@ -169,20 +169,23 @@ def test_compiled_ppo_compiles_each_call_once_whatever_the_lengths(tmp_path, tas
     training forward is compiled with dynamic shapes, so once every call signature has run (the rollout's no-grad
     passes, the critic's update, then the actor's and its ptx) the count of compiled frames stops growing and never
     reaches dynamo's recompile limit. With static shapes it recompiled at each new length: 8 frames in 8 iterations and
-    the limit hit once (bench/recompiles.py, the code before this)."""
+    the limit hit once (bench/recompiles.py, the code before this). The rollout's decode step compiles once too."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import recompiles
 
     sft, rm = recompiles.tiny_checkpoints(str(tmp_path), task_dir, eos_boost=4.0)
-    frames, widths = [], []  # per iteration: compiled frames so far; the update's micro-batch widths
+    frames, graphs, widths, errors = [], [], [], []  # per iteration: compiles so far, widths, log-prob errors
     real_rollout, real_take_rows = train_ppo.rollout, train_ppo.take_rows
 
     def rollout(*args, **kwargs):
         frames.append(counters["frames"]["total"])
+        graphs.append(counters["stats"]["unique_graphs"])
         widths.append(set())
-        return real_rollout(*args, **kwargs)
+        experience, metrics, samples = real_rollout(*args, **kwargs)
+        errors.append(metrics["rollout/logprob_err"])  # the compiled decode's log-probs against the training forward
+        return experience, metrics, samples
 
     def take_rows(batch, index, width=None):
         taken = real_take_rows(batch, index, width)
@@ -219,5 +222,9 @@ def test_compiled_ppo_compiles_each_call_once_whatever_the_lengths(tmp_path, tas
     total = counters["frames"]["total"]
     later = set().union(*widths[2:])
     assert len(later) >= 3 and not later <= widths[1], widths  # new lengths after every signature has compiled
-    assert frames[2:] == [total] * 3 and total == counters["stats"]["unique_graphs"]
+    assert frames[2:] == [total] * 3 and graphs[2:] == [counters["stats"]["unique_graphs"]] * 3
+    # one graph per frame (no graph break), plus the decode step's one graph (compiled_decode: fixed shapes, and these
+    # prompts pad to one width)
+    assert counters["stats"]["unique_graphs"] == total + 1
     assert total <= train_ppo.parallel.RECOMPILE_LIMIT and hits.hits == 0
+    assert len(errors) == 5 and max(errors) < 1e-4, errors  # fp32: sampler and trainer agree

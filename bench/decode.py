@@ -1,0 +1,133 @@
+"""Decode throughput, eager against compiled (DESIGN §7 "GPU throughput"): `generate` of a randomly initialised model
+(model.GPT, or a Hugging Face Llama behind hf.HFCausalLM: --arch llama) with the eager decode (a KV cache growing a
+token a step) and with compiled=True (static KV caches and the one-token step compiled; mode="reduce-overhead", CUDA
+graphs, on a GPU). Random prompts of --prompt-len tokens, responses of exactly --resp-len tokens (the EOS id lies
+outside the vocabulary), temperature 1.
+
+The step time is (a call of --resp-len tokens - a call of 1 token) / (--resp-len - 1): the prefill taken out. Each
+step reads every weight once and the KV cache so far, so the achieved bandwidth is (weight bytes as stored + the
+mean KV bytes read) / step time, against the card's HBM peak (a table of known GPUs; none on CPU). --weights fp32
+keeps fp32 weights under bf16 autocast, as PPO's rollout decodes its fp32 actor (each linear casts its weight first:
+8 bytes of traffic per parameter, counted here as the 4 stored); --weights bf16 stores them in bf16 (the bytes a
+decode must read at least). Compiled frames and graphs are counted over the compiled calls (dynamo's counters).
+
+python bench/decode.py                                            # a tiny GPT on 2 CPU threads
+python bench/decode.py --device cuda --dtype bfloat16 --weights bf16 --arch llama --layers 16 --heads 32 \
+    --kv-heads 8 --dim 2048 --intermediate 8192 --vocab 128256 --n-positions 1024 --batch 64 --prompt-len 128 \
+    --resp-len 256                                                # Llama-3.2-1B's shape on a GPU
+
+Last line: `decode: eager_tok_per_s=<x> compiled_tok_per_s=<y> speedup=<y/x> compiled_hbm_frac=<achieved/peak or
+nan>`.
+"""
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ppo_throughput import Shape, build_model  # noqa: E402
+
+import parallel  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+HBM_PEAK_BYTES = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12, "A10G": 0.6e12, "4090": 1.0e12}
+
+
+@dataclass
+class Args(Shape):
+    device: str = "cpu"
+    """cpu | cuda"""
+    dtype: str = "float32"
+    """float32 | bfloat16 (autocast)"""
+    weights: Literal["fp32", "bf16"] = "fp32"
+    """how the weights are stored: fp32 (under --dtype bfloat16 autocast casts them per op, as PPO's rollout) or bf16"""
+    reps: int = 3
+    """timed calls per mode and length, after one warm-up call (the compile)"""
+
+
+def hbm_peak(device: torch.device) -> float:
+    """The card's HBM bandwidth in bytes/s from the table, nan when unknown (and on CPU)."""
+    if device.type != "cuda":
+        return float("nan")
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in HBM_PEAK_BYTES.items() if key in name), float("nan"))
+
+
+def main(args: Args) -> None:
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    B, P, R, V = args.batch, args.prompt_len, args.resp_len, args.vocab
+    model = build_model(args, device).eval().requires_grad_(False)
+    if args.weights == "bf16":
+        model = model.to(torch.bfloat16)
+    prompts = torch.randint(0, V, (B, P), generator=torch.Generator().manual_seed(args.seed)).to(device)
+    mask = torch.ones_like(prompts)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(compiled: bool, new_tokens: int) -> float:
+        sync()
+        start = time.perf_counter()
+        with parallel.autocast(device, dtype):
+            tokens = model.generate(prompts, mask, new_tokens, V, V + 1, generator=generator, compiled=compiled)[0]
+        sync()
+        assert tokens.shape == (B, new_tokens), "every response must be exactly the requested length"
+        return time.perf_counter() - start
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_heads = args.kv_heads or args.heads if args.arch == "llama" else args.heads
+    kv_elem = 2 if dtype == torch.bfloat16 or args.weights == "bf16" else 4
+    mean_keys = P + R / 2  # keys read per step, averaged over the steps
+    kv_bytes = 2 * args.layers * B * mean_keys * kv_heads * (args.dim // args.heads) * kv_elem
+    peak = hbm_peak(device)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"[setup] torch={torch.__version__} device={device} ({card}) threads={torch.get_num_threads()} "
+        f"arch={args.arch} params {params / 1e6:.1f} M "
+        f"weights {args.weights} autocast {args.dtype} | B={B} P={P} R={R} | bytes/step: weights "
+        f"{weight_bytes / 1e9:.3f} GB + KV {kv_bytes / 1e9:.3f} GB | HBM peak {peak / 1e12:.2f} TB/s",
+        flush=True,
+    )
+    results = {}
+    for compiled in (False, True):
+        name = "compiled" if compiled else "eager"
+        counters.clear()
+        timed(compiled, R)  # warm-up: the compile, the CUDA graph recording
+        timed(compiled, 1)
+        full = statistics.median(timed(compiled, R) for _ in range(args.reps))
+        prefill = statistics.median(timed(compiled, 1) for _ in range(args.reps))
+        step = (full - prefill) / (R - 1)
+        bandwidth = (weight_bytes + kv_bytes) / step
+        results[name] = {"tok_per_s": B * R / full, "step_ms": 1e3 * step, "bandwidth": bandwidth}
+        frames, graphs = counters["frames"]["total"], counters["stats"]["unique_graphs"]
+        print(
+            f"[result] {name:8s} {B * R / full:10.0f} tok/s  call {full:.3f} s (prefill {prefill:.3f} s)  "
+            f"step {1e3 * step:.2f} ms  {bandwidth / 1e9:.0f} GB/s  {100 * bandwidth / peak:.0f}% of HBM  "
+            f"compiled frames {frames} graphs {graphs}",
+            flush=True,
+        )
+    eager, fast = results["eager"], results["compiled"]
+    print(
+        f"decode: eager_tok_per_s={eager['tok_per_s']:.1f} compiled_tok_per_s={fast['tok_per_s']:.1f} "
+        f"speedup={fast['tok_per_s'] / eager['tok_per_s']:.2f} compiled_hbm_frac={fast['bandwidth'] / peak:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
