@@ -316,7 +316,14 @@ class HFCausalLM(nn.Module):
         real = F.pad(real, (width - P, 0), value=False)
         n_real = real.long().sum(-1)  # (B,)
         key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1).long()  # (B, max_len)
-        cache = StaticCache(config=self.hf.config, max_cache_len=width + max_new_tokens)
+        autocast = torch.is_autocast_enabled(idx.device.type)
+        dtype = torch.get_autocast_dtype(idx.device.type) if autocast else self.hf.dtype
+        key = (B, width + max_new_tokens, dtype, idx.device)  # kept from the last call of this shape, as model.GPT's
+        if getattr(self, "_kept_cache", (None,))[0] != key:
+            self._kept_cache = None  # free the old buffers first
+            self._kept_cache = (key, StaticCache(config=self.hf.config, max_cache_len=width + max_new_tokens))
+        cache = self._kept_cache[1]
+        cache.reset()  # zeros, and no slot written yet
         kw = {self._cache_kw: cache, "use_cache": True} | ({"logits_to_keep": 1} if self._keep_kw else {})
         inputs = self._inputs(idx, real) | {"attention_mask": key_real}
         logits = self.hf(**inputs, **kw).logits[:, -1]  # (B, V)

@@ -513,15 +513,14 @@ class GPT(nn.Module):
         device = idx.device
         autocast = torch.is_autocast_enabled(device.type)
         dtype = torch.get_autocast_dtype(device.type) if autocast else self.lm_head.weight.dtype
-        head_size = self.config.n_embd // self.config.n_head
-        slots = torch.arange(width, device=device)  # the prefill writes the prompt's slots
-        caches = [StaticKVCache(B, self.config.n_head, max_len, head_size, slots, dtype) for _ in self.transformer.h]
+        caches, step_slot = self._static_caches(B, max_len, dtype, device)
+        for cache in caches:
+            cache.slots = torch.arange(width, device=device)  # the prefill writes the prompt's slots
         pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, width)
         prefill_mask = F.pad(padded_causal_mask(real), (0, max_new_tokens), value=False)  # (B, 1, width, max_len)
         h = self._trunk(idx.masked_fill(~real, 0), pos, prefill_mask, caches)
-        step_slot = torch.zeros(1, dtype=torch.long, device=device)  # then one slot a step, refilled in place
         for cache in caches:
-            cache.slots = step_slot
+            cache.slots = step_slot  # then one slot a step, refilled in place
         step_fn = compiled_decode(device)
         slot_ids = torch.arange(max_len, device=device)
 
@@ -531,6 +530,25 @@ class GPT(nn.Module):
             return step_fn(self, tok[:, None], (n_real + step)[:, None], key_mask, caches).clone()
 
         return self.lm_head(h[:, -1]), advance
+
+    def _static_caches(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        """The StaticKVCache of each layer and the step's slot tensor, zeroed: kept from the last call of the same
+        shape, so a CUDA graph recorded once replays on the same addresses (a new allocation would record anew)."""
+        key = (batch, max_len, dtype, device)
+        if getattr(self, "_kept_caches", (None,))[0] != key:
+            self._kept_caches = None  # free the old buffers first
+            head_size = self.config.n_embd // self.config.n_head
+            step_slot = torch.zeros(1, dtype=torch.long, device=device)
+            caches = [
+                StaticKVCache(batch, self.config.n_head, max_len, head_size, step_slot, dtype)
+                for _ in self.transformer.h
+            ]
+            self._kept_caches = (key, caches, step_slot)
+        _, caches, step_slot = self._kept_caches
+        for cache in caches:
+            cache.k.zero_()
+            cache.v.zero_()
+        return caches, step_slot
 
     def configure_optimizers(
         self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
