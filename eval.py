@@ -79,7 +79,8 @@ class Args:
     at each KL, before any RL (DESIGN §5d)"""
     sample_cache: Optional[str] = None
     """--kl-optimal: keep the reference's samples in this file and reuse them while it matches (the same policy,
-    prompts, seeds and sampling settings), so screening another reward model only rescores them"""
+    prompts, seeds and sampling settings), with each RM's scores of them, so screening another reward model or
+    ensemble scores only what is new"""
     reward_fn: Optional[str] = None
     """module:function or path/to/file.py:function, fn(prompt, response, ended) -> float (as train_ppo.py's): its mean
     over the samples is the reward_fn column, your own objective on held-out prompts"""
@@ -456,7 +457,8 @@ def load_rms(paths: list[str], device, tok) -> list:
 @torch.no_grad()
 def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) -> dict:
     """--kl-optimal: --seeds samples per prompt of the reference (from --sample-cache when it matches), scored by
-    every RM (member_scores) and their aggregate (score), a response's score read at its last token."""
+    every RM (member_scores) and their aggregate (score), a response's score read at its last token. The cache also
+    keeps each RM's scores by its file's hash, so screening an ensemble scores only the members new to it."""
     key = dict(
         ref=checkpoints.file_sha256(args.ref),
         prompts=prompts,
@@ -471,21 +473,32 @@ def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) 
         if args.sample_cache and os.path.exists(args.sample_cache)
         else None
     )
-    if cached is not None and cached["key"] == key:
+    fresh = cached is None or cached["key"] != key
+    if fresh:
+        samples = sample_policy(model, tok, prompts, args, device)
+        cached = {"key": key, "samples": samples}
+    else:
         samples = cached["samples"]
         print(f"eval: {len(samples['prompt'])} reference samples from {args.sample_cache}")
-    else:
-        samples = sample_policy(model, tok, prompts, args, device)
-        if args.sample_cache:
-            torch.save({"key": key, "samples": samples}, args.sample_cache)
+    scored = cached.setdefault("rm_scores", {})  # RM file hash -> its score of every sample
+    known = len(scored)
     if rms:
         heads = {prompt_text(tok, prompt): prompt_ids(tok, prompt) for prompt in prompts}  # text -> its ids
         sequences = [heads[p] + ids for p, ids in zip(samples["prompt"], samples["tokens"])]
-        members = torch.stack(
-            [score_seqs(rm, sequences, tok.pad_id, args.batch_size, device, torch.float32) for rm in rms]
-        )
+        members = []
+        for path, rm in zip(rm_paths(args), rms):
+            sha = checkpoints.file_sha256(path)
+            if sha not in scored:
+                scored[sha] = score_seqs(rm, sequences, tok.pad_id, args.batch_size, device, torch.float32).tolist()
+            members.append(torch.tensor(scored[sha]))
+        members = torch.stack(members)
         samples["member_scores"] = members.t().tolist()
         samples["score"] = aggregate_rm_scores(members, args.rm_agg, args.rm_uwo_coef).tolist()
+    if args.sample_cache and (fresh or len(scored) > known):
+        samples_only = {k: v for k, v in samples.items() if k not in ("member_scores", "score")}
+        partial = f"{args.sample_cache}.tmp.{os.getpid()}"  # a killed run leaves the old cache whole
+        torch.save({"key": key, "samples": samples_only, "rm_scores": scored}, partial)
+        os.replace(partial, args.sample_cache)
     return samples
 
 

@@ -3,10 +3,12 @@ the KL estimator in the loss."""
 
 import math
 import os
+from unittest import mock
 
 import pytest
 import torch
 
+import checkpoints
 import common
 import eval as ev
 import train_ppo
@@ -125,6 +127,11 @@ def test_eval_kl_optimal_rows_and_the_sample_cache(tmp_path, task_dir, tiny_ckpt
     assert "reference samples from" in capsys.readouterr().out
     assert again["sft_opt_gold_b0.05"]["gold"] == sharp["gold"]  # the same samples
     assert again["sft_opt_rm_b10000"]["score"] <= rows["sft_opt_rm_b10000"]["score"] + 1e-9  # min <= a member
+    kept = torch.load(cache, weights_only=False)["rm_scores"]  # each RM's scores, by its file's hash
+    assert set(kept) == {checkpoints.file_sha256(path) for path in tiny_rms}
+    with mock.patch.object(ev, "score_seqs", side_effect=AssertionError("scored again")):
+        third = ev.main(ev.Args(**base, rm=tiny_rms, rm_agg="min", kl_optimal=[0.05, 1e4], sample_cache=cache))
+    assert third == again
 
 
 def test_eval_pairs_reports_each_member_and_the_aggregate(task_dir, tiny_rms):
