@@ -252,6 +252,16 @@ def guarded_step(trained: list[Trained], guard: StepGuard, step: int) -> set[str
 # logging
 
 
+def _wait_for_a_later_second(out_dir: str) -> None:
+    """TensorBoard reads a folder's event files in name order, and a name starts with the second its file was created
+    (events.out.tfevents.<second>.<host>.<pid>.<n>): a resumed run's file is read after the dead run's, and its purge
+    applies, only if it starts in a later second. Waits (under a second) until it does."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    seconds = [int(name.split(".")[3]) for name in names if name.startswith("events.out.tfevents.")]
+    while seconds and int(time.time()) <= max(seconds):
+        time.sleep(0.05)
+
+
 class Logger:
     """TensorBoard scalars, the console line `step 00042/00500 | loss 1.23 | ...` and out_dir/samples.jsonl, all
     written by rank 0 only. It owns samples.jsonl: a fresh run starts it empty; a resumed run keeps the records of
@@ -274,6 +284,8 @@ class Logger:
         # a resumed run hides the scalars logged after its checkpoint (steps > resume_step); those of the checkpoint's
         # own step were logged before it was saved and stay
         purge_step = None if resume_step is None else resume_step + 1
+        if resume_step is not None:
+            _wait_for_a_later_second(out_dir)
         self.writer = SummaryWriter(out_dir, purge_step=purge_step)  # creates out_dir
         kept = [] if resume_step is None else _records_up_to(self.samples_path, resume_step)
         write_atomic(self.samples_path, "".join(kept))
