@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from checkpoints import load_checkpoint
 from common import UserError
 from data import Tokenizer, hub_error, load_tokenizer
-from model import GPT, GPTConfig, decode_loop, strip_wrapper_prefixes
+from model import GPT, GPTConfig, cache_dtype, decode_compile_mode, decode_loop, static_layout, strip_wrapper_prefixes
 
 
 @dataclass
@@ -310,15 +309,11 @@ class HFCausalLM(nn.Module):
         masks the slots after the current one)."""
         from transformers import StaticCache
 
-        B, P = idx.size()
-        width = max(P, min(-(-P // 16) * 16, self.config.block_size - max_new_tokens))
-        idx = F.pad(idx, (width - P, 0), value=0)
-        real = F.pad(real, (width - P, 0), value=False)
+        idx, real, key_real, width = static_layout(idx, real, max_new_tokens, self.config.block_size)
+        key_real = key_real.long()  # (B, max_len)
         n_real = real.long().sum(-1)  # (B,)
-        key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1).long()  # (B, max_len)
-        autocast = torch.is_autocast_enabled(idx.device.type)
-        dtype = torch.get_autocast_dtype(idx.device.type) if autocast else self.hf.dtype
-        key = (B, width + max_new_tokens, dtype, idx.device)  # kept from the last call of this shape, as model.GPT's
+        dtype = cache_dtype(idx.device, self.hf.dtype)
+        key = (idx.size(0), width + max_new_tokens, dtype, idx.device)  # kept from the last call of this shape
         if getattr(self, "_kept_cache", (None,))[0] != key:
             self._kept_cache = None  # free the old buffers first
             self._kept_cache = (key, StaticCache(config=self.hf.config, max_cache_len=width + max_new_tokens))
@@ -338,7 +333,7 @@ class HFCausalLM(nn.Module):
 
     def _compiled_forward(self, device: torch.device):
         """The HF forward compiled once per model and device type (mode="reduce-overhead" on CUDA)."""
-        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        mode = decode_compile_mode(device)
         if getattr(self, "_compiled", None) is None or self._compiled[0] != mode:
             self._compiled = (mode, torch.compile(self.hf.forward, fullgraph=True, mode=mode))
         return self._compiled[1]

@@ -161,13 +161,37 @@ def decode_one_token(model, token: Tensor, pos: Tensor, key_mask: Tensor, caches
 _compiled_decode = {}  # mode -> decode_one_token compiled once per process
 
 
+def decode_compile_mode(device: torch.device) -> str:
+    """torch.compile's mode for a decode step: "reduce-overhead" on CUDA (CUDA graphs: no kernel launch per op),
+    inductor's default on CPU (for tests: --compile on)."""
+    return "reduce-overhead" if device.type == "cuda" else "default"
+
+
 def compiled_decode(device: torch.device):
-    """decode_one_token compiled with fullgraph: mode="reduce-overhead" on CUDA (CUDA graphs: no kernel launch per
-    op), inductor's default on CPU (for tests: --compile on)."""
-    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    """decode_one_token compiled with fullgraph, in decode_compile_mode."""
+    mode = decode_compile_mode(device)
     if mode not in _compiled_decode:
         _compiled_decode[mode] = torch.compile(decode_one_token, fullgraph=True, mode=mode)
     return _compiled_decode[mode]
+
+
+def static_layout(idx: Tensor, real: Tensor, max_new_tokens: int, block_size: int):
+    """The compiled decode's layout (model.GPT's and hf.HFCausalLM's): prompts idx and real (B, P) left-padded to a
+    multiple of 16 within the context (a few widths compile; the slots a prompt leaves empty are masked) -> (idx,
+    real (B, width), key_real (B, width + max_new_tokens): the keys a response token may attend to, width)."""
+    B, P = idx.size()
+    width = max(P, min(-(-P // 16) * 16, block_size - max_new_tokens))
+    idx = F.pad(idx, (width - P, 0), value=0)
+    real = F.pad(real, (width - P, 0), value=False)
+    key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1)
+    return idx, real, key_real, width
+
+
+def cache_dtype(device: torch.device, weights_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a static KV cache holds: autocast's where it is on (the keys and values it computes), else the
+    weights'."""
+    autocast = torch.is_autocast_enabled(device.type)
+    return torch.get_autocast_dtype(device.type) if autocast else weights_dtype
 
 
 def padded_causal_mask(real: Tensor) -> Tensor:
@@ -503,17 +527,12 @@ class GPT(nn.Module):
         """The fixed-shape decode (generate's compiled=True): the prompts left-padded to a multiple of 16 (the slots a
         prompt leaves empty are masked), a StaticKVCache per layer, the prefill eager; advance runs compiled_decode
         with the same shapes at every step."""
-        B, P = idx.size()
-        width = max(P, min(-(-P // 16) * 16, self.config.block_size - max_new_tokens))  # a few widths compile
-        idx = F.pad(idx, (width - P, 0), value=0)
-        real = F.pad(real, (width - P, 0), value=False)
+        idx, real, key_real, width = static_layout(idx, real, max_new_tokens, self.config.block_size)
         max_len = width + max_new_tokens
         n_real = real.long().sum(-1)  # (B,)
-        key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1)  # (B, max_len)
         device = idx.device
-        autocast = torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if autocast else self.lm_head.weight.dtype
-        caches, step_slot = self._static_caches(B, max_len, dtype, device)
+        dtype = cache_dtype(device, self.lm_head.weight.dtype)
+        caches, step_slot = self._static_caches(idx.size(0), max_len, dtype, device)
         for cache in caches:
             cache.slots = torch.arange(width, device=device)  # the prefill writes the prompt's slots
         pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, width)
