@@ -109,16 +109,20 @@ BOOKKEEPING = (
     "probe_size",
 )
 BUDGET = ("max_steps", "total_episodes", "epochs")  # the step budget: may change; the LR schedule is re-timed
+POLICY_KINDS = ("sft", "dpo", "ppo", "grpo")  # the checkpoint kinds any stage may start a policy from
 
 
-def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None) -> CommonArgs:
+def resume_args(
+    args: CommonArgs, kind: str, resolve: Optional[Callable] = None, retired: Optional[dict] = None
+) -> CommonArgs:
     """A stage's args as its run continues (DESIGN §8), decided before anything is built. Without --resume:
     resolve(args). With it, from the checkpoint of this kind in args.out_dir: a field still at its dataclass default
     takes the checkpoint's value (tyro cannot tell "not passed" from "passed the default"), so --resume alone
     continues the run as it was started; a flag that changes the run's math (estimator, beta, lr, model shape, LoRA,
     data) and differs from the saved one is refused with one line naming each flag, its saved and its new value;
     bookkeeping flags and the step budget may change and are printed. resolve fills the stage's defaults that depend
-    on other flags (PPO's estimator defaults), on both sides before they are compared."""
+    on other flags, on both sides before they are compared. retired: {name: (the value the stage now always uses,
+    why)} for flags the stage no longer has: a checkpoint that saved another value is refused with that reason."""
     resolve = resolve or (lambda given: given)
     if not args.resume:
         return resolve(args)
@@ -126,6 +130,9 @@ def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None)
         raise UserError("--resume continues the run in --out-dir, --overwrite starts it over: pass one of them")
     path = os.path.join(args.out_dir, "ckpt.pt")
     saved = load_checkpoint(path, kind=kind, flag="--resume", mmap=True).get("args", {})
+    for name, (value, why) in (retired or {}).items():
+        if name in saved and saved[name] != value:
+            raise UserError(f"--resume {path}: it ran with --{name.replace('_', '-')} {saved[name]}: {why}")
     defaults = type(args)()
     names = [f.name for f in fields(args) if f.name in saved and f.name not in NOT_COMPARED]
     saved_args = resolve(replace(defaults, **{name: saved[name] for name in names}))

@@ -80,12 +80,16 @@ class CommonArgs:
 
 
 def stage_args(cls):
-    """Decorator of a stage's Args (a dataclass subclass of CommonArgs): --help lists the stage's own flags first and
-    the shared ones after them. Dataclasses put a base class's fields first; this reorders the field table that
-    dataclasses.fields(), asdict() and tyro read (keyword construction is unchanged)."""
-    own = cls.__dict__.get("__annotations__", {})
+    """Decorator of a stage's Args (a dataclass subclass of CommonArgs, possibly through rollout.RolloutArgs): --help
+    lists the stage's own flags first, then those of each base class in turn, CommonArgs' last. Dataclasses put a
+    base class's fields first; this reorders the field table that dataclasses.fields(), asdict() and tyro read
+    (keyword construction is unchanged)."""
     table = cls.__dataclass_fields__
-    ordered = [name for name in table if name in own] + [name for name in table if name not in own]
+    ordered = []
+    for klass in cls.__mro__:  # the class itself first, then its bases
+        for name in klass.__dict__.get("__annotations__", {}):
+            if name in table and name not in ordered:
+                ordered.append(name)
     cls.__dataclass_fields__ = {name: table[name] for name in ordered}
     return cls
 

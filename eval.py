@@ -43,7 +43,8 @@ import hf
 import parallel
 from common import UserError, format_sample, write_atomic
 from data import calibration_error, encode_prefs, encode_prompts, prompt_ids, prompt_text, read_jsonl, responses_of
-from model import aggregate_rm_scores, logprobs_from_logits, response_forward, sample, score_seqs, sequence_scores
+from generate import sample
+from model import aggregate_rm_scores, last_token_scores, logprobs_from_logits, response_forward, score_sequences
 from task import build_task, gold_reward, is_valid
 
 
@@ -216,7 +217,7 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
     member_scores = torch.zeros(0, len(prompts), device=device)
     if rms:
         mask = torch.cat([query_mask, response_mask], 1)
-        members = [sequence_scores(rm(torch.cat([query, response], 1), mask, logits=False)[1], mask) for rm in rms]
+        members = [last_token_scores(rm(torch.cat([query, response], 1), mask, logits=False)[1], mask) for rm in rms]
         member_scores = torch.stack(members)  # (K, B)
         score = aggregate_rm_scores(member_scores, args.rm_agg, args.rm_uwo_coef)
     return {
@@ -489,7 +490,9 @@ def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) 
         for path, rm in zip(rm_paths(args), rms):
             sha = checkpoints.file_sha256(path)
             if sha not in scored:
-                scored[sha] = score_seqs(rm, sequences, tok.pad_id, args.batch_size, device, torch.float32).tolist()
+                scored[sha] = score_sequences(
+                    rm, sequences, tok.pad_id, args.batch_size, device, torch.float32
+                ).tolist()
             members.append(torch.tensor(scored[sha]))
         members = torch.stack(members)
         samples["member_scores"] = members.t().tolist()
@@ -613,7 +616,7 @@ def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
     examples, _ = encode_prefs(tok, rows, rms[0][0].config.block_size)
     sequences = [s for ex in examples for s in ex[0]]
     members = torch.stack(
-        [score_seqs(rm, sequences, tok.pad_id, args.batch_size, device, torch.float32) for rm, _ in rms]
+        [score_sequences(rm, sequences, tok.pad_id, args.batch_size, device, torch.float32) for rm, _ in rms]
     )
     aggregate = aggregate_rm_scores(members, args.rm_agg, args.rm_uwo_coef)
     seconds = round(sum(ckpt.get("seconds", 0.0) for _, ckpt in rms), 1)

@@ -1,6 +1,7 @@
 """Any Hugging Face causal LM (Llama, Qwen, GPT-2, ...) behind the interface of `model.GPT`, so every stage uses it
 unchanged: forward -> (logits, scores) with padding handled the same way, an optional scalar head, batched KV-cache
-generation, parameter and FLOP counts, optimizer groups, our checkpoints and `export_hf`.
+generation (its own `prefill` for generate.py), parameter and FLOP counts, optimizer groups, our checkpoints and
+`export_hf`.
 
 `--init hf:<name-or-path>` builds one; a checkpoint whose model_config holds `hf_config` rebuilds one from that config
 alone (no hub access). transformers is imported inside the functions, like in model.py. At the end of this file,
@@ -22,7 +23,8 @@ from torch import Tensor
 from checkpoints import load_checkpoint
 from common import UserError
 from data import Tokenizer, hub_error, load_tokenizer
-from model import GPT, GPTConfig, cache_dtype, decode_compile_mode, decode_loop, static_layout, strip_wrapper_prefixes
+from generate import cache_dtype, decode_compile_mode, static_layout
+from model import GPT, GPTConfig, strip_wrapper_prefixes
 
 
 @dataclass
@@ -241,42 +243,15 @@ class HFCausalLM(nn.Module):
         scores = self.score_head(h).squeeze(-1) if self.score_head is not None else None
         return out_logits, scores
 
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: Tensor,
-        attention_mask: Tensor | None,
-        max_new_tokens: int,
-        eos_id: int,
-        pad_id: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_new_tokens: int = 0,
-        generator: torch.Generator | None = None,
-        compiled: bool = False,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """model.GPT.generate's contract exactly (see its docstring): left-padded prompts, one prefill, then one token
-        a step through the HF model's own KV cache, the sampling loop model.decode_loop. Returns (response (B, Tn),
-        response_mask (B, Tn), logprobs (B, Tn)) with log-probs under the full tempered distribution.
-        compiled: a StaticCache and the one-token forward compiled with fullgraph (mode="reduce-overhead" on CUDA),
-        for models transformers marks as compilable (_can_compile_fullgraph: Llama, Qwen, GPT-2, ...); any other
-        model decodes eagerly with a DynamicCache, as with compiled=False."""
-        assert self.config.lm_head, "generate needs a model with an lm head"
-        B, P = idx.size()
-        assert P + max_new_tokens <= self.config.block_size, (
-            f"prompt length {P} + max_new_tokens {max_new_tokens} > block_size {self.config.block_size}: "
-            "shorten the prompts or lower max_new_tokens"
-        )
-        if max_new_tokens <= 0:
-            return idx.new_empty(B, 0), torch.zeros(B, 0, device=idx.device), torch.zeros(B, 0, device=idx.device)
-        real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    def prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int, compiled: bool):
+        """generate.generate's prefill for this model, through the HF model's own KV cache: returns (the last prompt
+        position's logits (B, V), advance(token, step) -> the next logits). compiled: a StaticCache and the one-token
+        forward compiled with fullgraph (mode="reduce-overhead" on CUDA), for models transformers marks as
+        compilable (_can_compile_fullgraph: Llama, Qwen, GPT-2, ...); any other model decodes eagerly with a
+        DynamicCache, as with compiled=False."""
         static = compiled and getattr(self.hf, "_can_compile_fullgraph", False)
         prefill = self._static_prefill if static else self._prefill
-        logits, advance = prefill(idx, real, max_new_tokens)
-        return decode_loop(
-            logits, advance, max_new_tokens, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator
-        )
+        return prefill(idx, real, max_new_tokens)
 
     def _prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int):
         """The eager decode: a DynamicCache growing by a token a step; returns (the last prompt position's logits

@@ -1,7 +1,8 @@
 """GPT language model, nanoGPT-shaped, for every RLHF role: policy and reference (LM head), critic (scalar head),
-reward model (both heads). Batched KV-cache generation over left-padded prompts, GPT-2 weights through transformers
-(`from_pretrained`, `export_hf`) and our native checkpoints (`from_checkpoint`; `hf.model_from_checkpoint` loads
-either kind). It imports nothing of this repo: the ground floor.
+reward model (both heads); the response forward, log-probs, the LM loss and reward-model scoring; GPT-2 weights
+through transformers (`from_pretrained`, `export_hf`) and our native checkpoints (`from_checkpoint`;
+`hf.model_from_checkpoint` loads either kind). Decoding lives in generate.py. It imports nothing of this repo: the
+ground floor.
 
 References:
 1) OpenAI's GPT-2 TensorFlow implementation: https://github.com/openai/gpt-2/blob/master/src/model.py
@@ -46,48 +47,6 @@ class GPTConfig:
     score_head: bool = False  # scalar head nn.Linear(n_embd, 1) (critic, reward model)
 
 
-class KVCache:
-    """Keys and values of one layer, preallocated as (B, nh, max_len, hs) on the first update, filled left to right."""
-
-    def __init__(self, max_len: int):
-        self.max_len = max_len
-        self.pos = 0
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if self.k is None:
-            B, nh, _, hs = k.shape
-            self.k = k.new_empty(B, nh, self.max_len, hs)
-            self.v = v.new_empty(B, nh, self.max_len, hs)
-        T = k.size(2)
-        assert self.pos + T <= self.max_len, f"kv cache overflow: {self.pos} + {T} > {self.max_len}"
-        self.k[:, :, self.pos : self.pos + T] = k
-        self.v[:, :, self.pos : self.pos + T] = v
-        self.pos += T
-        return self.k[:, :, : self.pos], self.v[:, :, : self.pos]  # (B, nh, pos, hs)
-
-
-class StaticKVCache(nn.Module):
-    """Keys and values of one layer for a whole generation at fixed shapes (the compiled decode, DESIGN §7): buffers
-    (B, nh, max_len, hs) allocated once, zeros (an unwritten slot is masked out, and a zero attention weight times a
-    zero value adds nothing), written at `slots` (a long tensor the caller refills in place: the prompt's positions,
-    then the one new token's) and read whole, so the one-token step has the same shapes at every step and compiles
-    into one graph (a CUDA graph under mode="reduce-overhead"; buffers are what CUDA graphs may mutate)."""
-
-    def __init__(self, batch: int, n_head: int, max_len: int, head_size: int, slots: Tensor, dtype: torch.dtype):
-        super().__init__()
-        device = slots.device
-        self.register_buffer("k", torch.zeros(batch, n_head, max_len, head_size, device=device, dtype=dtype))
-        self.register_buffer("v", torch.zeros(batch, n_head, max_len, head_size, device=device, dtype=dtype))
-        self.slots = slots
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.k.index_copy_(2, self.slots, k.to(self.k.dtype))
-        self.v.index_copy_(2, self.slots, v.to(self.v.dtype))
-        return self.k, self.v  # (B, nh, max_len, hs)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -99,8 +58,10 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = config.n_embd
         self.dropout = config.dropout
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None = None, kv_cache: KVCache | None = None) -> Tensor:
-        """attn_mask: bool (B, 1, T, Tk), True = attend; None = plain causal over x itself."""
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, kv_cache=None) -> Tensor:
+        """attn_mask: bool (B, 1, T, Tk), True = attend; None = plain causal over x itself. kv_cache: a decode's
+        cache of this layer (generate.py): it takes this step's keys and values and returns every key and value to
+        attend to."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -145,53 +106,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None = None, kv_cache: KVCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, attn_mask: Tensor | None = None, kv_cache=None) -> Tensor:
         x = x + self.attn(self.ln_1(x), attn_mask, kv_cache)
         return x + self.mlp(self.ln_2(x))
-
-
-def decode_one_token(model, token: Tensor, pos: Tensor, key_mask: Tensor, caches: list) -> Tensor:
-    """The fixed-shape decode step (gpt-fast's): token, pos (B, 1) long, key_mask (B, 1, 1, max_len) bool (the slots
-    this token attends to), caches (StaticKVCache per layer, written at their slots) -> logits (B, V) of the next
-    token. It draws no random number: sampling stays outside, eager, from the caller's generator."""
-    h = model._trunk(token, pos, key_mask, caches)
-    return model.lm_head(h[:, -1])
-
-
-_compiled_decode = {}  # mode -> decode_one_token compiled once per process
-
-
-def decode_compile_mode(device: torch.device) -> str:
-    """torch.compile's mode for a decode step: "reduce-overhead" on CUDA (CUDA graphs: no kernel launch per op),
-    inductor's default on CPU (for tests: --compile on)."""
-    return "reduce-overhead" if device.type == "cuda" else "default"
-
-
-def compiled_decode(device: torch.device):
-    """decode_one_token compiled with fullgraph, in decode_compile_mode."""
-    mode = decode_compile_mode(device)
-    if mode not in _compiled_decode:
-        _compiled_decode[mode] = torch.compile(decode_one_token, fullgraph=True, mode=mode)
-    return _compiled_decode[mode]
-
-
-def static_layout(idx: Tensor, real: Tensor, max_new_tokens: int, block_size: int):
-    """The compiled decode's layout (model.GPT's and hf.HFCausalLM's): prompts idx and real (B, P) left-padded to a
-    multiple of 16 within the context (a few widths compile; the slots a prompt leaves empty are masked) -> (idx,
-    real (B, width), key_real (B, width + max_new_tokens): the keys a response token may attend to, width)."""
-    B, P = idx.size()
-    width = max(P, min(-(-P // 16) * 16, block_size - max_new_tokens))
-    idx = F.pad(idx, (width - P, 0), value=0)
-    real = F.pad(real, (width - P, 0), value=False)
-    key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1)
-    return idx, real, key_real, width
-
-
-def cache_dtype(device: torch.device, weights_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a static KV cache holds: autocast's where it is on (the keys and values it computes), else the
-    weights'."""
-    autocast = torch.is_autocast_enabled(device.type)
-    return torch.get_autocast_dtype(device.type) if autocast else weights_dtype
 
 
 def padded_causal_mask(real: Tensor) -> Tensor:
@@ -217,67 +134,6 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, -1) - (F.softmax(logits, -1) * logits).sum(-1)
 
 
-def sample_tokens(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """One token per row from softmax(logits) (B, V) -> (B,), by inverse CDF with one uniform per row (torch.multinomial
-    draws B x V exponentials: 15x slower at V = 512). The CDF is fp64 and u stays strictly below its total, so the
-    first index with cdf > u never has probability 0 (a -inf logit is never sampled)."""
-    cdf = F.softmax(logits, dim=-1, dtype=torch.float64).cumsum(-1)  # (B, V)
-    u = torch.rand(logits.size(0), 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
-    u = torch.minimum(u * cdf[:, -1:], cdf[:, -1:] * (1 - 1e-12))  # (B, 1)
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
-
-
-def filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
-    """Keep the top_k largest logits, then the smallest set whose probability reaches top_p; the rest -> -inf."""
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    if top_p is not None:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = F.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs > top_p  # mass before a token already reaches top_p (the top one stays)
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
-    return logits
-
-
-def decode_loop(
-    logits: Tensor,
-    advance,
-    max_new_tokens: int,
-    eos_id: int,
-    pad_id: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    min_new_tokens: int,
-    generator: torch.Generator | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The sampling loop every generate shares (model.GPT's, hf.HFCausalLM's; eager or compiled decode): logits
-    (B, V) of each prompt's next token from the prefill, advance(token (B,), step) -> the next logits. Returns
-    generate's (response, response_mask, logprobs); see GPT.generate for the contract."""
-    B = logits.size(0)
-    finished = torch.zeros(B, dtype=torch.bool, device=logits.device)
-    tokens, masks, logprobs = [], [], []
-    for step in range(max_new_tokens):
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        logits = logits / temperature if temperature > 0 else logits
-        if step < min_new_tokens:
-            logits[:, eos_id] = -float("inf")
-        if temperature > 0:  # the random draw: eager, from the caller's generator
-            tok = sample_tokens(filter_logits(logits, top_k, top_p), generator)  # (B,)
-        else:
-            tok = logits.argmax(dim=-1)  # (B,)
-        lp = logits.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (B,)
-        tokens.append(tok.masked_fill(finished, pad_id))
-        masks.append((~finished).to(lp.dtype))
-        logprobs.append(lp.masked_fill(finished, 0.0))
-        finished = finished | (tok == eos_id)
-        if step == max_new_tokens - 1 or ((step + 1) % 8 == 0 and finished.all()):
-            break  # host sync only every 8 steps
-        logits = advance(tok, step)  # (B, V)
-    return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(logprobs, 1)
-
-
 def lm_loss(logits: Tensor, targets: Tensor, mask: Tensor, denom: float | Tensor | None = None) -> Tensor:
     """Sum of masked next-token NLL / denom (default: the number of valid targets), the LM loss of every stage.
     logits (B, T, V), targets and mask (B, T); targets where mask is 0 may be pad ids outside the vocabulary."""
@@ -300,7 +156,7 @@ def response_forward(model, query, query_mask, response, response_mask, temperat
     return logits, None if scores is None else scores[:, P - 1 : -1].float()
 
 
-def sequence_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def last_token_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """scores, mask (B, T) -> (B,): the score at the last real token of each row (the EOS), wherever the padding is
     (left-padded prompts, right-padded responses)."""
     T = scores.size(1)
@@ -309,7 +165,7 @@ def sequence_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def score_seqs(model, seqs: list[list[int]], pad_id: int, batch_size: int, device, dtype) -> torch.Tensor:
+def score_sequences(model, seqs: list[list[int]], pad_id: int, batch_size: int, device, dtype) -> torch.Tensor:
     """Scores (N,) of token sequences at their last token (the EOS; the last response token for a no-EOS text).
     Sorted by length to waste little on padding; right padding needs no attention mask (causal attention never
     looks ahead at the pads). dtype: bf16 runs under autocast."""
@@ -322,7 +178,7 @@ def score_seqs(model, seqs: list[list[int]], pad_id: int, batch_size: int, devic
         mask = (torch.arange(ids.size(1)) < torch.tensor([len(seqs[i]) for i in rows])[:, None]).long()  # (B, T)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             _, scores = model(ids.to(device), logits=False)
-        out[rows] = sequence_scores(scores.float(), mask.to(device)).cpu()
+        out[rows] = last_token_scores(scores.float(), mask.to(device)).cpu()
     return out
 
 
@@ -337,36 +193,6 @@ def aggregate_rm_scores(scores: Tensor, agg: str, coef: float = 0.0) -> Tensor:
     if agg == "uwo":
         return scores.mean(0) - coef * scores.var(0, correction=0)
     raise ValueError(f"unknown RM aggregation {agg!r}: expected mean, min or uwo")
-
-
-@dataclass
-class Samples:
-    """What `sample` returns: a batch of generated responses and what every caller derives from them."""
-
-    response: Tensor  # (B, Tn) long, pad_id after a row's EOS
-    mask: Tensor  # (B, Tn) float, 1 on real tokens, the EOS included
-    logprobs: Tensor  # (B, Tn) the sampled tokens' log-probs under the full tempered distribution, 0 on padding
-    last: Tensor  # (B,) long, index of each row's last real token (its EOS when it ended)
-    ended: Tensor  # (B,) bool, the row ended with EOS
-    texts: list[str]  # each response decoded without its EOS
-
-
-@torch.no_grad()
-def sample(
-    model, tok, query: Tensor, query_mask: Tensor, max_new_tokens: int, temperature: float = 1.0, **kw
-) -> Samples:
-    """Generate → which rows ended → text without EOS, for every stage and eval.py: model.generate over left-padded
-    prompts (query, query_mask (B, P)) with at most max_new_tokens new tokens (fewer where the context ends first),
-    EOS and padding from tok (anything with eos_id, pad_id and decode); kw goes to generate (generator, top_k, ...)."""
-    max_new = min(max_new_tokens, model.config.block_size - query.size(1))
-    response, mask, logprobs = model.generate(
-        query, query_mask, max_new, tok.eos_id, tok.pad_id, temperature=temperature, **kw
-    )
-    lengths = mask.sum(1).long()
-    last = (lengths - 1).clamp(min=0)
-    ended = (response.gather(1, last[:, None]).squeeze(1) == tok.eos_id) & (lengths > 0)
-    texts = [tok.decode(row) for row in response.tolist()]  # decode drops the pad and EOS ids
-    return Samples(response, mask, logprobs, last, ended, texts)
 
 
 class GPT(nn.Module):
@@ -458,116 +284,6 @@ class GPT(nn.Module):
         out_logits = self.lm_head(keep) if logits and self.lm_head is not None else None
         scores = self.score_head(h).squeeze(-1) if self.score_head is not None else None
         return out_logits, scores
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: Tensor,
-        attention_mask: Tensor | None,
-        max_new_tokens: int,
-        eos_id: int,
-        pad_id: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_new_tokens: int = 0,
-        generator: torch.Generator | None = None,
-        compiled: bool = False,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Sample responses to left-padded prompts idx (B, P) with attention_mask (B, P) (None = no padding).
-        One prefill over the prompts, then one token a step with a preallocated KV cache.
-        Returns (response (B, Tn) long, pad_id after a row's EOS; response_mask (B, Tn) float, 1 for real tokens
-        including the EOS; logprobs (B, Tn) float, 0 on padding), Tn <= max_new_tokens the number of steps run.
-        logprobs are log_softmax(logits / temperature) at the sampled token: the full tempered distribution, not the
-        top-k/top-p truncated one; temperature 0 samples greedily and reports them at temperature 1. While EOS is
-        suppressed (the first min_new_tokens tokens) they are under that distribution with the EOS logit at -inf,
-        the one actually sampled from. Reproducible per batch, not per row: each sampling step draws one uniform per
-        row from the shared generator, so the same generator state and the same batch (the same prompts in the same
-        order) give the same tokens, while a row moved to another position or into a batch of another size draws
-        other uniforms and samples other tokens.
-        Greedy (temperature 0) draws nothing: a row's tokens do not depend on the batch, up to floating-point ties.
-        generator: a torch.Generator on the model's device (None = the global RNG).
-        compiled: decode with static KV caches (StaticKVCache) and the one-token step compiled (compiled_decode; the
-        prompts left-padded to a multiple of 16, so few shapes compile); the same tokens as the eager decode for the
-        same generator, up to float rounding (tests/test_decode.py)."""
-        assert self.lm_head is not None, "generate needs a model with an lm head"
-        B, P = idx.size()
-        assert P + max_new_tokens <= self.config.block_size, (
-            f"prompt length {P} + max_new_tokens {max_new_tokens} > block_size {self.config.block_size}: "
-            "shorten the prompts or lower max_new_tokens"
-        )
-        if max_new_tokens <= 0:  # nothing to generate (e.g. the prompt fills the context)
-            return idx.new_empty(B, 0), torch.zeros(B, 0, device=idx.device), torch.zeros(B, 0, device=idx.device)
-        real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        prefill = self._static_prefill if compiled else self._prefill
-        logits, advance = prefill(idx, real, max_new_tokens)
-        return decode_loop(
-            logits, advance, max_new_tokens, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator
-        )
-
-    def _prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int):
-        """The eager decode: the prompts through the trunk once into a KV cache that grows by a token a step; returns
-        (the last position's logits (B, V), advance(token, step) -> the next logits)."""
-        B, P = idx.size()
-        n_real = real.long().sum(-1)  # (B,) real prompt tokens
-        key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1)  # (B, P + max_new_tokens)
-        kv_caches = [KVCache(P + max_new_tokens) for _ in range(self.config.n_layer)]
-        pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
-        h = self._trunk(idx.masked_fill(~real, 0), pos, padded_causal_mask(real), kv_caches)
-
-        def advance(tok: Tensor, step: int) -> Tensor:
-            # the new token sits at position n_real + step and attends to the real prompt keys and all new keys
-            Tk = P + step + 1
-            h = self._trunk(tok[:, None], (n_real + step)[:, None], key_real[:, None, None, :Tk], kv_caches)
-            return self.lm_head(h[:, -1])
-
-        return self.lm_head(h[:, -1]), advance
-
-    def _static_prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int):
-        """The fixed-shape decode (generate's compiled=True): the prompts left-padded to a multiple of 16 (the slots a
-        prompt leaves empty are masked), a StaticKVCache per layer, the prefill eager; advance runs compiled_decode
-        with the same shapes at every step."""
-        idx, real, key_real, width = static_layout(idx, real, max_new_tokens, self.config.block_size)
-        max_len = width + max_new_tokens
-        n_real = real.long().sum(-1)  # (B,)
-        device = idx.device
-        dtype = cache_dtype(device, self.lm_head.weight.dtype)
-        caches, step_slot = self._static_caches(idx.size(0), max_len, dtype, device)
-        for cache in caches:
-            cache.slots = torch.arange(width, device=device)  # the prefill writes the prompt's slots
-        pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, width)
-        prefill_mask = F.pad(padded_causal_mask(real), (0, max_new_tokens), value=False)  # (B, 1, width, max_len)
-        h = self._trunk(idx.masked_fill(~real, 0), pos, prefill_mask, caches)
-        for cache in caches:
-            cache.slots = step_slot  # then one slot a step, refilled in place
-        step_fn = compiled_decode(device)
-        slot_ids = torch.arange(max_len, device=device)
-
-        def advance(tok: Tensor, step: int) -> Tensor:
-            step_slot.fill_(width + step)  # the new token's slot; it attends to the real prompt and every new key
-            key_mask = (key_real & (slot_ids <= width + step))[:, None, None, :]  # (B, 1, 1, max_len)
-            return step_fn(self, tok[:, None], (n_real + step)[:, None], key_mask, caches).clone()
-
-        return self.lm_head(h[:, -1]), advance
-
-    def _static_caches(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        """The StaticKVCache of each layer and the step's slot tensor, zeroed: kept from the last call of the same
-        shape, so a CUDA graph recorded once replays on the same addresses (a new allocation would record anew)."""
-        key = (batch, max_len, dtype, device)
-        if getattr(self, "_kept_caches", (None,))[0] != key:
-            self._kept_caches = None  # free the old buffers first
-            head_size = self.config.n_embd // self.config.n_head
-            step_slot = torch.zeros(1, dtype=torch.long, device=device)
-            caches = [
-                StaticKVCache(batch, self.config.n_head, max_len, head_size, step_slot, dtype)
-                for _ in self.transformer.h
-            ]
-            self._kept_caches = (key, caches, step_slot)
-        _, caches, step_slot = self._kept_caches
-        for cache in caches:
-            cache.k.zero_()
-            cache.v.zero_()
-        return caches, step_slot
 
     def configure_optimizers(
         self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str

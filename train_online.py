@@ -40,7 +40,7 @@ import common
 import hf
 from common import UserError, print0, write_atomic
 from data import encode_prompts, prompt_text, read_jsonl
-from model import sample
+from generate import sample
 from task import annotate, build_task
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

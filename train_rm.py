@@ -37,7 +37,7 @@ from data import (
     responses_of,
     sft_sequence,
 )
-from model import lm_loss, score_seqs, sequence_scores
+from model import last_token_scores, lm_loss, score_sequences
 from task import PROBE_KINDS, build_task, gold_reward, probe_texts
 
 
@@ -151,7 +151,7 @@ def flops_per_token(model, examples: list, lm_coef: float) -> int:
 def score_on_every_rank(model, seqs: list, d: parallel.Dist, pad_id: int, dtype: torch.dtype) -> torch.Tensor:
     """Scores (N,) of token sequences on every rank; rank r scores seqs[r::world_size] and the parts are gathered."""
     with parallel.gathered(model):  # rank slices differ in length: no per-forward collectives
-        mine = score_seqs(model, seqs[d.rank :: d.world_size], pad_id, 64, d.device, dtype)
+        mine = score_sequences(model, seqs[d.rank :: d.world_size], pad_id, 64, d.device, dtype)
     if not d.ddp:
         return mine
     parts = [None] * d.world_size
@@ -367,7 +367,7 @@ def main(args: Args) -> None:
             last_micro_step = micro_step == grad_accum_steps - 1
             with parallel.grad_sync(model, last_micro_step), parallel.autocast(d.device, dtype):
                 logits, token_scores = model(ids, logits=args.lm_coef > 0)  # right padding: no attention mask needed
-                scores = sequence_scores(token_scores.float(), mask)  # (N,) score at each response's EOS
+                scores = last_token_scores(token_scores.float(), mask)  # (N,) score at each response's EOS
                 bt_loss = preference_loss(scores[chosen], scores[rejected], weights, denom=pair_denom)
                 lm_loss_value = bt_loss * 0
                 if args.lm_coef > 0:

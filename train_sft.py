@@ -32,7 +32,8 @@ from data import (
     read_train_eval,
     sft_prompt,
 )
-from model import lm_loss, sample
+from generate import sample
+from model import lm_loss
 from task import build_task, is_valid
 
 

@@ -17,7 +17,7 @@ import checkpoints
 import common
 import eval as ev
 from data import load_tokenizer
-from model import GPT, GPTConfig, sequence_scores
+from model import GPT, GPTConfig, last_token_scores
 from task import build_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,7 +98,7 @@ def test_distinct_2_se_is_the_jackknife():
 def test_last_token_scores_with_ragged_padding():
     scores = torch.arange(12.0).view(2, 6)
     mask = torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
-    assert sequence_scores(scores, mask).tolist() == [3.0, 11.0]
+    assert last_token_scores(scores, mask).tolist() == [3.0, 11.0]
 
 
 def test_policy_metrics_hand_made():

@@ -129,7 +129,7 @@ def test_eval_kl_optimal_rows_and_the_sample_cache(tmp_path, task_dir, tiny_ckpt
     assert again["sft_opt_rm_b10000"]["score"] <= rows["sft_opt_rm_b10000"]["score"] + 1e-9  # min <= a member
     kept = torch.load(cache, weights_only=False)["rm_scores"]  # each RM's scores, by its file's hash
     assert set(kept) == {checkpoints.file_sha256(path) for path in tiny_rms}
-    with mock.patch.object(ev, "score_seqs", side_effect=AssertionError("scored again")):
+    with mock.patch.object(ev, "score_sequences", side_effect=AssertionError("scored again")):
         third = ev.main(ev.Args(**base, rm=tiny_rms, rm_agg="min", kl_optimal=[0.05, 1e4], sample_cache=cache))
     assert third == again
 

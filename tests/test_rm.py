@@ -19,7 +19,7 @@ import data
 import hf
 import task
 import train_rm
-from model import GPT, GPTConfig, score_seqs, sequence_scores
+from model import GPT, GPTConfig, score_sequences, last_token_scores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RM_TAGS = [
@@ -143,10 +143,10 @@ def test_sequence_scores_ignore_padding():
         dtype=torch.float,
     )
     with torch.no_grad():
-        padded = sequence_scores(model(ids, mask)[1], mask)
+        padded = last_token_scores(model(ids, mask)[1], mask)
         single = [model(torch.tensor([p + r]))[1][0, -1].item() for p, r in zip(prompts, responses)]
-        # right padding alone needs no attention mask (what training and score_seqs do)
-        right = score_seqs(model, [p + r for p, r in zip(prompts, responses)], pad, 2, "cpu", torch.float32)
+        # right padding alone needs no attention mask (what training and score_sequences do)
+        right = score_sequences(model, [p + r for p, r in zip(prompts, responses)], pad, 2, "cpu", torch.float32)
     assert padded.tolist() == pytest.approx(single, abs=1e-5)
     assert right.tolist() == pytest.approx(single, abs=1e-5)
 
@@ -197,17 +197,17 @@ def test_fold_score_offset_known_answer():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=32, block_size=32, score_head=True)).eval()
     seqs = [torch.randint(0, 49, (n,)).tolist() + [49] for n in (3, 9, 5, 12)]
-    before = score_seqs(model, seqs, 51, 3, "cpu", torch.float32)
+    before = score_sequences(model, seqs, 51, 3, "cpu", torch.float32)
     offset = before.mean().item()
     train_rm.fold_score_offset(model, offset)
-    after = score_seqs(model, seqs, 51, 3, "cpu", torch.float32)
+    after = score_sequences(model, seqs, 51, 3, "cpu", torch.float32)
     assert after.tolist() == pytest.approx((before - offset).tolist(), abs=1e-6)
     assert after.mean().item() == pytest.approx(0.0, abs=1e-6)
     with torch.no_grad():
         model.score_head.weight.zero_(), model.score_head.bias.fill_(3.0)
-    assert score_seqs(model, seqs, 51, 3, "cpu", torch.float32).mean().item() == pytest.approx(3.0)
+    assert score_sequences(model, seqs, 51, 3, "cpu", torch.float32).mean().item() == pytest.approx(3.0)
     train_rm.fold_score_offset(model, 3.0)
-    assert score_seqs(model, seqs, 51, 3, "cpu", torch.float32).abs().max().item() == 0.0
+    assert score_sequences(model, seqs, 51, 3, "cpu", torch.float32).abs().max().item() == 0.0
 
 
 def test_load_init_adds_fresh_score_head(sft_ckpt):
@@ -292,7 +292,7 @@ def test_rm_smoke(tmp_path, task_dir, sft_ckpt, tok):
         tok.encode(r["prompt"]) + tok.encode(r["response"]) + [tok.eos_id]
         for r in data.read_jsonl(task.build_task(task_dir, 1337)["sft"], "sft")[:128]
     ]
-    assert score_seqs(model, calib, tok.pad_id, 64, "cpu", torch.float32).mean().item() == pytest.approx(0.0, abs=1e-4)
+    assert score_sequences(model, calib, tok.pad_id, 64, "cpu", torch.float32).mean().item() == pytest.approx(0.0, abs=1e-4)
     scalars, histograms = read_events(out)
     for tag in RM_TAGS:
         assert tag in scalars and all(math.isfinite(v) for v in scalars[tag]), tag
@@ -385,7 +385,7 @@ def test_flops_per_token_hand_count(lm_coef):
     ids, mask, chosen, rejected, weights, lm_mask = train_rm.collate([example] * 2, pad_id=0)
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
         logits, token_scores = model(ids, logits=lm_coef > 0)
-        scores = sequence_scores(token_scores, mask)
+        scores = last_token_scores(token_scores, mask)
         loss = train_rm.preference_loss(scores[chosen], scores[rejected], weights)
         if lm_coef > 0:
             loss = loss + lm_coef * lm_loss(logits[:, :-1], ids[:, 1:], lm_mask[:, 1:])

@@ -1,0 +1,688 @@
+"""The critic-free family: GRPO, Dr. GRPO, RLOO and REINFORCE++, with DAPO's tricks as flags. No critic: each response's
+advantage comes from the scores of the others.
+
+Each iteration samples G responses to each prompt from the policy (a group, sampled together on one rank), scores
+them (reward model(s) and/or --reward-fn), and gives every token of response i one advantage from comparing its score
+with its group's: GRPO (Shao et al. 2024) A_i = (R_i - mean_group R) / (std_group R + 1e-4); Dr. GRPO (Liu et al.
+2025) without the division and with the loss summed over a fixed length; RLOO (Ahmadian et al. 2024) A_i = R_i - the
+mean of the group's other responses; REINFORCE++ (Hu 2025) the reward-to-go of per-token rewards, whitened over the
+rollout (with G > 1 the group mean subtracted first). Then clipped policy-gradient steps: DAPO's clip-higher, dynamic
+sampling and overlong filtering, dual-clip, three loss aggregations, the KL in the loss (k3 or k2) or in the reward
+(k1), and ptx as in PPO-max. What every RL stage does the same is rollout.py's (DESIGN §5b says more).
+
+Departures from the papers: sizes and beta are tuned for the built-in task (GRPO's G = 64 and beta = 0.04 are a
+model-scale recipe); each estimator's defaults are RECIPES below.
+
+python train_grpo.py                                                  # GRPO: groups of 4, k3 KL in the loss
+python train_grpo.py --no-grpo-std-norm --loss-agg seq_sum_norm       # Dr. GRPO
+python train_grpo.py --estimator rloo                                 # RLOO
+python train_grpo.py --estimator reinforce_pp                         # REINFORCE++ (--group-size 4: a group baseline)
+python train_grpo.py --loss-agg token_mean --cliprange-high 0.28 --dynamic-sampling --mask-truncated   # DAPO
+python train_grpo.py --no-grpo-std-norm --kl-coef 0 --loss-agg token_mean --cliprange None           # nanochat's
+"""
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Literal, Optional
+
+import torch
+import tyro
+
+import checkpoints
+import common
+import parallel
+import rollout
+from common import Trained, UserError, exact_div, format_sample, print0
+from data import Order, Tokenizer
+from rollout import Models, RunningMoments, masked_mean, masked_whiten, world_size
+
+# Each estimator's recipe: what a flag left at None becomes. beta in the loss (k3) and in the reward (k1, on raw
+# scores for rloo) are not on one scale. Measured on the built-in task (make demo's SFT and RM, 12,800 episodes,
+# eval.py on 512 held-out prompts, one seed; SFT gold 0.04, PPO-max 0.69 at KL 2.3): grpo beta 0.15 / 0.2 / 0.3 / 0.6
+# -> gold 0.59 / 0.56 / 0.51 / 0.38 at KL 2.8 / 2.3 / 1.4 / 0.5 nats, valid_frac 0.92-0.95 (beta 0.1: KL 4.2 and
+# valid_frac 0.85 after 3,200 episodes already); rloo beta 0.3 / 0.6 -> gold 0.63 / 0.55 at KL 1.9 / 1.1, valid_frac
+# 0.93 / 0.94 (beta 0.1: valid_frac 0.86 after 3,200). reinforce_pp: PPO-max's 0.3 on normalised scores, not tuned.
+RECIPES = {
+    "grpo": dict(
+        group_size=4, kl_penalty="loss", kl_coef=0.15, reward_norm="none", adv_whiten="none", loss_agg="seq_mean"
+    ),
+    "rloo": dict(
+        group_size=4, kl_penalty="reward", kl_coef=0.3, reward_norm="none", adv_whiten="none", loss_agg="token_mean"
+    ),
+    "reinforce_pp": dict(
+        group_size=1, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="rollout", loss_agg="token_mean"
+    ),
+}
+GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages from comparing a prompt's G responses: G >= 2
+
+
+@common.stage_args
+@dataclass
+class Args(rollout.RolloutArgs):
+    out_dir: str = "out/grpo"
+    """where ckpt.pt, TensorBoard event files and samples.jsonl go"""
+    # --- the estimator; a flag left at None takes its RECIPES value, printed at start-up
+    estimator: Literal[tuple(RECIPES)] = "grpo"
+    """grpo | rloo | reinforce_pp (REINFORCE++)"""
+    group_size: Optional[int] = None
+    """responses sampled per prompt, consecutive rows of one rank; prompts per iteration = rollout_batch_size / G"""
+    grpo_std_norm: bool = True
+    """grpo only: divide by the group's std (--no-grpo-std-norm: Dr. GRPO, with --loss-agg seq_sum_norm)"""
+    gamma: float = 1.0
+    """reinforce_pp: the discount of the reward-to-go"""
+    # --- scores and KL
+    reward_norm: Optional[Literal["none", "scale", "norm"]] = None
+    """normalise scores with running moments over all history: scale = s/std, norm = (s-mean)/std"""
+    reward_clip: Optional[float] = 5.0
+    """clip normalised scores to +-this (None: off); raw scores (--reward-norm none) are never clipped"""
+    kl_coef: Optional[float] = None
+    """beta of the KL penalty against the reference"""
+    kl_penalty: Optional[Literal["loss", "reward"]] = None
+    """where the KL goes: beta * k (k3 or k2) per token on the current log-probs in the loss (GRPO), or -beta * k1
+    in the rewards (R_i = s_i - beta * sum_t k1)"""
+    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = None
+    """the KL in the loss: k3 = (r - 1) - log r, r = ref_p / p, or k2 = d^2 / 2 with d = logp - ref_logp (None: k3;
+    in the reward only k1 = d, the one whose expected gradient there is the KL's: DESIGN §5d)"""
+    # --- the policy loss
+    loss_agg: Optional[Literal["token_mean", "seq_mean", "seq_sum_norm"]] = None
+    """the loss over the step's global batch: mean over tokens, mean over sequences of their token mean, or sum over
+    tokens / (max_new_tokens * sequences) (Dr. GRPO)"""
+    adv_whiten: Optional[Literal["rollout", "none"]] = None
+    """whiten advantages over the whole rollout with global statistics (REINFORCE++'s normalisation), or not"""
+    cliprange: Optional[float] = 0.2
+    """policy ratio clip epsilon (None: no clip, the plain policy gradient -A*ratio)"""
+    cliprange_high: Optional[float] = None
+    """DAPO clip-higher: the ratio is clipped to [1 - cliprange, 1 + cliprange_high] (None: cliprange)"""
+    dual_clip: Optional[float] = None
+    """dual-clip constant c > 1 (Ye et al. 2020): for A < 0 the per-token loss is capped at -c*A (None: off)"""
+    mask_truncated: bool = False
+    """DAPO overlong filtering: responses without EOS keep their score but contribute nothing to the policy loss"""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling (G > 1): a group whose G scores are all equal carries no signal; sample fresh groups until
+    the iteration has rollout_batch_size / G informative ones or --max-sample-rounds are spent (then the first
+    round's other groups fill the batch without a policy loss)"""
+    max_sample_rounds: int = 3
+    """--dynamic-sampling only: the most rollouts per iteration"""
+    # --- optimisation
+    ppo_epochs: int = 1
+    """passes over each rollout"""
+    lr: float = 5e-4
+    """learning rate (linear warm-up, then cosine to 10%)"""
+    warmup_steps: int = 5
+    """learning-rate warm-up, in iterations"""
+    weight_decay: float = 0.0
+    """AdamW weight decay on matrices"""
+    grad_clip: float = 1.0
+    """grad-norm clip (0: off)"""
+
+
+def resolve_args(args: Args) -> Args:
+    """A copy of args where every flag left at None holds its estimator's RECIPES value, and the KL estimator that of
+    its placement (k3 in the loss, k1 in the reward): run once at start-up (checkpoints.resume_args, on the saved
+    args too), so everything after it, and the checkpoint, see the resolved values."""
+    args = rollout.resolve_rollout_args(args)
+    recipe = RECIPES[args.estimator]
+    resolved = {key: value if getattr(args, key) is None else getattr(args, key) for key, value in recipe.items()}
+    args = replace(args, **resolved)
+    if args.kl_estimator is None:
+        return replace(args, kl_estimator="k3" if args.kl_penalty == "loss" else "k1")
+    return args
+
+
+def check_args(args: Args) -> None:
+    """Settings no run can mean (on the resolved args): a one-line UserError naming the flag, before any work."""
+    rollout.check_rollout_args(args)
+    estimator = args.estimator
+    if args.kl_penalty == "loss" and args.kl_estimator == "k1":
+        raise UserError("--kl-estimator k1 in the loss: its expected gradient is zero; use k2 or k3")
+    if args.kl_penalty == "reward" and args.kl_estimator != "k1":
+        raise UserError(
+            f"--kl-estimator {args.kl_estimator} in the reward: as a detached penalty its gradient works against the "
+            "KL (DESIGN §5d); the reward takes k1, or put k2/k3 in the loss with --kl-penalty loss"
+        )
+    if args.group_size < 1 or (estimator in GROUP_ESTIMATORS and args.group_size < 2):
+        raise UserError(f"--group-size {args.group_size}: {estimator} compares responses within a group, use >= 2")
+    if args.dynamic_sampling and args.group_size < 2:
+        raise UserError(f"--dynamic-sampling compares a group's scores: use --group-size >= 2, not {args.group_size}")
+    if args.max_sample_rounds < 1:
+        raise UserError(f"--max-sample-rounds {args.max_sample_rounds}: use >= 1")
+    if args.max_sample_rounds != Args.max_sample_rounds and not args.dynamic_sampling:
+        raise UserError(f"--max-sample-rounds {args.max_sample_rounds}: it applies to --dynamic-sampling only")
+    if not args.grpo_std_norm and estimator != "grpo":
+        raise UserError(f"--no-grpo-std-norm applies to --estimator grpo, not {estimator}")
+    if args.cliprange is not None and args.cliprange <= 0:
+        raise UserError(f"--cliprange {args.cliprange}: use > 0 (None: no clip)")
+    if args.cliprange_high is not None and (args.cliprange is None or args.cliprange_high <= 0):
+        raise UserError(
+            f"--cliprange-high {args.cliprange_high}: the upper bound 1 + eps needs eps > 0 and a --cliprange"
+        )
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise UserError(f"--dual-clip {args.dual_clip}: the cap -c*A needs c > 1")
+    if args.kl_coef < 0:
+        raise UserError(f"--kl-coef {args.kl_coef}: beta is the strength of a penalty, use >= 0")
+    if args.ppo_epochs < 1:
+        raise UserError(f"--ppo-epochs {args.ppo_epochs}: passes over each rollout, use >= 1")
+    if not 0 <= args.gamma <= 1:
+        raise UserError(f"--gamma {args.gamma}: a discount lies in [0, 1]")
+
+
+# -----------------------------------------------------------------------------
+# the estimators' math: pure functions, imported by tests. Tensors are (B, T) over response tokens, mask 1.0 = real
+# token; scores (N,) with rows g*G .. g*G+G-1 one prompt's group.
+
+
+def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float) -> torch.Tensor:
+    """scores (B,), the rest (B, T) -> rewards (B, T), 0 on padding: -kl_coef * k1 per token (rollout.kl_estimate),
+    plus the score on the last valid token (the EOS)."""
+    rewards = -kl_coef * rollout.kl_estimate(logprobs, ref_logprobs, mask, "k1")
+    last = (mask.sum(1).long() - 1).clamp(min=0)  # (B,) index of the last real token
+    rewards = rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
+    return rewards * mask
+
+
+def group_advantages(scores, group_size: int, estimator: str, std_norm: bool = True) -> torch.Tensor:
+    """scores (N,) = the R_i of DESIGN §5b -> advantages (N,). rloo: R_i - mean over the group's other responses
+    (G >= 2); grpo: (R_i - group mean) / (group std + 1e-4), unbiased std, without the division when std_norm is
+    False (Dr. GRPO); reinforce_pp: R_i - group mean (REINFORCE++'s group baseline, G > 1)."""
+    grouped = scores.view(-1, group_size)  # (N / G, G)
+    if estimator == "rloo":
+        return (grouped - (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)).flatten()
+    if estimator not in ("grpo", "reinforce_pp"):
+        raise ValueError(f"no group advantage for estimator {estimator!r}")
+    advantages = grouped - grouped.mean(1, keepdim=True)
+    if estimator == "grpo" and std_norm:
+        advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
+    return advantages.flatten()
+
+
+def reward_to_go(rewards, mask, gamma: float) -> torch.Tensor:
+    """REINFORCE++ returns: rewards, mask (B, T) -> (B, T) sum over t' >= t of gamma^(t'-t) * rewards[t'] within each
+    right-padded row, 0 on padding."""
+    rewards = rewards * mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])  # (B,)
+    for t in reversed(range(rewards.size(1))):
+        running = (rewards[:, t] + gamma * running) * mask[:, t]
+        returns[:, t] = running
+    return returns
+
+
+def informative_groups(scores, group_size: int) -> torch.Tensor:
+    """scores (N,) -> (N / G,) bool: the group's scores are not all equal (DAPO's dynamic sampling keeps these: a group
+    of ties has no advantage to learn from)."""
+    grouped = scores.view(-1, group_size)  # (N / G, G)
+    return (grouped != grouped[:, :1]).any(1)
+
+
+def loss_weights(mask, agg: str, n_seq, n_tok, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """mask (B, T) -> (weights (B, T), denom): sum(loss * weights) / denom over all micro-batches and ranks of an
+    optimizer step is its aggregated loss (every loss term's). n_seq, n_tok: the step's global counts of kept
+    sequences and tokens. token_mean: mask / n_tok; seq_mean: (mask / len_i) / n_seq; seq_sum_norm:
+    mask / (max_new_tokens * n_seq) (Dr. GRPO)."""
+    if agg == "token_mean":
+        return mask, n_tok
+    if agg == "seq_mean":
+        lengths = mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1); an empty row has weight 0 anyway
+        return mask / lengths, n_seq
+    if agg == "seq_sum_norm":
+        return mask, max_new_tokens * n_seq
+    raise ValueError(f"unknown loss aggregation {agg!r}")
+
+
+def policy_loss(
+    logprobs, old_logprobs, advantages, mask, cliprange, weights, denom, cliprange_high=None, dual_clip=None
+):
+    """Clipped surrogate, per token l = max(-A*rho, -A*clip(rho, 1-eps, 1+eps_high)), eps_high = cliprange_high or
+    cliprange (DAPO clip-higher; cliprange None: no clip, l = -A*rho); with dual_clip c > 1, l = min(l, -c*A) where
+    A < 0 (Ye et al. 2020). All (B, T). Returns sum(l * weights) / denom (loss_weights). stats: clipfrac (clipped
+    term strictly larger), clipfrac_low / clipfrac_high (the part with rho below / above the range), approx_kl (mean
+    of (rho - 1) - log rho), ratio_mean."""
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)  # masked before the exponential
+    ratio = torch.exp(log_ratio)
+    lower, upper = 0.0, math.inf  # cliprange None: no clip (a ratio is > 0)
+    if cliprange is not None:
+        lower = 1.0 - cliprange
+        upper = 1.0 + (cliprange if cliprange_high is None else cliprange_high)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, lower, upper)
+    token_losses = torch.max(pg_losses, pg_losses2)
+    if dual_clip is not None:
+        capped = torch.min(token_losses, -dual_clip * advantages)
+        token_losses = torch.where(advantages < 0, capped, token_losses)
+    pg_loss = (token_losses * weights).sum() / denom
+    with torch.no_grad():
+        clipped = pg_losses2 > pg_losses
+        stats = {
+            "clipfrac": masked_mean(clipped.float(), mask),
+            "clipfrac_low": masked_mean((clipped & (ratio < lower)).float(), mask),
+            "clipfrac_high": masked_mean((clipped & (ratio > upper)).float(), mask),
+            "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return pg_loss, stats
+
+
+def kl_loss(logprobs, ref_logprobs, mask, weights, denom, kl_coef: float, estimator: str) -> torch.Tensor:
+    """--kl-penalty loss (GRPO): kl_coef * sum(k * weights) / denom (loss_weights) per token on the current log-probs
+    (B, T), differentiable in logprobs (rollout.kl_estimate: k3 is an unbiased estimate of KL(pi || ref) whose
+    on-policy gradient is that of KL(ref || pi); k2's is that of KL(pi || ref), Liu et al. 2025, DESIGN §5d)."""
+    if estimator not in ("k2", "k3"):
+        raise ValueError(f"kl_loss estimator {estimator!r}: k2 or k3 (k1's expected gradient is zero)")
+    return kl_coef * (rollout.kl_estimate(logprobs, ref_logprobs, mask, estimator) * weights).sum() / denom
+
+
+# -----------------------------------------------------------------------------
+# one iteration: rollout (steps 1-5), DAPO's dynamic sampling, update (step 6)
+
+
+@torch.no_grad()
+def grpo_rollout(
+    models: Models,
+    tok: Tokenizer,
+    prompts: list,
+    args: Args,
+    *,
+    reward_moments: RunningMoments,
+    micro_batch_size: int,
+    generator: torch.Generator,
+    reward_fn=None,
+    gold_fn=None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[dict, dict, list]:
+    """Steps 1-5 on this rank's prompts (a group's G copies of a prompt consecutive): rollout.rollout, then the
+    scores normalised (--reward-norm; reward_moments updated in place), the KL in the rewards (--kl-penalty reward)
+    and each estimator's advantages. Returns (experience, metrics: global means keyed by DESIGN §6 tags, samples)."""
+    shared = dict(micro_batch_size=micro_batch_size, generator=generator, reward_fn=reward_fn, gold_fn=gold_fn)
+    experience, sums, samples = rollout.rollout(models, tok, prompts, args, dtype=dtype, **shared)
+    mask = experience["mask"]
+    logprobs, ref_logprobs = experience["logprobs"], experience["ref_logprobs"]
+    # 4. scores normalised with running moments over all history and ranks (REINFORCE++'s recipe), then the rewards:
+    # the score on the EOS, -beta * k1 per token when the KL goes into the reward
+    score_norm = experience["scores"]
+    if args.reward_norm != "none":
+        reward_moments.update(score_norm)
+        mean, std = reward_moments.mean, reward_moments.std
+        score_norm = rollout.normalize_scores(score_norm, mean, std, args.reward_norm, args.reward_clip)
+    reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
+    rewards = shape_rewards(score_norm, logprobs, ref_logprobs, mask, reward_kl_coef)
+    # 5. advantages (DESIGN §5b)
+    if args.estimator in GROUP_ESTIMATORS:  # one advantage per response from R_i = s_i - beta * sum_t k1, every token
+        sequence_rewards = rewards.sum(1)  # (B,)
+        advantages = group_advantages(sequence_rewards, args.group_size, args.estimator, args.grpo_std_norm)
+        advantages = advantages[:, None] * mask
+    if args.estimator == "reinforce_pp":  # reward-to-go, whitened over the rollout in the update
+        baseline_rewards = rewards
+        if args.group_size > 1:  # the group mean as baseline: s_i - mean_group(s) replaces s_i
+            centred = group_advantages(score_norm, args.group_size, "reinforce_pp")
+            baseline_rewards = shape_rewards(centred, logprobs, ref_logprobs, mask, reward_kl_coef)
+        advantages = reward_to_go(baseline_rewards, mask, args.gamma)
+    experience |= dict(rewards=rewards, advantages=advantages)
+    sums |= {"score_norm": score_norm.sum(), "rlhf_reward": rewards.sum()}
+    metrics, totals = rollout.rollout_metrics(sums, mask.device)
+    metrics["objective/score_norm"] = totals["score_norm"] / totals["sequences"]
+    metrics["objective/rlhf_reward"] = totals["rlhf_reward"] / totals["sequences"]
+    if args.mask_truncated:  # responses without EOS: in the group statistics, not in the policy loss
+        metrics["rollout/truncated_frac"] = 1 - metrics["rollout/eos_frac"]
+    return experience, metrics, samples
+
+
+def concat_experience(parts: list[dict], pad_id: int) -> dict:
+    """Experience dicts of different widths -> one: prompts left-padded (query with pad_id, query_mask with 0; position
+    ids follow the attention mask, so more left padding changes nothing), responses right-padded with pad_id, every
+    other (B, T) tensor right-padded with 0, (B,) tensors concatenated."""
+    merged = {}
+    for key in parts[0]:
+        tensors = [part[key] for part in parts]
+        if tensors[0].dim() == 1:
+            merged[key] = torch.cat(tensors)
+            continue
+        width = max(tensor.size(1) for tensor in tensors)
+        value = pad_id if key in ("query", "response") else 0
+        padded = []
+        for tensor in tensors:
+            extra = width - tensor.size(1)
+            left = extra if key in ("query", "query_mask") else 0
+            padded.append(torch.nn.functional.pad(tensor, (left, extra - left), value=value))
+        merged[key] = torch.cat(padded)
+    return merged
+
+
+def keep_informative_groups(rounds: list[dict], group_size: int, rows: int, pad_id: int) -> dict:
+    """Dynamic sampling (DAPO) over the experiences of one iteration's rollout rounds: the first rows / group_size
+    informative groups, in round order; when there are fewer, the first round's other groups fill the batch. The
+    result has `rows` rows and a row flag "informative" (1.0, or 0.0 for the filling: no policy loss)."""
+    parts = []
+    kept = 0
+    for experience in rounds:
+        flags = informative_groups(experience["scores"], group_size).repeat_interleave(group_size)  # (B,)
+        index = flags.nonzero().squeeze(1)
+        parts.append({key: value[index] for key, value in experience.items()})
+        kept += len(index)
+    kept = min(kept, rows)
+    first_flags = informative_groups(rounds[0]["scores"], group_size).repeat_interleave(group_size)
+    filling = (~first_flags).nonzero().squeeze(1)[: rows - kept]
+    parts.append({key: value[filling] for key, value in rounds[0].items()})
+    experience = {key: value[:rows] for key, value in concat_experience(parts, pad_id).items()}
+    device = experience["mask"].device
+    experience["informative"] = torch.cat([torch.ones(kept, device=device), torch.zeros(rows - kept, device=device)])
+    return experience
+
+
+def dynamic_sampling(first: dict, draw: Callable, args: Args, prompts_per_rank: int, pad_id: int) -> tuple[dict, dict]:
+    """DAPO's dynamic sampling after the iteration's first rollout round: draw() (the next round: experience, metrics,
+    samples) until
+    every rank has prompts_per_rank informative groups or --max-sample-rounds rounds are spent; returns the
+    experience keep_informative_groups builds and rollout/zero_std_frac (of the first round), rollout/sample_rounds."""
+    device = first["mask"].device
+    rounds = [first]
+    group_flags = informative_groups(first["scores"], args.group_size)
+    counts = parallel.all_reduce_dict({"groups": len(group_flags), "zero_std": (~group_flags).sum()}, device)
+    metrics = {"rollout/zero_std_frac": counts["zero_std"] / counts["groups"]}
+    while len(rounds) < args.max_sample_rounds:
+        informative = sum(informative_groups(part["scores"], args.group_size).sum() for part in rounds)
+        short = parallel.all_reduce_dict({"ranks_short": float(informative < prompts_per_rank)}, device)
+        if short["ranks_short"] == 0:
+            break
+        rounds.append(draw()[0])
+    metrics["rollout/sample_rounds"] = len(rounds)
+    rows = first["mask"].size(0)
+    return keep_informative_groups(rounds, args.group_size, rows, pad_id), metrics
+
+
+def actor_backward(actor, batch: dict, args: Args, kl_coef: float, denom, sync: bool, amp):
+    """Every term of the policy's loss on one micro-batch, each aggregated the same way (sum of per-token values times
+    batch["weights"], over denom: loss_weights): the clipped policy loss (times the --tis-cap weights), plus beta * k
+    against the reference with --kl-penalty loss; and its backward (gradients accumulate; DDP all-reduces where
+    sync). Returns (its sums for the metrics, the new log-probs)."""
+    mask = batch["loss_mask"]
+    weights = batch["weights"]
+    pg_weights = weights * batch["tis"] if "tis" in batch else weights  # --tis-cap: the policy loss only
+    clips = dict(cliprange_high=args.cliprange_high, dual_clip=args.dual_clip)
+    with parallel.grad_sync(actor, sync), amp:
+        _, logprobs = rollout.policy_logprobs(actor, batch, args.temperature)
+        advantages = batch["advantages"]
+        loss, stats = policy_loss(
+            logprobs, batch["logprobs"], advantages, mask, args.cliprange, pg_weights, denom, **clips
+        )
+        sums = {"pg_loss": loss.detach()}
+        if args.kl_penalty == "loss":  # GRPO: beta * k3 (or k2) against the reference, aggregated alike
+            kl_term = kl_loss(logprobs, batch["ref_logprobs"], mask, weights, denom, kl_coef, args.kl_estimator)
+            sums["kl_loss"] = kl_term.detach()
+            loss = loss + kl_term
+    # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
+    (loss * world_size()).backward()
+    tokens = mask.sum()
+    sums["tokens"] = tokens
+    for key in ("approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_mean"):
+        sums[key] = rollout.token_sum(stats[key], tokens)
+    return sums, logprobs
+
+
+def grpo_update(
+    actor: Trained,
+    guard: common.StepGuard,
+    experience: dict,
+    args: Args,
+    *,
+    micro_batch_size: int,
+    generator: Optional[torch.Generator] = None,
+    ptx_sampler=None,
+    dtype: torch.dtype = torch.float32,
+    step: int = 0,
+    diagnose: bool = False,
+) -> tuple[dict, dict]:
+    """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one optimizer step per
+    minibatch through the Trained entry (its training forward `forward`, compiled and/or DDP). A step whose minibatch
+    has no token left for the policy loss (--mask-truncated, --dynamic-sampling's filling) takes no step; a step whose
+    global grad norm is not finite is skipped (guard.skipped). ptx_sampler() -> (inputs, targets, mask) of one
+    micro-batch of pre-training text (None: no ptx loss). Returns (metrics: global means keyed by DESIGN §6 tags over
+    the steps taken; diagnostics: {"updates": steps taken, "skipped": steps skipped, "first": with diagnose,
+    ratio_err, approx_kl and clipfrac of the first micro-batch, which must read 0, 0, 0})."""
+    mask = experience["mask"]
+    device = mask.device
+    minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")
+    grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
+    amp = parallel.autocast(device, dtype)
+    actor_forward = actor.model if actor.forward is None else actor.forward
+    use_ptx = args.ptx_coef > 0 and ptx_sampler is not None
+    # the policy loss's tokens: --mask-truncated drops the responses without EOS, --dynamic-sampling the groups that
+    # only fill the batch; whitening statistics come from these tokens too: a dropped response never moves the update
+    loss_mask = mask
+    if args.mask_truncated:
+        loss_mask = mask * experience["ended"][:, None]
+    if args.dynamic_sampling:
+        loss_mask = loss_mask * experience["informative"][:, None]
+    batch = experience | {"loss_mask": loss_mask}
+    metrics = {}
+    if args.tis_cap is not None:  # truncated importance sampling: the sampler's and the trainer's numerics differ
+        batch["tis"], metrics = rollout.tis_metrics(experience, loss_mask, args.tis_cap, device)
+    if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (REINFORCE++)
+        mean, variance = rollout.global_moments(batch["advantages"], loss_mask, device)
+        batch["advantages"] = masked_whiten(batch["advantages"], mask, mean=mean, var=variance)
+    totals = {}  # this rank's sums over the steps taken
+    first = {}
+    updates = 0
+    skipped_before = guard.skipped
+    lengths = mask.sum(1).long().tolist()  # one host sync: each micro-batch trims its right padding to its longest row
+    for _ in range(args.ppo_epochs):
+        permutation = torch.randperm(mask.size(0), generator=generator, device=generator.device if generator else "cpu")
+        widths = rollout.micro_batch_widths(lengths, permutation.tolist(), micro_batch_size)
+        permutation = permutation.to(device)
+        for minibatch in range(args.num_minibatches):
+            minibatch_rows_taken = slice(minibatch * minibatch_rows, (minibatch + 1) * minibatch_rows)
+            minibatch_batch = rollout.take_rows(batch, permutation[minibatch_rows_taken])
+            ptx_batches = [ptx_sampler() for _ in range(grad_accum_steps)] if use_ptx else []
+            # the step's global counts (loss denominators): one all-reduce per step
+            ptx_tokens = sum((ptx_batch[2].sum() for ptx_batch in ptx_batches), torch.zeros((), device=device))
+            minibatch_loss_mask = minibatch_batch["loss_mask"]
+            counts = parallel.all_reduce_dict(
+                {
+                    "ptx_tokens": ptx_tokens,
+                    "loss_tokens": minibatch_loss_mask.sum(),
+                    "loss_sequences": (minibatch_loss_mask.sum(1) > 0).sum(),
+                },
+                device,
+            )
+            if counts["loss_tokens"] == 0:  # every response dropped: no step, explicitly rather than a NaN
+                continue
+            ptx_token_count = torch.tensor(counts["ptx_tokens"], dtype=torch.float32, device=device)
+            loss_token_count = torch.tensor(counts["loss_tokens"], dtype=torch.float32, device=device)
+            weights, denom = loss_weights(
+                minibatch_loss_mask, args.loss_agg, counts["loss_sequences"], loss_token_count, args.max_new_tokens
+            )
+            minibatch_batch["weights"] = weights
+            step_sums = {}  # this step's sums, kept if it steps
+            for micro in range(grad_accum_steps):
+                rows = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
+                micro_batch = rollout.take_rows(minibatch_batch, rows, widths[minibatch * grad_accum_steps + micro])
+                sync = micro == grad_accum_steps - 1
+                if use_ptx:
+                    ptx_sums = rollout.ptx_backward(
+                        actor_forward, ptx_batches[micro], args.ptx_coef, ptx_token_count, amp
+                    )
+                    rollout.add_all(step_sums, ptx_sums)
+                sums, logprobs = actor_backward(actor_forward, micro_batch, args, args.kl_coef, denom, sync, amp)
+                rollout.add_all(step_sums, sums)
+                if diagnose and not first and sums["tokens"] > 0:  # must be ratio 1, approx_kl 0, clipfrac 0
+                    first = rollout.first_micro_batch(logprobs, micro_batch["logprobs"], micro_batch["loss_mask"], sums)
+            if common.guarded_step([actor], guard, step):
+                rollout.add_all(totals, step_sums)
+                updates += 1
+            else:  # name the bad quantity (the loss sums are this rank's)
+                losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums.items())
+                print0(f"step {step}: the policy's sums when its grad norm was not finite: {losses}")
+    metrics |= update_metrics(totals, updates, guard, device)
+    return metrics, {"updates": updates, "skipped": guard.skipped - skipped_before, "first": first}
+
+
+def update_metrics(totals: dict, updates: int, guard: common.StepGuard, device) -> dict:
+    """Global means over the steps taken from this rank's sums (one all-reduce; the steps are decided the same on
+    every rank), and the mean grad norm (already global) from the guard. A loss sum is the step's global loss (its
+    denominators are global), a per-token stat sum is over tokens."""
+    metrics = guard.read()
+    if not updates:  # every step skipped: the same on every rank, so no rank waits in a lone collective
+        return metrics
+    summed = parallel.all_reduce_dict({key: totals[key] for key in sorted(totals)}, device)
+    metrics["policy/loss"] = summed["pg_loss"] / updates
+    for key in ("approx_kl", "clipfrac", "ratio_mean", "clipfrac_low", "clipfrac_high"):
+        metrics[f"policy/{key}"] = summed[key] / summed["tokens"]
+    for key, tag in (("kl_loss", "policy/kl_loss"), ("ptx_loss", "ptx/loss")):
+        if key in summed:
+            metrics[tag] = summed[key] / updates
+    return metrics
+
+
+# -----------------------------------------------------------------------------
+# main
+
+CONSOLE = (
+    "objective/score",
+    "objective/gold",
+    "objective/kl",
+    "rollout/response_len",
+    "rollout/perplexity",
+    "objective/entropy",
+    "policy/approx_kl",
+    "policy/clipfrac",
+    "perf/rollout_s",
+    "perf/update_s",
+)
+
+
+def main(args: Args) -> None:
+    t_start = time.time()
+    # the estimator's recipe, resolved once (printed below; the checkpoint keeps it); --resume: the run's own flags
+    args = checkpoints.resume_args(args, "grpo", resolve_args)
+    check_args(args)
+    checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses to replace a run silently
+    common.seed_everything(args.seed)
+    # 1. checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
+    sft, ref, rms = rollout.load_inputs(args)
+    tok = Tokenizer.from_state(sft["tokenizer"])
+    reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    actor_model, reference = rollout.build_policy(args, sft, ref)
+    models = Models(actor_model, reference, rollout.build_reward_models(args, rms))
+    prompts, too_long, ptx, gold_fn = rollout.load_prompts(args, tok, models.actor.config.block_size)
+
+    # 2. sizes, distributed set-up, optimizer, state
+    sizes = rollout.batch_sizes(args, args.group_size, has_ptx=bool(ptx) and args.ptx_coef > 0)
+    d = parallel.setup_dist(args.device)
+    dtype = parallel.resolve_dtype(args.dtype, d.device)
+    max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
+    print0(
+        f"grpo: {len(prompts)} prompts ({too_long} too long, skipped) | {len(ptx)} ptx texts | policy "
+        f"{models.actor.num_params() / 1e6:.2f} M | rollout {args.rollout_batch_size} = {d.world_size} ranks x "
+        f"{args.num_minibatches} minibatches x {sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | "
+        f"{max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}"
+    )
+    print0(
+        f"estimator {args.estimator}: {sizes.prompts_per_rank * d.world_size} prompts x group_size {args.group_size} "
+        f"| kl {args.kl_penalty} ({args.kl_estimator}) beta {args.kl_coef} | reward_norm {args.reward_norm} | "
+        f"adv_whiten {args.adv_whiten} | loss_agg {args.loss_agg} | cliprange {args.cliprange}/"
+        f"{args.cliprange_high or args.cliprange} dual_clip {args.dual_clip} | mask_truncated {args.mask_truncated}"
+    )
+    for model in (models.actor, *models.frozen()):
+        model.eval()  # eval mode always: dropout off in every model
+        parallel.place_model(model, args, d, dtype)  # --fsdp shards the frozen models too
+    optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
+    schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps)
+    actor = Trained("model", models.actor, optimizer, schedule, args.grad_clip)
+    sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
+    reward_moments = RunningMoments()
+    order = Order(len(prompts), args.seed)
+    prompt_stream = rollout.PromptStream(prompts, order, sizes.prompts_per_rank, args.group_size, d)
+    ptx_order = Order(max(1, len(ptx)), args.seed + 1)
+    ptx_sampler = rollout.PtxSampler(ptx, ptx_order, sizes.ptx_micro_batch_size, d, tok.pad_id)
+    guard = common.StepGuard()
+    run = checkpoints.Run("grpo", args, d, tok, [actor], started=t_start)
+    step = 0
+    updates = 0  # optimizer steps taken
+    hashes = rollout.input_hashes(args)
+    if args.resume:
+        ckpt = run.resume({key: (rollout.HASH_FLAGS[key], digest) for key, digest in hashes.items()}, sampler)
+        reward_moments.load_state_dict(ckpt["reward_moments"])
+        data_state = ckpt["data_state"]
+        prompt_stream.order = Order(**data_state["prompts"])
+        ptx_sampler.order = Order(**data_state["ptx"])
+        updates = data_state["updates"]
+        guard.skipped = data_state["skipped"]
+        step = ckpt["step"]
+    # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
+    forward = models.compiled(args.compile, d.device)
+    replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
+    actor.forward = parallel.replicate(forward.actor, d) if replicated else forward.actor
+    logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None, console_keys=CONSOLE)
+    peak = common.peak_flops(d.device, args.peak_flops)
+    shared = dict(micro_batch_size=sizes.micro_batch_size, generator=sampler, dtype=dtype)
+    scoring = dict(reward_fn=reward_fn, gold_fn=gold_fn, reward_moments=reward_moments)
+    ptx_sampler_or_none = ptx_sampler if sizes.ptx_micro_batch_size else None
+
+    def draw() -> tuple[dict, dict, list]:  # one rollout round on this rank's share of the next prompts
+        return grpo_rollout(forward, tok, prompt_stream.next(), args, **scoring, **shared)
+
+    # 3. the loop: rollout (steps 1-5), update (6), then log, samples, checkpoint (7)
+    first = {}  # the first minibatch of this process's first update
+    start_step = step
+    samples = []
+    while step < max_steps:
+        t_rollout = time.time()
+        experience, metrics, samples = draw()
+        if args.dynamic_sampling:  # DAPO: fresh groups until enough are informative on every rank (the metrics and
+            # samples are the first round's: what the policy does)
+            experience, sampling_metrics = dynamic_sampling(experience, draw, args, sizes.prompts_per_rank, tok.pad_id)
+            metrics |= sampling_metrics
+        t_update = time.time()
+        lr = actor.schedule.at(step)
+        common.set_lr(actor.optimizer, lr)
+        update_metrics, diagnostics = grpo_update(
+            actor, guard, experience, args, ptx_sampler=ptx_sampler_or_none, step=step, diagnose=not first, **shared
+        )
+        first = first or diagnostics["first"]
+        step += 1
+        updates += diagnostics["updates"]
+        t_end = time.time()
+
+        # 7. monitoring
+        sequence_len = experience["query"].size(1) + experience["mask"].size(1)
+        sequences = experience["mask"].size(0) * d.world_size
+        flops = rollout.iteration_flops(models, sequence_len, sequences, args.ppo_epochs)
+        metrics |= update_metrics | {
+            "train/lr": lr,
+            "train/kl_coef": args.kl_coef,
+            "train/updates": updates,
+            "train/skipped_steps": guard.skipped,
+            "perf/rollout_s": t_update - t_rollout,
+            "perf/update_s": t_end - t_update,
+            "perf/tokens_per_sec": sequences * sequence_len / (t_end - t_rollout),
+            "perf/mfu": flops / (t_end - t_rollout) / (peak * d.world_size),
+        }
+        if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
+            logprob_error = metrics["rollout/logprob_err"]
+            print0(f"step {step}: generation vs training-forward log-probs, max |diff| {logprob_error:.1e}")
+        logger.log(step, metrics, max_steps, console=step % args.log_every == 0 or step == max_steps)
+        if step % args.sample_every == 0 or step == max_steps:
+            rollout.log_samples(logger, samples, step)
+        if (args.save_every and step % args.save_every == 0) or step == max_steps:
+            data_state = dict(
+                prompts=prompt_stream.order.state_dict(),
+                ptx=ptx_sampler.order.state_dict(),
+                updates=updates,
+                skipped=guard.skipped,
+            )
+            run.save(step, data_state, sampler, reward_moments=reward_moments.state_dict(), **hashes)
+
+    # 4. a few samples to look at
+    for record in samples[:5]:
+        text = format_sample(record["prompt"], record["response"], record["ended"])
+        print0(f"  {text}  (score {record['score']:.2f})")
+    if args.export_hf and d.master:
+        checkpoints.export_hf(models.actor, tok, args.export_hf)
+    first_line = ", ".join(f"{key} {value:.1e}" for key, value in first.items())
+    print0(f"grpo done in {time.time() - t_start:.0f}s: {run.path} | first minibatch of the first update: {first_line}")
+    logger.close()
+    parallel.cleanup_dist()
+
+
+if __name__ == "__main__":
+    common.run_main(main, tyro.cli(Args))
