@@ -53,13 +53,13 @@ demo: venv
 		--ref $(OUT)/sft/ckpt.pt --rm $(OUT)/rm/ckpt.pt --json $(OUT)/results.json $(EVAL_FLAGS)
 
 ablation: venv
-	$(PY) bench/ablation.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \
+	$(PY) experiments/ablation.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \
 		--out-dir $(OUT)/ablation
 
 # matplotlib draws the plot; it is not a dependency of the stages
 frontier: venv
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
-	$(PY) bench/frontier.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \
+	$(PY) experiments/frontier.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \
 		--out-dir $(OUT)/frontier
 
 online: venv

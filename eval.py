@@ -372,7 +372,7 @@ def load_model(path: str, flag: str, device, want: str = "lm"):
     """A GPT from one of our checkpoints (its LM or its scalar head), eval mode, and the checkpoint."""
     if not path.endswith(".pt"):
         raise UserError(f"{flag} {path}: expected a .pt checkpoint of this repo")
-    kinds = ("sft", "dpo", "ppo") if want == "lm" else "rm"  # every policy kind has an LM head
+    kinds = checkpoints.POLICY_KINDS if want == "lm" else "rm"  # every policy kind has an LM head
     model, tok, ckpt = hf.load_init(path, lm_head=want == "lm", score_head=want == "score", flag=flag, kind=kinds)
     return model.to(device).eval(), tok, ckpt
 

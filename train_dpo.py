@@ -268,7 +268,7 @@ def main(args: Args) -> None:
     eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)
     train_rows, eval_rows = read_train_eval(train_path, eval_path, "pairs")
     task_tok = load_tokenizer(task["tokenizer"]) if builtin else None
-    model, tok, _ = hf.load_init(args.init, tokenizer=task_tok, score_head=False, kind=("sft", "dpo", "ppo"))
+    model, tok, _ = hf.load_init(args.init, tokenizer=task_tok, score_head=False, kind=checkpoints.POLICY_KINDS)
     if builtin and tok.state() != task_tok.state():
         raise UserError(f"--init {args.init}: its tokenizer is not the built-in task's ({task['tokenizer']})")
     init_hash = checkpoints.init_fingerprint(args.init)  # what this run started from (--resume compares)

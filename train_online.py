@@ -36,6 +36,7 @@ from typing import Callable, Literal, Optional
 import torch
 import tyro
 
+import checkpoints
 import common
 import hf
 from common import UserError, print0, write_atomic
@@ -126,7 +127,7 @@ def sample_pairs(policy_path: str, prompts: list, args: Args, seed: int) -> tupl
     response that never ended: the reward model appends EOS to every response it reads)."""
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else "cpu")
     device = device if args.device == "auto" else torch.device(args.device)
-    policy, tok, _ = hf.load_init(policy_path, flag="--sft-ckpt", kind=("sft", "dpo", "ppo"))
+    policy, tok, _ = hf.load_init(policy_path, flag="--sft-ckpt", kind=checkpoints.POLICY_KINDS)
     policy = policy.to(device).eval()
     generator = torch.Generator(device=device).manual_seed(seed)
     pairs, dropped = [], {"identical": 0, "not_ended": 0}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Side-by-side PPO iteration and generation throughput against TRL 1.12 (issue #8), alternating the two programs
-# run by run on the same machine (bench/trl_ppo_bench.py and bench/hf_generate_bench.py are the TRL side). TRL lives in
-# its own venv (never a dependency of this repo):
+# Side-by-side PPO iteration throughput against TRL 1.12, alternating the two programs run by run on the same machine
+# (bench/trl_ppo_bench.py is the TRL side), and generation against transformers' own generate (bench/decode.py
+# --vs-hf). TRL lives in its own venv (never a dependency of this repo):
 #   python3 -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 trl==1.12.0
 # Usage: bash bench/compare_trl.sh [RUNS] [ITERS_S] [ITERS_L]   (defaults 3 10 10; about 50 min on 2 cores)
 # Logs go to out/bench/; the summary (medians and ratios per shape and phase) is printed at the end.
@@ -21,7 +21,7 @@ for shape in $SHAPES; do
     tail -n 1 $LOG/ours_${shape}_$run.txt
   done
   gen=$(echo "$flags" | sed 's/--ppo-epochs 4 --mini-batches 4 //')
-  $PY bench/generate.py $gen > $LOG/generate_$shape.txt 2>&1; tail -n 1 $LOG/generate_$shape.txt
-  $TRL_PY bench/hf_generate_bench.py $gen > $LOG/hf_generate_$shape.txt 2>&1; tail -n 1 $LOG/hf_generate_$shape.txt
+  gen=$(echo "$gen" | sed 's/--threads/--reps 5 --threads/')
+  $PY bench/decode.py --vs-hf $gen > $LOG/generate_$shape.txt 2>&1; tail -n 1 $LOG/generate_$shape.txt
 done
 $PY bench/summarize_compare.py $LOG

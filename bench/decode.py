@@ -18,11 +18,20 @@ python bench/decode.py --device cuda --dtype bfloat16 --weights bf16 --arch llam
 
 Last line: `decode: eager_tok_per_s=<x> compiled_tok_per_s=<y> speedup=<y/x> compiled_hbm_frac=<achieved/peak or
 nan>`.
+
+--vs-hf instead times our eager decode against transformers' own `model.generate` (sampling, KV cache) on the same
+weights (the GPT exported with export_hf and loaded as a GPT2LMHeadModel, or the Llama that hf.HFCausalLM wraps),
+alternating call by call after one warm-up call each, medians of --reps calls, fp32, temperature 1, no top-k/top-p,
+exactly --resp-len tokens. Last line: `decode_vs_hf: ours_tok_per_s=<x> hf_tok_per_s=<y> ratio=<x/y>` (the peer row
+of bench/compare_trl.sh).
+
+python bench/decode.py --vs-hf                                    # shape S on 2 CPU threads
 """
 
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -35,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ppo_throughput import Shape, build_model  # noqa: E402
 
 import parallel  # noqa: E402
+from generate import generate  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -51,6 +61,8 @@ class Args(Shape):
     """how the weights are stored: fp32 (under --dtype bfloat16 autocast casts them per op, as PPO's rollout) or bf16"""
     reps: int = 3
     """timed calls per mode and length, after one warm-up call (the compile)"""
+    vs_hf: bool = False
+    """time our eager decode against transformers' model.generate on the same weights instead (fp32)"""
 
 
 def hbm_peak(device: torch.device) -> float:
@@ -59,6 +71,45 @@ def hbm_peak(device: torch.device) -> float:
         return float("nan")
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in HBM_PEAK_BYTES.items() if key in name), float("nan"))
+
+
+def against_transformers(args: Args, model, prompts, mask, generator) -> None:
+    """Our eager decode against transformers' model.generate on the same weights, alternating call by call."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    B, P, R, V = args.batch, args.prompt_len, args.resp_len, args.vocab
+    if args.arch == "gpt":
+        with tempfile.TemporaryDirectory() as folder:
+            model.export_hf(folder)
+            peer = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    else:
+        peer = model.hf
+    peer.generation_config.eos_token_id = peer.generation_config.pad_token_id = None  # never stop early
+    config = GenerationConfig(max_new_tokens=R, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, use_cache=True)
+    with torch.no_grad():  # same weights: the same next-token distribution at the prompt's end
+        assert (model(prompts)[0][:, -1] - peer(prompts).logits[:, -1]).abs().max() <= 1e-4
+
+    def ours():
+        assert generate(model, prompts, mask, R, V, V + 1, generator=generator)[0].shape == (B, R)
+
+    def theirs():
+        with torch.no_grad():
+            out = peer.generate(input_ids=prompts, attention_mask=mask, generation_config=config)
+        assert out.shape == (B, P + R)
+
+    times = {"ours": [], "hf": []}
+    for rep in range(args.reps + 1):  # the first round warms up
+        for name, call in (("ours", ours), ("hf", theirs)):
+            start = time.perf_counter()
+            call()
+            if rep > 0:
+                times[name].append(time.perf_counter() - start)
+    rates = {}
+    for name, seconds in times.items():
+        rates[name] = B * R / statistics.median(seconds)
+        print(f"[result] {name}: call seconds {' '.join(f'{x:.3f}' for x in seconds)} -> {rates[name]:.0f} tok/s")
+    ratio = rates["ours"] / rates["hf"]
+    print(f"decode_vs_hf: ours_tok_per_s={rates['ours']:.1f} hf_tok_per_s={rates['hf']:.1f} ratio={ratio:.2f}")
 
 
 def main(args: Args) -> None:
@@ -75,6 +126,8 @@ def main(args: Args) -> None:
     prompts = torch.randint(0, V, (B, P), generator=torch.Generator().manual_seed(args.seed)).to(device)
     mask = torch.ones_like(prompts)
     generator = torch.Generator(device=device).manual_seed(args.seed)
+    if args.vs_hf:
+        return against_transformers(args, model, prompts, mask, generator)
 
     def sync():
         if device.type == "cuda":
@@ -84,7 +137,7 @@ def main(args: Args) -> None:
         sync()
         start = time.perf_counter()
         with parallel.autocast(device, dtype):
-            tokens = model.generate(prompts, mask, new_tokens, V, V + 1, generator=generator, compiled=compiled)[0]
+            tokens = generate(model, prompts, mask, new_tokens, V, V + 1, generator=generator, compiled=compiled)[0]
         sync()
         assert tokens.shape == (B, new_tokens), "every response must be exactly the requested length"
         return time.perf_counter() - start

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (issue #6/#8): the pipeline on CUDA with bf16 autocast and torch.compile, then the PPO iteration
+# GPU check: the pipeline on CUDA with bf16 autocast and torch.compile, then the PPO iteration
 # benchmark at GPT-2-small shape. Prints tokens/s and MFU per stage (from each stage's TensorBoard perf/* tags) and
 # the benchmark's phase breakdown. About 4 minutes on one H200 for the pipeline, about 3 more for the benchmark.
 #
@@ -9,10 +9,10 @@
 #
 #   bash bench/gpu_check.sh              # pipeline + scale + benchmark
 #   bash bench/gpu_check.sh pipeline     # pipeline only
-#   bash bench/gpu_check.sh scale        # issue #16 on the pipeline's checkpoints: PPO with LoRA, then bf16 FSDP2 on
+#   bash bench/gpu_check.sh scale        # on the pipeline's checkpoints: PPO with LoRA, then bf16 FSDP2 on
 #                                        # one rank (the multi-rank paths are tested on CPU)
 #   bash bench/gpu_check.sh bench        # benchmark only
-#   bash bench/gpu_check.sh fast         # issue #23, at most about 5 minutes: versions, then eager against compiled
+#   bash bench/gpu_check.sh fast         # at most about 5 minutes: versions, then eager against compiled
 #                                        # decode (tokens/s, HBM bandwidth) at GPT-2-small and Llama-1B shapes, the
 #                                        # PPO update's MFU and the compiles at Llama-1B shape; a timeout per section
 set -euo pipefail
@@ -88,7 +88,7 @@ PY
 fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = scale ]; then
-  # issue #16: LoRA (reference and RM as views of the actor's and critic's bases, the tied embedding adapter among the
+  # LoRA (reference and RM as views of the actor's and critic's bases, the tied embedding adapter among the
   # targets, --grad-ckpt), then --fsdp on one rank under bf16 (MixedPrecisionPolicy; --compile auto compiles there
   # too); peak memory of each
   rm -rf "$OUT/ppo_lora" "$OUT/ppo_fsdp"
@@ -103,7 +103,7 @@ if [ "$WHAT" = all ] || [ "$WHAT" = scale ]; then
 fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
-  # issue #8: GPT-2-small shape, batch 64, response 128, bf16 autocast, compiled training forward
+  # GPT-2-small shape, batch 64, response 128, bf16 autocast, compiled training forward
   $PY bench/ppo_throughput.py --device cuda --dtype bfloat16 --compile --layers 12 --heads 12 --dim 768 \
       --vocab 50257 --prompt-len 64 --resp-len 128 --batch 64 --iters 6 --threads 8
 fi

@@ -1,4 +1,4 @@
-"""Bytes per GPU of a PPO run (issue #16): what four models and two optimizers hold under plain DDP, --fsdp on N
+"""Bytes per GPU of a PPO run: what four models and two optimizers hold under plain DDP, --fsdp on N
 ranks, LoRA (--lora-rank), and both, for GPT-2 124 M and Llama-shaped 1 B and 7 B, and a check of the same model
 against train_ppo.py's measured peak RSS on CPU.
 

@@ -1,4 +1,5 @@
-"""PPO iteration throughput: train_ppo.py's own `rollout(...)` and `ppo_update(...)` on randomly initialised models.
+"""RL iteration throughput: train_ppo.py's own `ppo_rollout(...)` and `ppo_update(...)` (or train_grpo.py's
+`grpo_rollout` and `grpo_update` with --estimator grpo | rloo | reinforce_pp) on randomly initialised models.
 
 The flags and the work are those of bench/trl_ppo_bench.py (TRL's PPOTrainer on a random GPT-2): policy,
 frozen reference, reward model and critic (initialised from the RM) of one shape, random prompts of --prompt-len
@@ -11,7 +12,7 @@ timed alone, see GemmRecorder), then one line:
 
 python bench/ppo_throughput.py --iters 10                                  # shape S on 2 CPU threads
 python bench/ppo_throughput.py --iters 10 --dim 512 --layers 8 --vocab 8192  # shape L
-python bench/ppo_throughput.py --iters 10 --adv-estimator grpo              # critic-free, against the gae line
+python bench/ppo_throughput.py --iters 10 --estimator grpo                 # critic-free, against the PPO line
 python bench/ppo_throughput.py --device cuda --dtype bfloat16 --compile --layers 12 --heads 12 --dim 768 \
     --vocab 50257 --resp-len 128 --iters 6                                # GPT-2 small on a GPU
 """
@@ -29,16 +30,18 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import generate as generation  # noqa: E402
 import parallel  # noqa: E402
+import train_grpo  # noqa: E402
+import train_ppo  # noqa: E402
 from common import StepGuard, Trained  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from train_ppo import Args as PPOArgs  # noqa: E402
-from train_ppo import Models, RunningMoments, ppo_update, resolve_args, rollout, uses_critic  # noqa: E402
+from rollout import Models, RunningMoments  # noqa: E402
 
 
 @dataclass
 class Shape:
-    """The model and batch shape, as bench/trl_ppo_bench.py names it (bench/generate.py shares it)."""
+    """The model and batch shape, as bench/trl_ppo_bench.py names it (bench/decode.py shares it)."""
 
     layers: int = 4
     """transformer blocks"""
@@ -123,11 +126,11 @@ class Args(Shape):
     """float32 | bfloat16 (autocast)"""
     compile: bool = False
     """torch.compile the training forward (dynamic shapes, as train_ppo's --compile) and the rollout's decode step"""
-    adv_estimator: str = "gae"
-    """train_ppo's --adv-estimator: gae | grpo | rloo | reinforce_pp (critic-free: no critic built, scored or trained;
-    the same responses per iteration, --batch / group_size prompts)"""
+    estimator: Literal["ppo", "grpo", "rloo", "reinforce_pp"] = "ppo"
+    """ppo: train_ppo.py (PPO-max, a critic); grpo | rloo | reinforce_pp: train_grpo.py's --estimator (no critic
+    built, scored or trained; the same responses per iteration, --batch / group_size prompts)"""
     rm_members: int = 1
-    """reward models scoring each rollout (train_ppo's --rm-ckpt a b ...: an ensemble's K forwards a micro-batch)"""
+    """reward models scoring each rollout (--rm-ckpt a b ...: an ensemble's K forwards a micro-batch)"""
     floor: bool = True
     """record the linear layers' GEMM shapes in the warm-up iteration and time them alone: the `[floor]` line (CPU,
     fp32)"""
@@ -215,27 +218,27 @@ def main(args: Args) -> None:
     ref.load_state_dict(policy.state_dict())
     members = [build_model(args, device, False, True).requires_grad_(False) for _ in range(args.rm_members)]
     reward_model = members[0]
-    # train_ppo's own settings object, with the values this benchmark has always used for gae; a critic-free
-    # estimator keeps its own defaults (group size, KL placement, normalisation, whitening, aggregation)
-    gae_settings = dict(kl_coef=0.1, reward_norm="norm", reward_clip=5.0, adv_whiten="minibatch")
-    ppo_settings = resolve_args(
-        PPOArgs(
-            adv_estimator=args.adv_estimator,
-            max_new_tokens=R,
-            temperature=args.temperature,
-            missing_eos_penalty=-1.0,
-            ppo_epochs=args.ppo_epochs,
-            num_minibatches=args.mini_batches,
-            grad_clip=1.0,
-            critic_grad_clip=1.0,
-            compile="on" if args.compile else "off",  # the rollout's decode step too
-            **(gae_settings if args.adv_estimator == "gae" else {}),
-        )
+    # each stage's own settings object: PPO-max with the values this benchmark has always used, a critic-free
+    # estimator with its own recipe (group size, KL placement, normalisation, whitening, aggregation)
+    shared = dict(
+        max_new_tokens=R,
+        temperature=args.temperature,
+        missing_eos_penalty=-1.0,
+        ppo_epochs=args.ppo_epochs,
+        num_minibatches=args.mini_batches,
+        grad_clip=1.0,
+        compile="on" if args.compile else "off",  # the rollout's decode step too
     )
-    group_size = ppo_settings.group_size
+    critic_free = args.estimator != "ppo"
+    if critic_free:
+        settings = train_grpo.resolve_args(train_grpo.Args(estimator=args.estimator, **shared))
+        group_size = settings.group_size
+    else:
+        ppo_flags = dict(kl_coef=0.1, reward_norm="norm", reward_clip=5.0, adv_whiten="minibatch", critic_grad_clip=1.0)
+        settings = train_ppo.Args(**shared, **ppo_flags)
+        group_size = 1
     critic = None
-    critic_opt = None
-    if uses_critic(ppo_settings):
+    if not critic_free:
         critic = build_model(args, device, False, True)
         critic.load_state_dict(reward_model.state_dict())  # the critic starts from the RM (as TRL's examples)
         critic_opt = critic.configure_optimizers(0.0, 3e-6, (0.9, 0.95), device.type)
@@ -243,8 +246,7 @@ def main(args: Args) -> None:
     for m in models:
         m.eval()
     actor_opt = policy.configure_optimizers(0.0, 3e-6, (0.9, 0.95), device.type)
-    fwd = {m: parallel.compile_forward(m) if args.compile else m for m in models}  # as train_ppo's --compile
-    fwd[None] = None
+    fwd = {m: parallel.compile_forward(m) if args.compile else m for m in models}  # as the stages' --compile
     tok = IdTokenizer(args.vocab)
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, args.vocab, (B // group_size * args.iters, P), generator=g).tolist()
@@ -252,9 +254,9 @@ def main(args: Args) -> None:
     sampler = torch.Generator(device=device).manual_seed(args.seed)
     moments = RunningMoments()
 
-    # time generation from outside: wrap the policy's generate (the rollout calls it once)
+    # time generation from outside: wrap generate.generate (the rollout's sample calls it once)
     gen_time = [0.0]
-    raw_generate = policy.generate
+    raw_generate = generation.generate
 
     def timed_generate(*a, **kw):
         sync()
@@ -272,14 +274,14 @@ def main(args: Args) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    policy.generate = timed_generate
+    generation.generate = timed_generate
     n_params = policy.num_params()
     policy_size = sum(p.numel() for p in policy.parameters()) / 1e6
     print(
         f"[setup] torch={torch.__version__} threads={torch.get_num_threads()} device={device} dtype={args.dtype} "
         f"compile={args.compile} | policy {policy_size:.2f} M params (x{len(models)} models) layers={args.layers} "
         f"heads={args.heads} dim={args.dim} vocab={args.vocab} | B={B} P={P} R={R} ppo_epochs={args.ppo_epochs} "
-        f"mini_batches={args.mini_batches} (minibatch {mb}, micro-batch {micro}) | estimator {args.adv_estimator} "
+        f"mini_batches={args.mini_batches} (minibatch {mb}, micro-batch {micro}) | estimator {args.estimator} "
         f"group_size {group_size} critic {'yes' if critic else 'no'}",
         flush=True,
     )
@@ -287,37 +289,30 @@ def main(args: Args) -> None:
     # the warm-up iteration also records every linear layer's GEMM shape (the hooks cost a little Python time there)
     recorder = GemmRecorder(models) if args.floor and device.type == "cpu" else None
     floor = None
+    roles = Models(fwd[policy], fwd[ref], [fwd[member] for member in members])
+    actor = Trained("model", policy, actor_opt, grad_clip=1.0, forward=fwd[policy])
+    sizes = dict(micro_batch_size=B, generator=sampler, dtype=dtype)
     for it in range(args.iters):
         gen_time[0] = 0.0
         sync()
         t0 = time.perf_counter()
-        exp, stats, _ = rollout(
-            Models(fwd[policy], fwd[ref], fwd[critic], [fwd[member] for member in members]),
-            tok,
-            prompts[it * B : (it + 1) * B],
-            ppo_settings,
-            micro_batch_size=B,
-            generator=sampler,
-            reward_kl_coef=0.1 if ppo_settings.kl_penalty == "reward" else 0.0,
-            reward_moments=moments,
-            dtype=dtype,
-        )
+        batch_prompts = prompts[it * B : (it + 1) * B]
+        if critic_free:
+            exp, _, _ = train_grpo.grpo_rollout(roles, tok, batch_prompts, settings, reward_moments=moments, **sizes)
+        else:
+            rollout_args = dict(kl_coef=0.1, reward_moments=moments, **sizes)
+            exp, _, _ = train_ppo.ppo_rollout(roles, fwd[critic], tok, batch_prompts, settings, **rollout_args)
         sync()
         t1 = time.perf_counter()
         assert exp["mask"].shape == (B, R) and bool(exp["mask"].all()), "every response must be exactly R tokens"
         if recorder:
             recorder.phase = "update"
-        ppo_update(
-            Trained("model", policy, actor_opt, grad_clip=1.0, forward=fwd[policy]),
-            None if critic is None else Trained("critic", critic, critic_opt, grad_clip=1.0, forward=fwd[critic]),
-            StepGuard(),
-            exp,
-            ppo_settings,
-            micro_batch_size=micro,
-            generator=sampler,
-            dtype=dtype,
-            loss_kl_coef=0.1,
-        )
+        sizes_update = dict(micro_batch_size=micro, generator=sampler, dtype=dtype)
+        if critic_free:
+            train_grpo.grpo_update(actor, StepGuard(), exp, settings, **sizes_update)
+        else:
+            critic_entry = Trained("critic", critic, critic_opt, grad_clip=1.0, forward=fwd[critic])
+            train_ppo.ppo_update(actor, critic_entry, StepGuard(), exp, settings, **sizes_update)
         sync()
         t2 = time.perf_counter()
         rows.append({"total": t2 - t0, "generate": gen_time[0], "scoring": t1 - t0 - gen_time[0], "update": t2 - t1})

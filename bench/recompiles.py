@@ -77,14 +77,14 @@ def main(args: Args) -> None:
     with tempfile.TemporaryDirectory() as folder:
         sft, rm = tiny_checkpoints(folder, args.task_dir, args.eos_boost)
         widths = []
-        real_rollout = train_ppo.rollout
+        real_rollout = train_ppo.ppo_rollout
 
         def rollout(*a, **kw):  # records each rollout's response width
             experience, metrics, samples = real_rollout(*a, **kw)
             widths.append(experience["mask"].size(1))
             return experience, metrics, samples
 
-        train_ppo.rollout = rollout
+        train_ppo.ppo_rollout = rollout
         torch._dynamo.reset()
         counters.clear()
         train_ppo.main(

@@ -100,17 +100,11 @@ def main(log_dir: str) -> None:
                 f"implementation of this work could gain over TRL on this machine (with one forward fewer in "
                 f"scoring, as TRL: {t / (f - floor['scoring'] / 4):.2f}x)."
             )
-        g = last_line(os.path.join(log_dir, f"generate_{shape}.txt"), "generate:")
+        g = last_line(os.path.join(log_dir, f"generate_{shape}.txt"), "decode_vs_hf:")
         if g:
             print(
-                f"Generation alone (bench/generate.py, same weights): ours {g['ours_tok_per_s']:.0f} tok/s, "
+                f"Generation alone (bench/decode.py --vs-hf, same weights): ours {g['ours_tok_per_s']:.0f} tok/s, "
                 f"transformers generate {g['hf_tok_per_s']:.0f} tok/s: {g['ratio']:.2f}x."
-            )
-        h = last_line(os.path.join(log_dir, f"hf_generate_{shape}.txt"), "hf_generate_bench:")
-        if h:
-            print(
-                f"Peer hf_generate_bench.py (TRL venv): plain {h['plain_tok_per_s']:.0f} tok/s, TRL-like "
-                f"{h['trl_like_tok_per_s']:.0f} tok/s."
             )
 
 

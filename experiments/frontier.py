@@ -1,4 +1,4 @@
-"""The gold-versus-KL frontier on the built-in task (issue #14): every method at several KL strengths, from the same
+"""The gold-versus-KL frontier on the built-in task: every method at several KL strengths, from the same
 SFT and RM checkpoints and the same budget, each point measured by `eval.py` on the held-out prompts.
 
 A method is one entry of METHODS: the script it trains with, its flags, the strengths it sweeps (PPO's --kl-coef,
@@ -7,9 +7,9 @@ DPO's --beta, best-of-N's N) and the middle strength that gets a second seed. Ru
 runs are skipped, so the script resumes. At the end it writes <out_dir>/frontier.md (the table) and frontier.png
 (gold against KL, one line per method) and prints the table.
 
-python bench/frontier.py                  # after `make demo` (uses out/sft and out/rm); about 90 min on 2 cores
-python bench/frontier.py --only ppo_max grpo --jobs 1
-python bench/frontier.py --table-only     # redraw the table and the plot from finished runs
+python experiments/frontier.py                  # after `make demo` (uses out/sft and out/rm); about 90 min on 2 cores
+python experiments/frontier.py --only ppo_max grpo --jobs 1
+python experiments/frontier.py --table-only     # redraw the table and the plot from finished runs
 """
 
 import json
@@ -32,7 +32,8 @@ LIMIT_BETAS = (1.0, 0.5, 0.3, 0.2, 0.15, 0.1, 0.075, 0.05, 0.03)
 @dataclass(frozen=True)
 class Method:
     kind: str
-    """ppo (train_ppo.py, strength = --kl-coef), dpo (train_dpo.py, strength = --beta), bon (eval.py's best-of-N
+    """ppo (train_ppo.py, strength = --kl-coef), grpo (train_grpo.py, strength = --kl-coef), dpo (train_dpo.py,
+    strength = --beta), bon (eval.py's best-of-N
     from the SFT policy, strength = N) or limit (eval.py --kl-optimal: the KL-regularised optimum from the SFT
     policy's samples, strength = beta, flags = the reward signal: gold or rm)"""
     strengths: tuple
@@ -49,17 +50,12 @@ class Method:
 # 0.015 (its per-token gradient is smaller), hence their longer sweeps
 METHODS = {
     "ppo_max": Method("ppo", (0.3, 0.1, 0.03), 0.1),
-    "grpo": Method("ppo", (0.3, 0.15, 0.08, 0.05, 0.015), 0.15, ("--adv-estimator", "grpo")),
-    "dr_grpo": Method(
-        "ppo",
-        (0.15, 0.05, 0.015, 0.0),
-        0.05,
-        ("--adv-estimator", "grpo", "--no-grpo-std-norm", "--loss-agg", "seq_sum_norm"),
-    ),
-    "rloo": Method("ppo", (0.3, 0.1, 0.03), 0.1, ("--adv-estimator", "rloo")),
-    "reinforce_pp": Method("ppo", (0.3, 0.1, 0.03), 0.1, ("--adv-estimator", "reinforce_pp")),
+    "grpo": Method("grpo", (0.3, 0.15, 0.08, 0.05, 0.015), 0.15),
+    "dr_grpo": Method("grpo", (0.15, 0.05, 0.015, 0.0), 0.05, ("--no-grpo-std-norm", "--loss-agg", "seq_sum_norm")),
+    "rloo": Method("grpo", (0.3, 0.1, 0.03), 0.1, ("--estimator", "rloo")),
+    "reinforce_pp": Method("grpo", (0.3, 0.1, 0.03), 0.1, ("--estimator", "reinforce_pp")),
     "ppo_max_oracle": Method("ppo", (0.3, 0.1), None, ORACLE),
-    "grpo_oracle": Method("ppo", (0.15, 0.05), None, ("--adv-estimator", "grpo", *ORACLE)),
+    "grpo_oracle": Method("grpo", (0.15, 0.05), None, ORACLE),
     "dpo": Method("dpo", (1.0, 0.3, 0.1), 0.3),
     "best_of_n": Method("bon", (1, 4, 16, 64), 16),
     # the two limits (DESIGN §5d): tilted by the gold reward, what any method can reach at that KL; tilted by the RM,
@@ -96,7 +92,7 @@ class Args:
     table_only: bool = False
     """start nothing: write the table and the plot from the finished runs"""
     extra: str = ""
-    """more train_ppo.py flags for every PPO run, one string (e.g. --extra "--total-episodes 6400")"""
+    """more flags for every RL run (train_ppo.py, train_grpo.py), one string (e.g. --extra "--total-episodes 6400")"""
 
 
 def run_dir(args: Args, method: str, strength: float, seed: int) -> str:
@@ -120,7 +116,8 @@ def commands(args: Args, method: str, strength: float, seed: int) -> list[list[s
     if spec.kind == "dpo":
         train = [python, os.path.join(ROOT, "train_dpo.py"), "--init", args.sft_ckpt, "--beta", f"{strength:g}"]
     else:
-        train = [python, os.path.join(ROOT, "train_ppo.py"), "--sft-ckpt", args.sft_ckpt]
+        script = "train_ppo.py" if spec.kind == "ppo" else "train_grpo.py"
+        train = [python, os.path.join(ROOT, script), "--sft-ckpt", args.sft_ckpt]
         train += [] if "--rm-ckpt" in spec.flags else ["--rm-ckpt", args.rm_ckpt]
         train += ["--kl-coef", f"{strength:g}", "--log-every", "50", *shlex.split(args.extra)]
     train += ["--out-dir", out, "--overwrite", "--task-dir", args.task_dir, "--seed", str(seed), *spec.flags]
@@ -174,7 +171,7 @@ def summarize(args: Args, method: str, strength: float, seed: int, seconds: floa
     if spec.kind == "limit":
         return {beta: row_of(results[f"sft_opt_{spec.flags[0]}_b{beta:g}"], seconds) for beta in spec.strengths}
     row = row_of(results[method], seconds)
-    if spec.kind == "ppo":
+    if spec.kind in ("ppo", "grpo"):
         series, start = event_series(out)
         row["time_to_90"] = time_to_fraction(series["objective/gold"], start)
         run_args = torch.load(os.path.join(out, "ckpt.pt"), map_location="cpu", weights_only=False)["args"]

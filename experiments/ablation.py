@@ -1,13 +1,13 @@
-"""PPO-max ablation and KL-coefficient sweep on the built-in task (issue #5).
+"""PPO-max ablation and KL-coefficient sweep on the built-in task.
 
 Every run is the real `train_ppo.py` from the same SFT and RM checkpoints, with the same seeds and budget; only the
 flags of one trick change. Each run leaves its TensorBoard files under out/ablation/<name>/<seed> (they overlay in one
 `tensorboard --logdir out/ablation`) and a summary.json; finished runs are skipped, so the script resumes. At the end
 it prints (and writes to out/ablation/ablation.md) two markdown tables: the ablation, and the gold-versus-KL frontier.
 
-python bench/ablation.py                        # after `make demo` (uses out/sft and out/rm); about 1 h on 2 cores
-python bench/ablation.py --seeds 1 2 3 --jobs 2 # 2 runs at a time, 1 thread each
-python bench/ablation.py --only ppo_max vanilla --no-sweep --extra="--total-episodes 6400"
+python experiments/ablation.py                        # after `make demo` (uses out/sft and out/rm); about 1 h on 2 cores
+python experiments/ablation.py --seeds 1 2 3 --jobs 2 # 2 runs at a time, 1 thread each
+python experiments/ablation.py --only ppo_max vanilla --no-sweep --extra="--total-episodes 6400"
 """
 
 import json
@@ -98,14 +98,17 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
 
 def first_alarm(s: dict, run_args: dict) -> Optional[int]:
     """Replay train_ppo's CollapseDetector (as it is now) over a run's logged KL, length and perplexity, from the end
-    of its critic warm-up, as main() feeds it: every run is judged by the same detector, whenever it ran."""
+    of its critic warm-up, as main() feeds it: every run is judged by the same detector, whenever it ran (a
+    train_grpo.py run, which has no detector, with train_ppo's default settings and no warm-up)."""
     sys.path.insert(0, ROOT)
-    from train_ppo import CollapseDetector
+    from train_ppo import Args, CollapseDetector
 
-    det = CollapseDetector(run_args["collapse_window"], run_args["collapse_z"], run_args["collapse_lag"])
+    settings = [run_args.get(key, getattr(Args, key)) for key in ("collapse_window", "collapse_z", "collapse_lag")]
+    warmup = run_args.get("critic_warmup_steps", 0)
+    det = CollapseDetector(*settings)
     series = zip(s["objective/kl"], s["rollout/response_len"], s["rollout/perplexity"])
     for (step, kl), (_, length), (_, ppl) in series:
-        if step > run_args["critic_warmup_steps"] and det.update(kl, length, ppl):
+        if step > warmup and det.update(kl, length, ppl):
             return step
     return None
 
