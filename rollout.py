@@ -145,10 +145,10 @@ class RunningMoments:
         self.count, self.mean, self.m2 = 0.0, 0.0, 0.0
 
     @staticmethod
-    def combine(parts: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    def combine(triples: list[tuple[float, float, float]]) -> tuple[float, float, float]:
         """Fold (count, mean, M2) triples into one (Chan et al. 1979); exact, order-independent up to rounding."""
         n, mean, m2 = 0.0, 0.0, 0.0
-        for nb, mb, m2b in parts:
+        for nb, mb, m2b in triples:
             if nb == 0:
                 continue
             delta, tot = mb - mean, n + nb
@@ -159,12 +159,12 @@ class RunningMoments:
         """Add a batch: every rank's (count, mean, M2) is all-gathered and folded in rank order, so all ranks agree."""
         x = x.detach().double().flatten()
         local = torch.stack([torch.tensor(float(x.numel()), device=x.device), x.mean(), ((x - x.mean()) ** 2).sum()])
-        parts = [local]
+        per_rank = [local]
         if dist.is_initialized():
-            parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, local)
-        parts = torch.stack(parts).tolist()  # one host sync
-        self.count, self.mean, self.m2 = self.combine([(self.count, self.mean, self.m2)] + parts)
+            per_rank = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(per_rank, local)
+        per_rank = torch.stack(per_rank).tolist()  # one host sync
+        self.count, self.mean, self.m2 = self.combine([(self.count, self.mean, self.m2)] + per_rank)
 
     @property
     def std(self) -> float:
@@ -479,38 +479,38 @@ def response_scores(models: Models, responses: Responses, args: RolloutArgs, mic
         if member_scores:
             members.append(torch.stack(member_scores))
     scores = torch.zeros(samples.response.size(0), device=eos_position.device)
-    parts = {}
+    score_parts = {}
     if members:
         member_scores = torch.cat(members, dim=-1)  # (K, B)
         scores = aggregate_rm_scores(member_scores, args.rm_agg, args.rm_uwo_coef)
         if member_scores.size(0) > 1:
-            parts["score_std"] = member_scores.std(0, correction=0)
+            score_parts["score_std"] = member_scores.std(0, correction=0)
     if reward_fn is not None:
         texts = zip(responses.prompt_texts, samples.texts, samples.ended.tolist())  # a conversation: rendered
         fn_scores = torch.tensor([float(reward_fn(p, t, e)) for p, t, e in texts], device=scores.device)
         if members:
-            parts["rm_score"] = scores
-        parts["reward_fn"] = fn_scores
+            score_parts["rm_score"] = scores
+        score_parts["reward_fn"] = fn_scores
         scores = scores + args.reward_fn_coef * fn_scores
     scores = torch.where(samples.ended, scores, torch.full_like(scores, args.missing_eos_penalty))
-    return scores, parts
+    return scores, score_parts
 
 
 @torch.no_grad()
 def policy_and_reference_logprobs(models: Models, responses: Responses, micro_batch_size: int, temperature, amp):
     """Step 3's no-grad passes of the training forward, per micro-batch: the policy's and the reference's log-probs
     of the response tokens and the policy's entropy, (B, T) each, masked."""
-    parts = {"logprobs": [], "ref_logprobs": [], "entropy": []}
+    chunks = {"logprobs": [], "ref_logprobs": [], "entropy": []}
     for _, *micro_batch in micro_batches(responses, micro_batch_size):
         response = micro_batch[2]
         with amp:
             logits, _ = response_forward(models.actor, *micro_batch, temperature)
             ref_logits, _ = response_forward(models.ref, *micro_batch, temperature)
-        parts["logprobs"].append(logprobs_from_logits(logits, response))
-        parts["ref_logprobs"].append(logprobs_from_logits(ref_logits, response))
-        parts["entropy"].append(entropy_from_logits(logits))
+        chunks["logprobs"].append(logprobs_from_logits(logits, response))
+        chunks["ref_logprobs"].append(logprobs_from_logits(ref_logits, response))
+        chunks["entropy"].append(entropy_from_logits(logits))
     mask = responses.samples.mask
-    return {key: torch.cat(values) * mask for key, values in parts.items()}
+    return {key: torch.cat(values) * mask for key, values in chunks.items()}
 
 
 @torch.no_grad()
@@ -536,7 +536,7 @@ def rollout(
     amp = parallel.autocast(samples.mask.device, dtype)
     logprobs = policy_and_reference_logprobs(models, responses, micro_batch_size, args.temperature, amp)
     logprob_error = check_logprobs(samples.logprobs, logprobs["logprobs"], samples.mask, dtype)
-    scores, parts = response_scores(models, responses, args, micro_batch_size, reward_fn, amp)
+    scores, score_parts = response_scores(models, responses, args, micro_batch_size, reward_fn, amp)
     experience = dict(
         query=responses.query,
         query_mask=responses.query_mask,
@@ -552,7 +552,7 @@ def rollout(
     gold = None
     if gold_fn is not None:
         gold = [gold_fn(p, t, e) for p, t, e in zip(responses.prompt_texts, samples.texts, ended)]
-    sums = rollout_sums(experience, logprobs["entropy"], parts, gold) | {"logprob_err": logprob_error}
+    sums = rollout_sums(experience, logprobs["entropy"], score_parts, gold) | {"logprob_err": logprob_error}
     records = []
     for row, score in enumerate(scores.tolist()):
         record = dict(prompt=responses.prompt_texts[row], response=samples.texts[row], ended=ended[row], score=score)

@@ -624,10 +624,10 @@ def main(args: Args) -> None:
     # 3. the loop: rollout (steps 1-5), update (6), then log, samples, checkpoint (7)
     first = {}  # the first minibatch of this process's first update
     start_step = step
-    samples = []
+    records = []
     while step < max_steps:
         t_rollout = time.time()
-        experience, metrics, samples = draw()
+        experience, metrics, records = draw()
         if args.dynamic_sampling:  # DAPO: fresh groups until enough are informative on every rank (the metrics and
             # samples are the first round's: what the policy does)
             experience, sampling_metrics = dynamic_sampling(experience, draw, args, sizes.prompts_per_rank, tok.pad_id)
@@ -635,7 +635,7 @@ def main(args: Args) -> None:
         t_update = time.time()
         lr = actor.schedule.at(step)
         common.set_lr(actor.optimizer, lr)
-        update_metrics, diagnostics = grpo_update(
+        updated, diagnostics = grpo_update(
             actor, guard, experience, args, ptx_sampler=ptx_sampler_or_none, step=step, diagnose=not first, **shared
         )
         first = first or diagnostics["first"]
@@ -647,7 +647,7 @@ def main(args: Args) -> None:
         sequence_len = experience["query"].size(1) + experience["mask"].size(1)
         sequences = experience["mask"].size(0) * d.world_size
         flops = rollout.iteration_flops(models, sequence_len, sequences, args.ppo_epochs)
-        metrics |= update_metrics | {
+        metrics |= updated | {
             "train/lr": lr,
             "train/kl_coef": args.kl_coef,
             "train/updates": updates,
@@ -662,7 +662,7 @@ def main(args: Args) -> None:
             print0(f"step {step}: generation vs training-forward log-probs, max |diff| {logprob_error:.1e}")
         logger.log(step, metrics, max_steps, console=step % args.log_every == 0 or step == max_steps)
         if step % args.sample_every == 0 or step == max_steps:
-            rollout.log_samples(logger, samples, step)
+            rollout.log_samples(logger, records, step)
         if (args.save_every and step % args.save_every == 0) or step == max_steps:
             data_state = dict(
                 prompts=prompt_stream.order.state_dict(),
@@ -673,7 +673,7 @@ def main(args: Args) -> None:
             run.save(step, data_state, sampler, reward_moments=reward_moments.state_dict(), **hashes)
 
     # 4. a few samples to look at
-    for record in samples[:5]:
+    for record in records[:5]:
         text = format_sample(record["prompt"], record["response"], record["ended"])
         print0(f"  {text}  (score {record['score']:.2f})")
     if args.export_hf and d.master:

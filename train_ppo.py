@@ -591,12 +591,12 @@ def main(args: Args) -> None:
     # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
     first = {}  # the first minibatch of this process's first update
     start_step = step
-    samples = []
+    records = []
     while step < max_steps:
         t_rollout = time.time()
         kl_coef = kl_controller.value
         batch_prompts = prompt_stream.next()
-        experience, metrics, samples = ppo_rollout(
+        experience, metrics, records = ppo_rollout(
             forward, critic_forward, tok, batch_prompts, args, kl_coef=kl_coef, **scoring, **shared
         )
         kl_controller.update(metrics["objective/kl"], args.rollout_batch_size)
@@ -606,7 +606,7 @@ def main(args: Args) -> None:
         common.set_lr(actor.optimizer, lr)
         common.set_lr(critic.optimizer, critic_lr)
         train_actor = step >= args.critic_warmup_steps
-        update_metrics, diagnostics = ppo_update(
+        updated, diagnostics = ppo_update(
             actor,
             critic,
             guard,
@@ -630,7 +630,7 @@ def main(args: Args) -> None:
         sequence_len = experience["query"].size(1) + experience["mask"].size(1)
         sequences = experience["mask"].size(0) * d.world_size
         flops = rollout.iteration_flops(models, sequence_len, sequences, args.ppo_epochs, critic=critic_model)
-        metrics |= update_metrics | {
+        metrics |= updated | {
             "train/lr": lr,
             "train/critic_lr": critic_lr,
             "train/kl_coef": kl_coef,
@@ -647,7 +647,7 @@ def main(args: Args) -> None:
             print0(f"step {step}: generation vs training-forward log-probs, max |diff| {logprob_error:.1e}")
         logger.log(step, metrics, max_steps, console=step % args.log_every == 0 or step == max_steps or alarm)
         if step % args.sample_every == 0 or step == max_steps:
-            rollout.log_samples(logger, samples, step)
+            rollout.log_samples(logger, records, step)
         if alarm and args.stop_on_collapse:
             print0(f"collapse alarm at step {step}: stopping (the last checkpoint saved before it is kept)")
             break
@@ -663,7 +663,7 @@ def main(args: Args) -> None:
             run.save(step, data_state, sampler, **ppo_state, **hashes)
 
     # 4. a few samples to look at
-    for record in samples[:5]:
+    for record in records[:5]:
         text = format_sample(record["prompt"], record["response"], record["ended"])
         print0(f"  {text}  (score {record['score']:.2f})")
     if args.export_hf and d.master:
