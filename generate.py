@@ -121,9 +121,11 @@ def eager_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int):
     h = model._trunk(idx.masked_fill(~real, 0), pos, padded_causal_mask(real), kv_caches)
 
     def advance(tok: Tensor, step: int) -> Tensor:
-        # the new token sits at position n_real + step and attends to the real prompt keys and all new keys
+        # the new token sits at position n_real + step (a row past its budget: any position, its output is unused)
+        # and attends to the real prompt keys and all new keys
         Tk = P + step + 1
-        h = model._trunk(tok[:, None], (n_real + step)[:, None], key_real[:, None, None, :Tk], kv_caches)
+        pos = (n_real + step).clamp(max=model.config.block_size - 1)[:, None]
+        h = model._trunk(tok[:, None], pos, key_real[:, None, None, :Tk], kv_caches)
         return model.lm_head(h[:, -1])
 
     return model.lm_head(h[:, -1]), advance
@@ -152,7 +154,8 @@ def static_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int):
     def advance(tok: Tensor, step: int) -> Tensor:
         step_slot.fill_(width + step)  # the new token's slot; it attends to the real prompt and every new key
         key_mask = (key_real & (slot_ids <= width + step))[:, None, None, :]  # (B, 1, 1, max_len)
-        return step_fn(model, tok[:, None], (n_real + step)[:, None], key_mask, caches).clone()
+        pos = (n_real + step).clamp(max=model.config.block_size - 1)[:, None]  # past a row's budget: unused
+        return step_fn(model, tok[:, None], pos, key_mask, caches).clone()
 
     return model.lm_head(h[:, -1]), advance
 
@@ -208,7 +211,7 @@ def filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Ten
 def decode_loop(
     logits: Tensor,
     advance,
-    max_new_tokens: int,
+    budget: Tensor,
     eos_id: int,
     pad_id: int,
     temperature: float,
@@ -218,10 +221,11 @@ def decode_loop(
     generator: torch.Generator | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The sampling loop every generate shares (model.GPT's, hf.HFCausalLM's; eager or compiled decode): logits
-    (B, V) of each prompt's next token from the prefill, advance(token (B,), step) -> the next logits. Returns
-    generate's (response, response_mask, logprobs)."""
-    B = logits.size(0)
-    finished = torch.zeros(B, dtype=torch.bool, device=logits.device)
+    (B, V) of each prompt's next token from the prefill, advance(token (B,), step) -> the next logits, budget (B,)
+    long: the new tokens each row may take (it is finished after them, ended or not). Returns generate's (response,
+    response_mask, logprobs)."""
+    finished = budget <= 0
+    max_new_tokens = int(budget.max())  # one host sync: the steps to run
     tokens, masks, logprobs = [], [], []
     for step in range(max_new_tokens):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -236,7 +240,7 @@ def decode_loop(
         tokens.append(tok.masked_fill(finished, pad_id))
         masks.append((~finished).to(lp.dtype))
         logprobs.append(lp.masked_fill(finished, 0.0))
-        finished = finished | (tok == eos_id)
+        finished = finished | (tok == eos_id) | (budget <= step + 1)
         if step == max_new_tokens - 1 or ((step + 1) % 8 == 0 and finished.all()):
             break  # host sync only every 8 steps
         logits = advance(tok, step)  # (B, V)
@@ -260,6 +264,8 @@ def generate(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Sample responses from model (a model.GPT or an hf.HFCausalLM) to left-padded prompts idx (B, P) with
     attention_mask (B, P) (None = no padding). One prefill over the prompts, then one token a step with a KV cache.
+    Each row takes at most min(max_new_tokens, block_size - its own prompt length) new tokens: another row's prompt
+    never shortens it (a row that runs out of context ends without EOS). Every prompt must leave room for a token.
     Returns (response (B, Tn) long, pad_id after a row's EOS; response_mask (B, Tn) float, 1 for real tokens
     including the EOS; logprobs (B, Tn) float, 0 on padding), Tn <= max_new_tokens the number of steps run.
     logprobs are log_softmax(logits / temperature) at the sampled token: the full tempered distribution, not the
@@ -275,21 +281,20 @@ def generate(
     (tests/test_generate.py). A Hugging Face model brings its own caches (hf.HFCausalLM.prefill)."""
     assert model.config.lm_head, "generate needs a model with an lm head"
     B, P = idx.size()
-    assert P + max_new_tokens <= model.config.block_size, (
-        f"prompt length {P} + max_new_tokens {max_new_tokens} > block_size {model.config.block_size}: "
-        "shorten the prompts or lower max_new_tokens"
-    )
-    if max_new_tokens <= 0:  # nothing to generate (e.g. the prompt fills the context)
-        return idx.new_empty(B, 0), torch.zeros(B, 0, device=idx.device), torch.zeros(B, 0, device=idx.device)
     real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    budget = (model.config.block_size - real.long().sum(-1)).clamp(max=max(max_new_tokens, 0))  # (B,) each row's
+    least, steps = torch.stack([budget.min(), budget.max()]).tolist()  # one host sync
+    assert P <= model.config.block_size and least > 0 or max_new_tokens <= 0, (
+        f"a prompt of {P} tokens leaves no room in the context of {model.config.block_size}: sample() skips it"
+    )
+    if steps <= 0:  # nothing to generate
+        return idx.new_empty(B, 0), torch.zeros(B, 0, device=idx.device), torch.zeros(B, 0, device=idx.device)
     if hasattr(model, "prefill"):
-        logits, advance = model.prefill(idx, real, max_new_tokens, compiled)
+        logits, advance = model.prefill(idx, real, steps, compiled)
     else:
         prefill = static_prefill if compiled else eager_prefill
-        logits, advance = prefill(model, idx, real, max_new_tokens)
-    return decode_loop(
-        logits, advance, max_new_tokens, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator
-    )
+        logits, advance = prefill(model, idx, real, steps)
+    return decode_loop(logits, advance, budget, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator)
 
 
 @dataclass
@@ -302,6 +307,7 @@ class Samples:
     last: Tensor  # (B,) long, index of each row's last real token (its EOS when it ended)
     ended: Tensor  # (B,) bool, the row ended with EOS
     texts: list[str]  # each response decoded without its EOS
+    skipped: int = 0  # prompts that left no room for a token: no response (ended False, text "")
 
 
 @torch.no_grad()
@@ -309,14 +315,25 @@ def sample(
     model, tok, query: Tensor, query_mask: Tensor, max_new_tokens: int, temperature: float = 1.0, **kw
 ) -> Samples:
     """Generate → which rows ended → text without EOS, for every stage and eval.py: generate over left-padded prompts
-    (query, query_mask (B, P)) with at most max_new_tokens new tokens (fewer where the context ends first), EOS and
-    padding from tok (anything with eos_id, pad_id and decode); kw goes to generate (generator, top_k, ...)."""
-    max_new = min(max_new_tokens, model.config.block_size - query.size(1))
+    (query, query_mask (B, P)) with at most max_new_tokens new tokens a row (fewer where the context ends first for
+    that row's own prompt), EOS and padding from tok (anything with eos_id, pad_id and decode); kw goes to generate
+    (generator, top_k, ...). A prompt that leaves no room for a token gets no response and counts in `skipped`."""
+    fits = query_mask.sum(1) < model.config.block_size  # (B,) room for at least one token
+    skipped = int((~fits).sum())  # one host sync
+    kept_query, kept_mask = query, query_mask
+    if skipped:  # the rest without them, their left padding trimmed to the longest kept prompt
+        width = max(1, int(query_mask[fits].sum(1).max())) if skipped < len(fits) else 1
+        kept_query, kept_mask = query[fits][:, -width:], query_mask[fits][:, -width:]
     response, mask, logprobs = generate(
-        model, query, query_mask, max_new, tok.eos_id, tok.pad_id, temperature=temperature, **kw
+        model, kept_query, kept_mask, max_new_tokens, tok.eos_id, tok.pad_id, temperature=temperature, **kw
     )
+    if skipped:  # back to one row per prompt: a skipped row has no token
+        full = response.new_full((len(fits), response.size(1)), tok.pad_id)
+        response = full.index_copy(0, fits.nonzero().squeeze(1), response)
+        mask = mask.new_zeros(full.shape).index_copy(0, fits.nonzero().squeeze(1), mask)
+        logprobs = logprobs.new_zeros(full.shape).index_copy(0, fits.nonzero().squeeze(1), logprobs)
     lengths = mask.sum(1).long()
     last = (lengths - 1).clamp(min=0)
     ended = (response.gather(1, last[:, None]).squeeze(1) == tok.eos_id) & (lengths > 0)
     texts = [tok.decode(row) for row in response.tolist()]  # decode drops the pad and EOS ids
-    return Samples(response, mask, logprobs, last, ended, texts)
+    return Samples(response, mask, logprobs, last, ended, texts, skipped)

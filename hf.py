@@ -271,7 +271,7 @@ class HFCausalLM(nn.Module):
         def advance(tok: Tensor, step: int) -> Tensor:
             # the new token sits at position n_real + step; it sees the real prompt keys and all new keys
             Tk = P + step + 1
-            pos = (n_real + step)[:, None]  # (B, 1)
+            pos = (n_real + step).clamp(max=self.config.block_size - 1)[:, None]  # (B, 1); past a row's budget: unused
             out = self.hf(input_ids=tok[:, None], attention_mask=key_real[:, :Tk], position_ids=pos, **kw)
             return out.logits[:, -1]  # (B, V)
 
@@ -300,7 +300,7 @@ class HFCausalLM(nn.Module):
         step_fn = self._compiled_forward(idx.device)
 
         def advance(tok: Tensor, step: int) -> Tensor:
-            pos = (n_real + step)[:, None]  # (B, 1)
+            pos = (n_real + step).clamp(max=self.config.block_size - 1)[:, None]  # (B, 1); past a row's budget: unused
             out = step_fn(input_ids=tok[:, None], attention_mask=key_real, position_ids=pos, **kw)
             return out.logits[:, -1].clone()  # a copy: a CUDA graph reuses its output buffer
 
