@@ -64,7 +64,8 @@ def init_fingerprint(spec: str) -> Optional[str]:
 
 def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
     """Called by every stage before any work: a fresh run (no --resume) refuses an out_dir that holds ckpt.pt, unless
-    --overwrite, which deletes its ckpt.pt, samples.jsonl, old TensorBoard event files and sharded optimizer folders.
+    --overwrite, which deletes its ckpt.pt, samples.jsonl, old TensorBoard event files and sharded optimizer folders;
+    in an out_dir without ckpt.pt it removes the event files and samples.jsonl an earlier run left (and says so).
     Temp files of a save that a kill interrupted (ckpt.pt.tmp.<pid>) never hold a checkpoint and go in every case.
     Rank 0 deletes (before any process group, so the other ranks only check)."""
     if not os.path.isdir(out_dir):
@@ -74,7 +75,15 @@ def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
             if name.startswith("ckpt.pt.tmp."):
                 os.remove(os.path.join(out_dir, name))
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    if resume or not os.path.exists(ckpt_path):
+    if resume:
+        return
+    if not os.path.exists(ckpt_path):  # a run that died before its first save: its logs would mix with this one's
+        stale = [name for name in os.listdir(out_dir) if name.startswith("events.out.tfevents.")]
+        stale += [name for name in os.listdir(out_dir) if name == "samples.jsonl"]
+        if stale and is_master():
+            for name in stale:
+                os.remove(os.path.join(out_dir, name))
+            print0(f"{out_dir}: removed {len(stale)} log file(s) of an earlier run that saved no checkpoint")
         return
     if not overwrite:
         raise UserError(f"{ckpt_path} exists: pass --resume to continue that run, or --overwrite to start over")
@@ -116,19 +125,22 @@ def resume_args(
     args: CommonArgs, kind: str, resolve: Optional[Callable] = None, retired: Optional[dict] = None
 ) -> CommonArgs:
     """A stage's args as its run continues (DESIGN §8), decided before anything is built. Without --resume:
-    resolve(args). With it, from the checkpoint of this kind in args.out_dir: a field still at its dataclass default
-    takes the checkpoint's value (tyro cannot tell "not passed" from "passed the default"), so --resume alone
-    continues the run as it was started; a flag that changes the run's math (estimator, beta, lr, model shape, LoRA,
-    data) and differs from the saved one is refused with one line naming each flag, its saved and its new value;
-    bookkeeping flags and the step budget may change and are printed. resolve fills the stage's defaults that depend
-    on other flags, on both sides before they are compared. retired: {name: (the value the stage now always uses,
-    why)} for flags the stage no longer has: a checkpoint that saved another value is refused with that reason."""
+    resolve(args). With it, from the checkpoint of this kind in args.out_dir: a flag the command line did not give
+    (args.given, set by common.cli) takes the checkpoint's value, so --resume alone continues the run as it was
+    started; a flag it gave counts as given whatever its value, the default included. Called from Python (no
+    args.given), a field still at its dataclass default counts as not given. A given flag that changes the run's math
+    (estimator, beta, lr, model shape, LoRA, data) and differs from the saved one is refused with one line naming each
+    flag, its saved and its new value; given bookkeeping flags and the step budget apply and are printed. resolve
+    fills the stage's defaults that depend on other flags, on both sides before they are compared. retired: {name:
+    (the value the stage now always uses, why)} for flags the stage no longer has: a checkpoint that saved another
+    value is refused with that reason."""
     resolve = resolve or (lambda given: given)
     if not args.resume:
         return resolve(args)
     if args.overwrite:
         raise UserError("--resume continues the run in --out-dir, --overwrite starts it over: pass one of them")
     path = os.path.join(args.out_dir, "ckpt.pt")
+    given = getattr(args, "given", None)  # the flags a command line gave (common.cli); None when called from Python
     saved = load_checkpoint(path, kind=kind, flag="--resume", mmap=True).get("args", {})
     for name, (value, why) in (retired or {}).items():
         if name in saved and saved[name] != value:
@@ -136,7 +148,10 @@ def resume_args(
     defaults = type(args)()
     names = [f.name for f in fields(args) if f.name in saved and f.name not in NOT_COMPARED]
     saved_args = resolve(replace(defaults, **{name: saved[name] for name in names}))
-    at_default = [name for name in names if getattr(args, name) == getattr(defaults, name)]
+    if given is None:
+        at_default = [name for name in names if getattr(args, name) == getattr(defaults, name)]
+    else:
+        at_default = [name for name in names if name not in given]
     args = resolve(replace(args, **{name: getattr(saved_args, name) for name in at_default}))
     refused, allowed = [], []
     for name in names:

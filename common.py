@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -119,6 +120,32 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
+def given_flags(argv: list[str], cls) -> frozenset[str]:
+    """The fields of the dataclass cls that the command line argv gives a value: --name, --name=value, and a bool's
+    --no-name."""
+    names = {f.name for f in fields(cls)}
+    given = set()
+    for token in argv:
+        if not token.startswith("--"):
+            continue
+        name = token[2:].split("=")[0].replace("-", "_")
+        if name not in names and name.startswith("no_"):
+            name = name[3:]
+        if name in names:
+            given.add(name)
+    return frozenset(given)
+
+
+def cli(cls):
+    """tyro.cli(cls), with the flags the command line gave as args.given (not a field): --resume counts a given flag as
+    given whatever its value (checkpoints.resume_args)."""
+    import tyro
+
+    args = tyro.cli(cls)
+    args.given = given_flags(sys.argv[1:], cls)
+    return args
+
+
 def run_main(main: Callable, args) -> None:
     """Run a stage's main(args); a UserError becomes one line on stderr (rank 0 only) and exit code 2."""
     try:
@@ -140,6 +167,44 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+# -----------------------------------------------------------------------------
+# stopping on a signal
+
+
+class StopSignal:
+    """SIGINT (Ctrl-C) and SIGTERM (a cluster's preemption; torchrun forwards it to every rank) ask a run to stop at
+    the end of its current step: the stage saves that step's checkpoint and exits with 128 + the signal's number, and
+    --resume continues it. A second signal exits at once (the last checkpoint saved stays). Installed by each stage
+    just before its loop; every rank agrees on the step to stop at through one all-reduce a step (requested)."""
+
+    def __init__(self):
+        self.signum = 0
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum:
+            os._exit(128 + signum)
+        self.signum = signum
+        print(f"{signal.Signals(signum).name}: stopping after this step to save it (again: stop at once)", flush=True)
+
+    def requested(self, device: torch.device) -> int:
+        """The signal any rank has received (0: none), the same on every rank."""
+        if not dist.is_initialized():
+            return self.signum
+        flag = torch.tensor(self.signum, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag)
+
+    def exit(self, signum: int, path: str) -> None:
+        """After the save: one line, then exit 128 + signum on every rank."""
+        print0(f"stopped by {signal.Signals(signum).name} with {path} saved: continue with --resume")
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        sys.exit(128 + signum)
 
 
 # -----------------------------------------------------------------------------

@@ -21,7 +21,6 @@ from typing import Callable, Literal, Optional
 
 import torch
 import torch.nn.functional as F
-import tyro
 
 import checkpoints
 import common
@@ -355,6 +354,7 @@ def main(args: Args) -> None:
     stat_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
     window = dict.fromkeys(("train/loss", "train/nll_loss", *stat_names, "tokens"), 0.0)  # summed since the last log
     window_steps = 0
+    stop = common.StopSignal()  # SIGINT/SIGTERM: save the step, exit 128 + signal
     while step < max_steps:
         if order.pos + args.batch_size > order.n:  # the epoch's remainder is dropped
             order.pos = order.n
@@ -400,6 +400,7 @@ def main(args: Args) -> None:
         common.guarded_step([trained], guard, step)
         step += 1
         window_steps += 1
+        stopping = stop.requested(d.device)
 
         if step % args.log_every == 0 or step == max_steps:
             totals = parallel.all_reduce_dict(window, d.device)
@@ -418,9 +419,12 @@ def main(args: Args) -> None:
                 logger.text("samples", "\n\n".join(shown[:8]), step)
             if final:
                 logger.samples(step, samples)
-            if (args.save_every and step % args.save_every == 0) or final:
+            if (args.save_every and step % args.save_every == 0) or final or stopping:
                 data_state = dict(order=order.state_dict(), skipped=guard.skipped)
                 run.save(step, data_state, sampler, init_hash=init_hash)
+        if stopping:
+            logger.close()
+            stop.exit(stopping, run.path)
 
     # 4. a few samples to look at, and the numbers that matter
     for line in shown[:5]:
@@ -439,4 +443,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, tyro.cli(Args))
+    common.run_main(main, common.cli(Args))

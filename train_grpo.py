@@ -27,7 +27,6 @@ from dataclasses import dataclass, replace
 from typing import Callable, Literal, Optional
 
 import torch
-import tyro
 
 import checkpoints
 import common
@@ -544,6 +543,7 @@ CONSOLE = (
     "rollout/perplexity",
     "objective/entropy",
     "policy/approx_kl",
+    "policy/update_kl",
     "policy/clipfrac",
     "perf/rollout_s",
     "perf/update_s",
@@ -625,6 +625,7 @@ def main(args: Args) -> None:
     first = {}  # the first minibatch of this process's first update
     start_step = step
     records = []
+    stop = common.StopSignal()  # SIGINT/SIGTERM: save the iteration, exit 128 + signal
     while step < max_steps:
         t_rollout = time.time()
         experience, metrics, records = draw()
@@ -639,8 +640,13 @@ def main(args: Args) -> None:
             actor, guard, experience, args, ptx_sampler=ptx_sampler_or_none, step=step, diagnose=not first, **shared
         )
         first = first or diagnostics["first"]
+        amp = parallel.autocast(d.device, dtype)
+        updated["policy/update_kl"] = rollout.update_kl(
+            actor.forward, experience, sizes.micro_batch_size, args.temperature, amp
+        )
         step += 1
         updates += diagnostics["updates"]
+        stopping = stop.requested(d.device)
         t_end = time.time()
 
         # 7. monitoring
@@ -663,7 +669,7 @@ def main(args: Args) -> None:
         logger.log(step, metrics, max_steps, console=step % args.log_every == 0 or step == max_steps)
         if step % args.sample_every == 0 or step == max_steps:
             rollout.log_samples(logger, records, step)
-        if (args.save_every and step % args.save_every == 0) or step == max_steps:
+        if (args.save_every and step % args.save_every == 0) or step == max_steps or stopping:
             data_state = dict(
                 prompts=prompt_stream.order.state_dict(),
                 ptx=ptx_sampler.order.state_dict(),
@@ -671,6 +677,9 @@ def main(args: Args) -> None:
                 skipped=guard.skipped,
             )
             run.save(step, data_state, sampler, reward_moments=reward_moments.state_dict(), **hashes)
+        if stopping:
+            logger.close()
+            stop.exit(stopping, run.path)
 
     # 4. a few samples to look at
     for record in records[:5]:
@@ -685,4 +694,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, tyro.cli(Args))
+    common.run_main(main, common.cli(Args))

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
-import tyro
 
 import checkpoints
 import common
@@ -510,6 +509,7 @@ CONSOLE = (
     "rollout/perplexity",
     "objective/entropy",
     "policy/approx_kl",
+    "policy/update_kl",
     "policy/clipfrac",
     "value/explained_variance",
     "collapse/alarm",
@@ -592,6 +592,7 @@ def main(args: Args) -> None:
     first = {}  # the first minibatch of this process's first update
     start_step = step
     records = []
+    stop = common.StopSignal()  # SIGINT/SIGTERM: save the iteration, exit 128 + signal
     while step < max_steps:
         t_rollout = time.time()
         kl_coef = kl_controller.value
@@ -619,8 +620,13 @@ def main(args: Args) -> None:
             **shared,
         )
         first = first or diagnostics["first"]
+        amp = parallel.autocast(d.device, dtype)
+        updated["policy/update_kl"] = rollout.update_kl(
+            actor.forward, experience, sizes.micro_batch_size, args.temperature, amp
+        )
         step += 1
         updates += diagnostics["updates"]
+        stopping = stop.requested(d.device)
         t_end = time.time()
 
         # 7. monitoring; the collapse detector watches the actor's moves only (after the critic warm-up)
@@ -651,7 +657,7 @@ def main(args: Args) -> None:
         if alarm and args.stop_on_collapse:
             print0(f"collapse alarm at step {step}: stopping (the last checkpoint saved before it is kept)")
             break
-        if (args.save_every and step % args.save_every == 0) or step == max_steps:
+        if (args.save_every and step % args.save_every == 0) or step == max_steps or stopping:
             data_state = dict(
                 prompts=prompt_stream.order.state_dict(),
                 ptx=ptx_sampler.order.state_dict(),
@@ -661,6 +667,9 @@ def main(args: Args) -> None:
             )
             ppo_state = dict(reward_moments=reward_moments.state_dict(), kl_ctl=kl_controller.state_dict())
             run.save(step, data_state, sampler, **ppo_state, **hashes)
+        if stopping:
+            logger.close()
+            stop.exit(stopping, run.path)
 
     # 4. a few samples to look at
     for record in records[:5]:
@@ -675,4 +684,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, tyro.cli(Args))
+    common.run_main(main, common.cli(Args))

@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import tyro
 
 import checkpoints
 import common
@@ -350,6 +349,7 @@ def main(args: Args) -> None:
     model.eval()
     window = {"loss": 0.0, "bt_loss": 0.0, "lm_loss": 0.0, "accuracy": 0.0, "tokens": 0}  # summed since the last log
     window_steps = 0
+    stop = common.StopSignal()  # SIGINT/SIGTERM: save the step, exit 128 + signal
     while step < max_steps:
         if order.pos + args.batch_size > order.n:  # the epoch's remainder is dropped
             order.pos = order.n
@@ -384,6 +384,7 @@ def main(args: Args) -> None:
         common.guarded_step([trained], guard, step)
         step += 1
         window_steps += 1
+        stopping = stop.requested(d.device)
 
         if step % args.log_every == 0 or step == max_steps:
             totals = parallel.all_reduce_dict(window, d.device)
@@ -396,8 +397,11 @@ def main(args: Args) -> None:
             window_steps = 0
         final = step == max_steps
         with throughput.paused():  # perf/ counts training time only
-            if (args.save_every and step % args.save_every == 0) or final:
+            if (args.save_every and step % args.save_every == 0) or final or stopping:
                 save(step)  # also calibrates: the final evaluation sees the checkpoint's scores
+            if stopping:
+                logger.close()
+                stop.exit(stopping, run.path)
             if step % args.eval_every == 0 or final:
                 # scores relative to a typical SFT answer: the final save has just folded the calibration in; in
                 # between, subtract the mean score of the first calibration examples (cheaper than folding)
@@ -432,4 +436,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, tyro.cli(Args))
+    common.run_main(main, common.cli(Args))

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import tyro
 
 import checkpoints
 import common
@@ -211,6 +210,7 @@ def main(args: Args) -> None:
     model.train()
     window = {"loss": 0.0, "tokens": 0}  # summed over the steps since the last log (this rank's share)
     window_steps = 0
+    stop = common.StopSignal()  # SIGINT/SIGTERM: save the step, exit 128 + signal
     while step < max_steps:
         if order.pos + args.batch_size > order.n:  # the epoch's remainder is dropped
             order.pos = order.n
@@ -234,6 +234,7 @@ def main(args: Args) -> None:
         common.guarded_step([trained], guard, step)
         step += 1
         window_steps += 1
+        stopping = stop.requested(d.device)
 
         if step % args.log_every == 0 or step == max_steps:
             totals = parallel.all_reduce_dict(window, d.device)
@@ -255,9 +256,12 @@ def main(args: Args) -> None:
                     valid = is_valid(response, ended) if builtin else None
                     records.append({"prompt": prompt, "response": response, "ended": ended, "valid": valid})
                 logger.samples(step, records)
-            if (args.save_every and step % args.save_every == 0) or final:
+            if (args.save_every and step % args.save_every == 0) or final or stopping:
                 data_state = dict(order=order.state_dict(), skipped=guard.skipped)
                 run.save(step, data_state, sampler, init_hash=init_hash)
+        if stopping:
+            logger.close()
+            stop.exit(stopping, run.path)
 
     # 4. a few samples to look at
     for line in shown[:5]:
@@ -273,4 +277,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, tyro.cli(Args))
+    common.run_main(main, common.cli(Args))
