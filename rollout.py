@@ -683,6 +683,23 @@ def first_micro_batch(logprobs, old_logprobs, mask, sums: dict) -> dict:
 # monitoring
 
 
+@torch.no_grad()
+def update_kl(actor, experience: dict, micro_batch_size: int, temperature: float, amp) -> float:
+    """How far an update moved the policy: KL(pi_old || pi_new) on the rollout it was computed from, per response
+    (the summed k3 of rollout.kl_estimate with the roles of old and new, an unbiased estimate on pi_old's own samples),
+    the mean over every rank's responses, from one no-grad pass of the training forward after the update."""
+    mask = experience["mask"]
+    total = torch.zeros((), device=mask.device)
+    for start in range(0, mask.size(0), micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        batch = {key: experience[key][rows] for key in ("query", "query_mask", "response", "mask", "logprobs")}
+        with amp:
+            _, logprobs = policy_logprobs(actor, batch, temperature)
+        total += kl_estimate(batch["logprobs"], logprobs, batch["mask"], "k3").sum()
+    sums = parallel.all_reduce_dict({"kl": total, "sequences": float(mask.size(0))}, mask.device)
+    return sums["kl"] / sums["sequences"]
+
+
 def iteration_flops(models: Models, sequence_len: int, sequences: int, epochs: int, critic=None) -> float:
     """Training-equivalent FLOPs of one iteration for perf/mfu (flops_per_token counts a forward and a backward, a
     forward is a third of it): generation, policy and reference log-probs (three actor-sized forwards), each RM's

@@ -5,7 +5,7 @@ flags of one trick change. Each run leaves its TensorBoard files under out/ablat
 `tensorboard --logdir out/ablation`) and a summary.json; finished runs are skipped, so the script resumes. At the end
 it prints (and writes to out/ablation/ablation.md) two markdown tables: the ablation, and the gold-versus-KL frontier.
 
-python experiments/ablation.py                        # after `make demo` (uses out/sft and out/rm); about 1 h on 2 cores
+python experiments/ablation.py                       # after `make demo` (uses out/sft and out/rm); about 1 h on 2 cores
 python experiments/ablation.py --seeds 1 2 3 --jobs 2 # 2 runs at a time, 1 thread each
 python experiments/ablation.py --only ppo_max vanilla --no-sweep --extra="--total-episodes 6400"
 """
