@@ -512,11 +512,6 @@ def convert(src: str, dst: str, kind: str, messages: bool = False) -> tuple[int,
     return len(rows), skipped
 
 
-def convert_hh(src: str, dst: str) -> tuple[int, int]:
-    """Anthropic-HH JSONL -> our (string) preference JSONL (convert)."""
-    return convert(src, dst, "hh")
-
-
 # -----------------------------------------------------------------------------
 # batching
 
@@ -645,18 +640,6 @@ def encode_prefs(tok, rows: list[dict], block_size: int) -> tuple[list, int]:
             continue
         examples.append((seqs, len(head), ranking_pairs(ranking), ranking[0], row))
     return examples, skipped
-
-
-def calibration_error(gaps: torch.Tensor, n_bins: int = 10) -> float:
-    """Expected calibration error of P(chosen ≻ rejected) = σ(gap), gaps (N,) = r_chosen - r_rejected on held-out
-    pairs. Each pair enters in both orders, (σ(gap), 1) and (σ(-gap), 0), so the observed frequency is defined;
-    ECE = Σ_b n_b/N |observed_b - predicted_b| over n_bins equal bins of [0, 1] (Guo et al. 2017)."""
-    probs = torch.cat([torch.sigmoid(gaps.double()), torch.sigmoid(-gaps.double())])
-    outcome = torch.cat([torch.ones_like(gaps, dtype=torch.double), torch.zeros_like(gaps, dtype=torch.double)])
-    bins = (probs * n_bins).long().clamp(max=n_bins - 1)
-    n = torch.bincount(bins, minlength=n_bins).double()
-    gap_sum = torch.bincount(bins, weights=outcome - probs, minlength=n_bins)
-    return (gap_sum.abs().sum() / n.sum()).item()
 
 
 def _cli(argv: list[str]) -> None:

@@ -42,9 +42,16 @@ import common
 import hf
 import parallel
 from common import UserError, format_sample, write_atomic
-from data import calibration_error, encode_prefs, encode_prompts, prompt_ids, prompt_text, read_jsonl, responses_of
+from data import encode_prefs, encode_prompts, prompt_ids, prompt_text, read_jsonl, responses_of
 from generate import sample
-from model import aggregate_rm_scores, last_token_scores, logprobs_from_logits, response_forward, score_sequences
+from model import (
+    aggregate_rm_scores,
+    calibration_error,
+    last_token_scores,
+    logprobs_from_logits,
+    response_forward,
+    score_sequences,
+)
 from task import build_task, gold_reward, is_valid
 
 
@@ -189,11 +196,6 @@ def win_outcomes(gold: list, ref_gold: list) -> list:
     return [1.0 if g > r else 0.5 if g == r else 0.0 for g, r in zip(gold, ref_gold)]
 
 
-def win_rate(gold: list, ref_gold: list) -> float:
-    """Share of samples where the policy's gold beats the reference's; ties count half."""
-    return sum(win_outcomes(gold, ref_gold)) / len(gold)
-
-
 # -----------------------------------------------------------------------------
 # sampling and the policy metrics
 
@@ -253,6 +255,11 @@ def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rms=(
     return samples
 
 
+def pick_samples(samples: dict, indices: list) -> dict:
+    """sample_policy's lists at the given sample indices."""
+    return {key: [values[index] for index in indices] for key, values in samples.items()}
+
+
 def policy_metrics(samples: dict, builtin: bool, ref_gold: Optional[list]) -> tuple[dict, Optional[list]]:
     """(metrics, gold): the table's numbers from sample_policy's lists, each `<metric>` with its `<metric>_se`, then
     num_samples and seeds; gold (per sample) and the gold-based metrics are None off the built-in task. ref_gold is
@@ -300,7 +307,7 @@ def best_of_n(samples: dict, n: int, first_seed: int, missing_eos_penalty: float
         score = samples["score"][index] if samples["ended"][index] else missing_eos_penalty
         if prompt_index not in best or score > best[prompt_index][0]:
             best[prompt_index] = (score, index)
-    picked = select(samples, [best[prompt_index][1] for prompt_index in sorted(best)])
+    picked = pick_samples(samples, [best[prompt_index][1] for prompt_index in sorted(best)])
     picked["kl"] = [best_of_n_kl_bound(n) + kl for kl in picked["kl"]]
     return picked
 
@@ -324,8 +331,10 @@ def kl_optimal_rows(name: str, samples: dict, betas: list, builtin: bool, missin
     """Rows <name>_opt_gold_b<beta> (tilted by the gold reward, built-in task) and <name>_opt_rm_b<beta> (tilted by
     the RMs' aggregate score, a response without EOS scoring missing_eos_penalty as in PPO) from sample_policy's
     lists of the reference, every prompt with the same M samples. Each row: gold, score, kl and valid_frac with
-    their standard errors over prompts, ess (the mean effective sample size per prompt), samples (M) and a warning
-    when the estimate is not to be trusted (kl within 1 nat of its ceiling log M, or ess under 4)."""
+    their standard errors over prompts, ess (the mean effective sample size per prompt) and ess_p10 (its tenth
+    percentile over prompts: where one sample dominates a prompt, a mean hides it), samples (M) and a warning that
+    says which check failed when the estimate is not to be trusted (kl within 1 nat of its ceiling log M, ess under
+    4, or a tenth of the prompts under 2)."""
     order = sorted(range(len(samples["prompt"])), key=lambda i: (samples["prompt_index"][i], samples["seed"][i]))
     num_prompts = len(set(samples["prompt_index"]))
 
@@ -353,19 +362,19 @@ def kl_optimal_rows(name: str, samples: dict, betas: list, builtin: bool, missin
                 stat = mean_se(estimates[key].tolist(), list(range(num_prompts))) if key in estimates else None
                 row[key] = None if stat is None else stat["value"]
                 row[f"{key}_se"] = None if stat is None else stat["se"]
-            row |= {"ess": estimates["ess"].mean().item(), "samples": num_samples, "beta": beta, "warning": None}
+            ess = estimates["ess"]
+            row |= {"ess": ess.mean().item(), "ess_p10": ess.quantile(0.1).item(), "samples": num_samples}
             ceiling = math.log(num_samples)
-            if row["kl"] > ceiling - 1 or row["ess"] < 4:
-                row["warning"] = (
-                    f"kl {row['kl']:.2f} near its ceiling log M {ceiling:.2f}, or ess under 4: more --seeds"
-                )
+            problems = []
+            if row["kl"] > ceiling - 1:
+                problems.append(f"kl {row['kl']:.2f} within 1 nat of its ceiling log M {ceiling:.2f}")
+            if row["ess"] < 4:
+                problems.append(f"ess {row['ess']:.1f} under 4")
+            if row["ess_p10"] < 2:
+                problems.append(f"a tenth of the prompts at ess under 2 ({row['ess_p10']:.2f})")
+            row |= {"beta": beta, "warning": "; ".join(problems) + ": more --seeds" if problems else None}
             rows[f"{name}_opt_{signal}_b{beta:g}"] = row
     return rows
-
-
-def select(samples: dict, indices: list) -> dict:
-    """sample_policy's lists at the given sample indices."""
-    return {key: [values[index] for index in indices] for key, values in samples.items()}
 
 
 def load_model(path: str, flag: str, device, want: str = "lm"):
@@ -402,7 +411,7 @@ def print_table(results: dict) -> None:
         "distinct_2",
         "win_rate_vs_ref",
         "num_samples",
-        "seconds",
+        "train_seconds",
     ]
     if any(entry.get("reward_fn") is not None for entry in results.values()):
         cols.insert(cols.index("score") + 1, "reward_fn")
@@ -433,6 +442,11 @@ def check_args(args: Args) -> None:
         raise UserError(
             f"--kl-optimal tilts the reference's own samples: the first --policy ({args.policy[0]}) must be --ref "
             f"({args.ref})"
+        )
+    if args.kl_optimal and len(args.policy) > 1:
+        raise UserError(
+            f"--kl-optimal tilts the reference alone: pass one --policy (the --ref), not {len(args.policy)}; evaluate "
+            "the others in a run of their own"
         )
     if args.kl_optimal and min(args.kl_optimal) <= 0:
         raise UserError(f"--kl-optimal {min(args.kl_optimal):g}: beta is the strength of the KL term, use > 0")
@@ -483,6 +497,8 @@ def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) 
         print(f"eval: {len(samples['prompt'])} reference samples from {args.sample_cache}")
     scored = cached.setdefault("rm_scores", {})  # RM file hash -> its score of every sample
     known = len(scored)
+    samples["score"] = [float("nan")] * len(samples["prompt"])  # without an RM (a cached set keeps no scores)
+    samples["member_scores"] = [[] for _ in samples["prompt"]]
     if rms:
         heads = {prompt_text(tok, prompt): prompt_ids(tok, prompt) for prompt in prompts}  # text -> its ids
         sequences = [heads[p] + ids for p, ids in zip(samples["prompt"], samples["tokens"])]
@@ -503,6 +519,99 @@ def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) 
         torch.save({"key": key, "samples": samples_only, "rm_scores": scored}, partial)
         os.replace(partial, args.sample_cache)
     return samples
+
+
+def print_limit_table(rows: dict) -> None:
+    """The --kl-optimal rows as a markdown table."""
+    cols = ["beta", "gold", "score", "kl", "valid_frac", "ess", "ess_p10", "samples"]
+    print("| tilted | " + " | ".join(cols) + " | warning |\n|---|" + "---|" * (len(cols) + 1))
+    for name, row in rows.items():
+        print(f"| {name} | " + " | ".join(format_value(row, c) for c in cols) + f" | {row['warning'] or ''} |")
+
+
+def write_json(path: Optional[str], results: dict) -> dict:
+    """Merge results into the JSON file at path (atomically); returns results."""
+    if path:
+        merged = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                merged = json.load(f)
+        write_atomic(path, json.dumps({**merged, **results}, indent=2))
+    return results
+
+
+def pair_outcomes(gaps: list) -> list:
+    """Per pair: 1 if the chosen response scores higher, 0.5 on a tie, else 0."""
+    return [1.0 if gap > 0 else 0.5 if gap == 0 else 0.0 for gap in gaps]
+
+
+def weighted_mean_se(values: list, weights: list, cluster: list) -> dict:
+    """Σ w·x / Σ w with its standard error clustered by record (ratio_mean)."""
+    return ratio_mean([w * x for w, x in zip(weights, values)], weights, cluster)
+
+
+@torch.no_grad()
+def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
+    """Reward-model mode: {"rm": metrics} of the --rm aggregate and, for an ensemble, {"rm_member<k>": ...} of each
+    member (pair_metrics). Each member reads the pairs through its own tokenizer and context; the records every
+    member could encode are the ones scored (the others, too long for some context, are counted)."""
+    paths = rm_paths(args)
+    if not paths:
+        raise UserError("--pairs needs --rm")
+    rows = read_jsonl(args.pairs_data or task["pairs_eval"], "pairs", "--pairs-data")
+    members, encoded = [], []
+    for path in paths:
+        rm, tok, ckpt = load_model(path, "--rm", device, want="score")
+        examples, _ = encode_prefs(tok, rows, rm.config.block_size)
+        members.append((rm, tok, ckpt))
+        encoded.append({id(example[-1]): example for example in examples})  # by the record each came from
+    kept = [row for row in rows if all(id(row) in by_record for by_record in encoded)]
+    if len(kept) < len(rows):
+        print(f"eval: {len(rows) - len(kept)} of {len(rows)} records too long for some reward model's context")
+    scores = []
+    for (rm, tok, _), by_record in zip(members, encoded):
+        sequences = [seq for row in kept for seq in by_record[id(row)][0]]
+        scores.append(score_sequences(rm, sequences, tok.pad_id, args.batch_size, device, torch.float32))
+    scores = torch.stack(scores)
+    examples = [encoded[0][id(row)] for row in kept]
+    aggregate = aggregate_rm_scores(scores, args.rm_agg, args.rm_uwo_coef)
+    train_seconds = round(sum(ckpt.get("seconds", 0.0) for _, _, ckpt in members), 1)
+    builtin = args.pairs_data is None
+    results = {"rm": pair_metrics(aggregate.tolist(), examples, builtin) | {"train_seconds": train_seconds}}
+    if len(members) > 1:
+        for k, (member_scores, (_, _, ckpt)) in enumerate(zip(scores, members), start=1):
+            metrics = pair_metrics(member_scores.tolist(), examples, builtin)
+            results[f"rm_member{k}"] = metrics | {"train_seconds": round(ckpt.get("seconds", 0.0), 1)}
+    return results
+
+
+def pair_metrics(scores: list, examples: list, builtin: bool) -> dict:
+    """Accuracy (pair weights of K-wise records, ties 1/2), mean margin, ECE and, on the built-in task, the empirical
+    Bayes ceiling (the gold reward's own accuracy on the drawn labels) on the same pairs, from the scores of every
+    encoded record's sequences in order; the means with their standard errors clustered by record."""
+    gaps, gold_gaps, weights, record = [], [], [], []
+    start = 0
+    for record_index, (seqs, _, pairs, _, row) in enumerate(examples):
+        gold = [gold_reward(row["prompt"], r, True) for r in responses_of(row)] if builtin else None
+        for chosen, rejected, weight in pairs:
+            gaps.append(scores[start + chosen] - scores[start + rejected])
+            gold_gaps.append(gold[chosen] - gold[rejected] if gold else 0.0)
+            weights.append(weight)
+            record.append(record_index)
+        start += len(seqs)
+    accuracy = weighted_mean_se(pair_outcomes(gaps), weights, record)
+    margin = weighted_mean_se(gaps, weights, record)
+    ceiling = weighted_mean_se(pair_outcomes(gold_gaps), weights, record) if builtin else None
+    return {
+        "accuracy": accuracy["value"],
+        "accuracy_se": accuracy["se"],
+        "margin": margin["value"],
+        "margin_se": margin["se"],
+        "ece": calibration_error(torch.tensor(gaps)),
+        "bayes_ceiling": None if ceiling is None else ceiling["value"],
+        "bayes_ceiling_se": None if ceiling is None else ceiling["se"],
+        "pairs": len(gaps),
+    }
 
 
 def main(args: Args) -> dict:
@@ -554,14 +663,14 @@ def main(args: Args) -> dict:
         if reward_fn is not None:
             responses = zip(samples["prompt"], samples["response"], samples["ended"])
             samples["reward_fn"] = [float(reward_fn(p, r, e)) for p, r, e in responses]
-        seconds = round(ckpt.get("seconds", 0.0), 1)
+        train_seconds = round(ckpt.get("seconds", 0.0), 1)  # the stage's wall time, from its checkpoint
         plain = [index for index, seed in enumerate(samples["seed"]) if seed < args.seed + args.seeds]
-        metrics, _ = policy_metrics(select(samples, plain), builtin, ref_gold)
-        results[name] = {**metrics, "seconds": seconds}
+        metrics, _ = policy_metrics(pick_samples(samples, plain), builtin, ref_gold)
+        results[name] = {**metrics, "train_seconds": train_seconds}
         for n in args.best_of_n or []:  # one pick per prompt, against the reference's first seed
             picked = best_of_n(samples, n, args.seed, args.missing_eos_penalty)
             metrics, _ = policy_metrics(picked, builtin, ref_gold[: len(prompts)] if ref_gold else None)
-            results[f"{name}_bon{n}"] = {**metrics, "kl_bound": True, "seconds": seconds}
+            results[f"{name}_bon{n}"] = {**metrics, "kl_bound": True, "train_seconds": train_seconds}
         for p, r, e in list(zip(samples["prompt"], samples["response"], samples["ended"]))[: args.show]:
             print(f"[{name}] {format_sample(p, r, e)}")
     print_table(results)
@@ -570,91 +679,6 @@ def main(args: Args) -> dict:
         "± is one standard error over prompts (samples of a prompt clustered)"
     )
     return write_json(args.json, results)
-
-
-def print_limit_table(rows: dict) -> None:
-    """The --kl-optimal rows as a markdown table."""
-    cols = ["beta", "gold", "score", "kl", "valid_frac", "ess", "samples"]
-    print("| tilted | " + " | ".join(cols) + " | warning |\n|---|" + "---|" * (len(cols) + 1))
-    for name, row in rows.items():
-        print(f"| {name} | " + " | ".join(format_value(row, c) for c in cols) + f" | {row['warning'] or ''} |")
-
-
-def write_json(path: Optional[str], results: dict) -> dict:
-    """Merge results into the JSON file at path (atomically); returns results."""
-    if path:
-        merged = {}
-        if os.path.exists(path):
-            with open(path) as f:
-                merged = json.load(f)
-        write_atomic(path, json.dumps({**merged, **results}, indent=2))
-    return results
-
-
-def pair_outcomes(gaps: list) -> list:
-    """Per pair: 1 if the chosen response scores higher, 0.5 on a tie, else 0."""
-    return [1.0 if gap > 0 else 0.5 if gap == 0 else 0.0 for gap in gaps]
-
-
-def weighted_mean_se(values: list, weights: list, cluster: list) -> dict:
-    """Σ w·x / Σ w with its standard error clustered by record (ratio_mean)."""
-    return ratio_mean([w * x for w, x in zip(weights, values)], weights, cluster)
-
-
-@torch.no_grad()
-def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
-    """Reward-model mode: {"rm": metrics} of the --rm aggregate and, for an ensemble, {"rm_member<k>": ...} of each
-    member (pair_metrics)."""
-    paths = rm_paths(args)
-    if not paths:
-        raise UserError("--pairs needs --rm")
-    rms = []
-    for path in paths:
-        rm, tok, ckpt = load_model(path, "--rm", device, want="score")
-        rms.append((rm, ckpt))
-    rows = read_jsonl(args.pairs_data or task["pairs_eval"], "pairs", "--pairs-data")
-    examples, _ = encode_prefs(tok, rows, rms[0][0].config.block_size)
-    sequences = [s for ex in examples for s in ex[0]]
-    members = torch.stack(
-        [score_sequences(rm, sequences, tok.pad_id, args.batch_size, device, torch.float32) for rm, _ in rms]
-    )
-    aggregate = aggregate_rm_scores(members, args.rm_agg, args.rm_uwo_coef)
-    seconds = round(sum(ckpt.get("seconds", 0.0) for _, ckpt in rms), 1)
-    results = {"rm": pair_metrics(aggregate.tolist(), examples, args.pairs_data is None) | {"seconds": seconds}}
-    if len(rms) > 1:
-        for k, (scores, (_, ckpt)) in enumerate(zip(members, rms), start=1):
-            metrics = pair_metrics(scores.tolist(), examples, args.pairs_data is None)
-            results[f"rm_member{k}"] = metrics | {"seconds": round(ckpt.get("seconds", 0.0), 1)}
-    return results
-
-
-def pair_metrics(scores: list, examples: list, builtin: bool) -> dict:
-    """Accuracy (pair weights of K-wise records, ties 1/2), mean margin, ECE and, on the built-in task, the empirical
-    Bayes ceiling (the gold reward's own accuracy on the drawn labels) on the same pairs, from the scores of every
-    encoded record's sequences in order; the means with their standard errors clustered by record."""
-    gaps, gold_gaps, weights, record = [], [], [], []
-    start = 0
-    for record_index, (seqs, _, pairs, _, row) in enumerate(examples):
-        gold = [gold_reward(row["prompt"], r, True) for r in responses_of(row)] if builtin else None
-        for chosen, rejected, weight in pairs:
-            gaps.append(scores[start + chosen] - scores[start + rejected])
-            gold_gaps.append(gold[chosen] - gold[rejected] if gold else 0.0)
-            weights.append(weight)
-            record.append(record_index)
-        start += len(seqs)
-    accuracy = weighted_mean_se(pair_outcomes(gaps), weights, record)
-    margin = weighted_mean_se(gaps, weights, record)
-    ceiling = weighted_mean_se(pair_outcomes(gold_gaps), weights, record) if builtin else None
-    return {
-        "accuracy": accuracy["value"],
-        "accuracy_se": accuracy["se"],
-        "margin": margin["value"],
-        "margin_se": margin["se"],
-        "ece": calibration_error(torch.tensor(gaps)),
-        "bayes_ceiling": None if ceiling is None else ceiling["value"],
-        "bayes_ceiling_se": None if ceiling is None else ceiling["se"],
-        "pairs": len(gaps),
-    }
 
 
 if __name__ == "__main__":

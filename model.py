@@ -182,6 +182,18 @@ def score_sequences(model, seqs: list[list[int]], pad_id: int, batch_size: int, 
     return out
 
 
+def calibration_error(gaps: torch.Tensor, n_bins: int = 10) -> float:
+    """Expected calibration error of P(chosen ≻ rejected) = σ(gap), gaps (N,) = r_chosen - r_rejected on held-out
+    pairs. Each pair enters in both orders, (σ(gap), 1) and (σ(-gap), 0), so the observed frequency is defined;
+    ECE = Σ_b n_b/N |observed_b - predicted_b| over n_bins equal bins of [0, 1] (Guo et al. 2017)."""
+    probs = torch.cat([torch.sigmoid(gaps.double()), torch.sigmoid(-gaps.double())])
+    outcome = torch.cat([torch.ones_like(gaps, dtype=torch.double), torch.zeros_like(gaps, dtype=torch.double)])
+    bins = (probs * n_bins).long().clamp(max=n_bins - 1)
+    n = torch.bincount(bins, minlength=n_bins).double()
+    gap_sum = torch.bincount(bins, weights=outcome - probs, minlength=n_bins)
+    return (gap_sum.abs().sum() / n.sum()).item()
+
+
 def aggregate_rm_scores(scores: Tensor, agg: str, coef: float = 0.0) -> Tensor:
     """An ensemble of K reward models' scores (K, B) -> (B,) (DESIGN §5d): mean; min (the worst case over members);
     uwo = mean - coef * the members' population variance (uncertainty-weighted optimisation, Coste et al. 2023,

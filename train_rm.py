@@ -27,7 +27,6 @@ import parallel
 from common import UserError, print0
 from data import (
     Order,
-    calibration_error,
     encode_prefs,
     load_tokenizer,
     pad_right,
@@ -36,7 +35,7 @@ from data import (
     responses_of,
     sft_sequence,
 )
-from model import last_token_scores, lm_loss, score_sequences
+from model import calibration_error, last_token_scores, lm_loss, score_sequences
 from task import PROBE_KINDS, build_task, gold_reward, probe_texts
 
 
