@@ -386,6 +386,11 @@ def load_model(path: str, flag: str, device, want: str = "lm"):
     return model.to(device).eval(), tok, ckpt
 
 
+def context_size(path: str) -> int:
+    """The context (block_size) of the model in one of our checkpoints, read without loading its weights."""
+    return checkpoints.load_checkpoint(path, flag="--policy", mmap=True)["model_config"]["block_size"]
+
+
 def format_value(entry: dict, key: str) -> str:
     """One cell: `mean ± se` where entry has `<key>_se`, `-` for None, 3 decimals for floats."""
     value = entry.get(key)
@@ -645,6 +650,16 @@ def main(args: Args) -> dict:
     ref, ref_tok, _ = load_model(args.ref, "--ref", device)
     reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
     rms = load_rms(rm_paths(args), device, ref_tok)
+    # every policy and the reference answer the same prompts (KL and win rate stay paired): those with room for a
+    # response in the smallest context among them
+    context = min(context_size(path) for path in [args.ref, *args.policy])
+    fitting = [prompt for prompt in prompts if len(prompt_ids(ref_tok, prompt)) < context]
+    if len(fitting) < len(prompts):
+        print(
+            f"eval: {len(prompts) - len(fitting)} of {len(prompts)} prompts leave no room for a response in the "
+            f"context of {context}: skipped"
+        )
+    prompts = fitting
     if args.kl_optimal:  # the limit: the reference's samples, tilted by each reward signal
         samples = reference_samples(ref, ref_tok, prompts, args, device, rms)
         results = kl_optimal_rows(names[0], samples, args.kl_optimal, builtin, args.missing_eos_penalty)
