@@ -14,6 +14,7 @@ import random
 import signal
 import sys
 import time
+import typing
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Callable, Literal, Optional
@@ -73,7 +74,7 @@ class CommonArgs:
     overwrite: bool = False
     """start over in an --out-dir that holds a checkpoint, clearing its old event files and samples"""
     log_every: int = 10
-    """print and log training metrics every N steps"""
+    """print and log training metrics every N steps (0: only the last)"""
     peak_flops: Optional[float] = None
     """peak FLOP/s for perf/mfu (None: a table for known GPUs, a short matmul measurement on CPU)"""
     export_hf: Optional[str] = None
@@ -110,6 +111,12 @@ def exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
+def every(step: int, interval: int) -> bool:
+    """The --*-every rule: step is a multiple of interval, never for interval 0 (off: the last step only, by the
+    caller's own `or step == max_steps`)."""
+    return interval > 0 and step % interval == 0
+
+
 def is_master() -> bool:
     """Rank 0 (also before init_process_group: torchrun sets RANK)."""
     return int(os.environ.get("RANK", "0")) == 0
@@ -136,13 +143,31 @@ def given_flags(argv: list[str], cls) -> frozenset[str]:
     return frozenset(given)
 
 
+def none_spelled_lower(argv: list[str], cls) -> list[str]:
+    """argv with `none` as the value of an Optional flag spelled as tyro reads it, `None` (--cliprange none reads like
+    --rm-ckpt none)."""
+    hints = typing.get_type_hints(cls)
+    optional = {f.name for f in fields(cls) if type(None) in typing.get_args(hints[f.name])}
+    spelled = list(argv)
+    for i, token in enumerate(argv):
+        name, is_pair, value = token[2:].partition("=")
+        if not token.startswith("--") or name.replace("-", "_") not in optional:
+            continue
+        if is_pair and value == "none":
+            spelled[i] = f"--{name}=None"
+        elif not is_pair and i + 1 < len(argv) and argv[i + 1] == "none":
+            spelled[i + 1] = "None"
+    return spelled
+
+
 def cli(cls):
-    """tyro.cli(cls), with the flags the command line gave as args.given (not a field): --resume counts a given flag as
-    given whatever its value (checkpoints.resume_args)."""
+    """tyro.cli(cls) (`none` for None too), with the flags the command line gave as args.given (not a field):
+    --resume counts a given flag as given whatever its value (checkpoints.resume_args)."""
     import tyro
 
-    args = tyro.cli(cls)
-    args.given = given_flags(sys.argv[1:], cls)
+    argv = none_spelled_lower(sys.argv[1:], cls)
+    args = tyro.cli(cls, args=argv)
+    args.given = given_flags(argv, cls)
     return args
 
 

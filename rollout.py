@@ -82,7 +82,7 @@ class RolloutArgs(common.CommonArgs):
     ptx_batch_size: int = 16
     """pre-training texts per optimizer step, summed over ranks (split like the minibatch)"""
     sample_every: int = 25
-    """iterations between sample tables (TensorBoard text and samples.jsonl)"""
+    """iterations between sample tables (TensorBoard text and samples.jsonl; 0: only the last)"""
 
 
 def resolve_rollout_args(args):

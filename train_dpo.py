@@ -77,7 +77,7 @@ class Args(common.CommonArgs):
     """global grad-norm clip (0: off)"""
     # --- evaluation
     eval_every: int = 100
-    """steps between evaluations (and at the end)"""
+    """steps between evaluations (and at the end; 0: only at the end)"""
     eval_pairs: int = 512
     """held-out records scored for val/loss and val/accuracy at each evaluation"""
     num_samples: int = 512
@@ -402,7 +402,7 @@ def main(args: Args) -> None:
         window_steps += 1
         stopping = stop.requested(d.device)
 
-        if step % args.log_every == 0 or step == max_steps:
+        if common.every(step, args.log_every) or step == max_steps:
             totals = parallel.all_reduce_dict(window, d.device)
             metrics = {name: totals[name] / window_steps for name in ("train/loss", "train/nll_loss", *stat_names)}
             metrics["train/lr"] = lr
@@ -411,7 +411,7 @@ def main(args: Args) -> None:
             window_steps = 0
         final = step == max_steps
         with throughput.paused():  # perf/ counts training time only
-            if step % args.eval_every == 0 or final:
+            if common.every(step, args.eval_every) or final:
                 with parallel.gathered(raw_model), parallel.gathered(ref):  # ranks run unequal numbers of forwards
                     metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
                 logger.log(step, metrics, max_steps)
@@ -419,7 +419,7 @@ def main(args: Args) -> None:
                 logger.text("samples", "\n\n".join(shown[:8]), step)
             if final:
                 logger.samples(step, samples)
-            if (args.save_every and step % args.save_every == 0) or final or stopping:
+            if common.every(step, args.save_every) or final or stopping:
                 data_state = dict(order=order.state_dict(), skipped=guard.skipped)
                 run.save(step, data_state, sampler, init_hash=init_hash)
         if stopping:

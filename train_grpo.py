@@ -666,10 +666,10 @@ def main(args: Args) -> None:
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
             logprob_error = metrics["rollout/logprob_err"]
             print0(f"step {step}: generation vs training-forward log-probs, max |diff| {logprob_error:.1e}")
-        logger.log(step, metrics, max_steps, console=step % args.log_every == 0 or step == max_steps)
-        if step % args.sample_every == 0 or step == max_steps:
+        logger.log(step, metrics, max_steps, console=common.every(step, args.log_every) or step == max_steps)
+        if common.every(step, args.sample_every) or step == max_steps:
             rollout.log_samples(logger, records, step)
-        if (args.save_every and step % args.save_every == 0) or step == max_steps or stopping:
+        if common.every(step, args.save_every) or step == max_steps or stopping:
             data_state = dict(
                 prompts=prompt_stream.order.state_dict(),
                 ptx=ptx_sampler.order.state_dict(),

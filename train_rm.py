@@ -76,7 +76,7 @@ class Args(common.CommonArgs):
     """weight of the next-token loss on the chosen response (0: pure Bradley-Terry)"""
     # --- evaluation
     eval_every: int = 100
-    """steps between evaluations (and at the end)"""
+    """steps between evaluations (and at the end; 0: only at the end)"""
     eval_pairs: int = 512
     """held-out records (and calibration examples) scored at each intermediate evaluation (the final one: all)"""
     probe_size: int = 128
@@ -385,7 +385,7 @@ def main(args: Args) -> None:
         window_steps += 1
         stopping = stop.requested(d.device)
 
-        if step % args.log_every == 0 or step == max_steps:
+        if common.every(step, args.log_every) or step == max_steps:
             totals = parallel.all_reduce_dict(window, d.device)
             metrics = {
                 f"train/{name}": totals[name] / window_steps for name in ("loss", "bt_loss", "lm_loss", "accuracy")
@@ -396,12 +396,12 @@ def main(args: Args) -> None:
             window_steps = 0
         final = step == max_steps
         with throughput.paused():  # perf/ counts training time only
-            if (args.save_every and step % args.save_every == 0) or final or stopping:
+            if common.every(step, args.save_every) or final or stopping:
                 save(step)  # also calibrates: the final evaluation sees the checkpoint's scores
             if stopping:
                 logger.close()
                 stop.exit(stopping, run.path)
-            if step % args.eval_every == 0 or final:
+            if common.every(step, args.eval_every) or final:
                 # scores relative to a typical SFT answer: the final save has just folded the calibration in; in
                 # between, subtract the mean score of the first calibration examples (cheaper than folding)
                 offset = 0.0 if final else score_all(calib[: args.eval_pairs]).mean().item()

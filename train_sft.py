@@ -76,7 +76,7 @@ class Args(common.CommonArgs):
     """global grad-norm clip (0: off)"""
     # --- evaluation
     eval_every: int = 200
-    """steps between val/loss evaluations (and at the end)"""
+    """steps between val/loss evaluations (and at the end; 0: only at the end)"""
     num_samples: int = 512
     """responses sampled at the end (held-out prompts, --temperature) for val/valid_frac and samples.jsonl"""
     eval_samples: int = 128
@@ -236,7 +236,7 @@ def main(args: Args) -> None:
         window_steps += 1
         stopping = stop.requested(d.device)
 
-        if step % args.log_every == 0 or step == max_steps:
+        if common.every(step, args.log_every) or step == max_steps:
             totals = parallel.all_reduce_dict(window, d.device)
             metrics = {"train/loss": totals["loss"] / window_steps, "train/lr": lr}
             logger.log(step, metrics | guard.read() | throughput.read(totals["tokens"]), max_steps)
@@ -244,7 +244,7 @@ def main(args: Args) -> None:
             window_steps = 0
         final = step == max_steps
         with throughput.paused():  # perf/ counts training time only
-            if step % args.eval_every == 0 or final:
+            if common.every(step, args.eval_every) or final:
                 with parallel.gathered(raw_model):  # no collectives inside: ranks run unequal numbers of forwards
                     metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
                 logger.log(step, metrics, max_steps)
@@ -256,7 +256,7 @@ def main(args: Args) -> None:
                     valid = is_valid(response, ended) if builtin else None
                     records.append({"prompt": prompt, "response": response, "ended": ended, "valid": valid})
                 logger.samples(step, records)
-            if (args.save_every and step % args.save_every == 0) or final or stopping:
+            if common.every(step, args.save_every) or final or stopping:
                 data_state = dict(order=order.state_dict(), skipped=guard.skipped)
                 run.save(step, data_state, sampler, init_hash=init_hash)
         if stopping:

@@ -130,7 +130,6 @@ def summarize(args: Args, name: str, out: str, seconds: float) -> dict:
 
 
 def main(args: Args) -> None:
-    curve = limit_curve(args.limit_json)
     names = args.only or list(VARIANTS)
     todo = [(name, seed) for name in names for seed in args.seeds]
     running = []
@@ -162,6 +161,7 @@ def main(args: Args) -> None:
             row = summarize(args, name, out, time.time() - started)
             json.dump(row, open(os.path.join(out, "summary.json"), "w"), indent=1)
             print(f"done {name} in {row['seconds']:.0f}s: gold {row['gold']:.3f} kl {row['kl']:.2f}", flush=True)
+    curve = limit_curve(args.limit_json) if os.path.exists(args.limit_json) else []
     lines = [
         f"{args.episodes} episodes, beta 0.1 unless the variant sets it; gold on eval.py's held-out prompts",
         "",
