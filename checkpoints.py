@@ -330,6 +330,8 @@ def load_resume(path: str, kind: str, world_size: int, max_steps: int, inputs: d
         raise UserError(f"--resume {path}: saved with world size {ck['world_size']}, now {world_size}")
     if ck["step"] >= max_steps:
         raise UserError(f"--resume {path}: already at step {ck['step']} of {max_steps} (raise --max-steps)")
+    if "rm_hashes" not in ck and "rm_hash" in ck:  # a PPO checkpoint from before ensembles: one RM's hash, or None
+        ck["rm_hashes"] = [ck["rm_hash"]] if ck["rm_hash"] else []
     for key, (flag, digest) in inputs.items():
         if ck.get(key, digest) != digest:  # a checkpoint from before hashes were recorded has none to compare
             raise UserError(f"--resume {path}: {flag} changed since the run started (sha256 differs)")

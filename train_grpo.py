@@ -598,6 +598,7 @@ def main(args: Args) -> None:
     run = checkpoints.Run("grpo", args, d, tok, [actor], started=t_start)
     step = 0
     updates = 0  # optimizer steps taken
+    episodes = 0  # responses sampled
     hashes = rollout.input_hashes(args)
     if args.resume:
         ckpt = run.resume({key: (rollout.HASH_FLAGS[key], digest) for key, digest in hashes.items()}, sampler)
@@ -606,6 +607,7 @@ def main(args: Args) -> None:
         prompt_stream.order = Order(**data_state["prompts"])
         ptx_sampler.order = Order(**data_state["ptx"])
         updates = data_state["updates"]
+        episodes = data_state.get("episodes", ckpt["step"] * args.rollout_batch_size)
         guard.skipped = data_state["skipped"]
         step = ckpt["step"]
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
@@ -646,6 +648,7 @@ def main(args: Args) -> None:
         )
         step += 1
         updates += diagnostics["updates"]
+        episodes += args.rollout_batch_size * int(metrics.get("rollout/sample_rounds", 1))
         stopping = stop.requested(d.device)
         t_end = time.time()
 
@@ -657,6 +660,7 @@ def main(args: Args) -> None:
             "train/lr": lr,
             "train/kl_coef": args.kl_coef,
             "train/updates": updates,
+            "train/episodes": episodes,
             "train/skipped_steps": guard.skipped,
             "perf/rollout_s": t_update - t_rollout,
             "perf/update_s": t_end - t_update,
@@ -674,6 +678,7 @@ def main(args: Args) -> None:
                 prompts=prompt_stream.order.state_dict(),
                 ptx=ptx_sampler.order.state_dict(),
                 updates=updates,
+                episodes=episodes,
                 skipped=guard.skipped,
             )
             run.save(step, data_state, sampler, reward_moments=reward_moments.state_dict(), **hashes)

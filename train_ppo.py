@@ -562,6 +562,7 @@ def main(args: Args) -> None:
     run = checkpoints.Run("ppo", args, d, tok, [actor, critic], started=t_start)
     step = 0
     updates = 0  # optimizer steps taken
+    episodes = 0  # responses sampled
     hashes = rollout.input_hashes(args)
     if args.resume:
         ckpt = run.resume({key: (rollout.HASH_FLAGS[key], digest) for key, digest in hashes.items()}, sampler)
@@ -572,6 +573,7 @@ def main(args: Args) -> None:
         prompt_stream.order = Order(**data_state["prompts"])
         ptx_sampler.order = Order(**data_state["ptx"])
         updates = data_state["updates"]
+        episodes = data_state.get("episodes", ckpt["step"] * args.rollout_batch_size)
         guard.skipped = data_state["skipped"]
         step = ckpt["step"]
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
@@ -626,6 +628,7 @@ def main(args: Args) -> None:
         )
         step += 1
         updates += diagnostics["updates"]
+        episodes += args.rollout_batch_size * int(metrics.get("rollout/sample_rounds", 1))
         stopping = stop.requested(d.device)
         t_end = time.time()
 
@@ -641,6 +644,7 @@ def main(args: Args) -> None:
             "train/critic_lr": critic_lr,
             "train/kl_coef": kl_coef,
             "train/updates": updates,
+            "train/episodes": episodes,
             "train/skipped_steps": guard.skipped,
             "collapse/alarm": float(alarm),
             "perf/rollout_s": t_update - t_rollout,
@@ -663,6 +667,7 @@ def main(args: Args) -> None:
                 ptx=ptx_sampler.order.state_dict(),
                 collapse=detector.state_dict(),
                 updates=updates,
+                episodes=episodes,
                 skipped=guard.skipped,
             )
             ppo_state = dict(reward_moments=reward_moments.state_dict(), kl_ctl=kl_controller.state_dict())
