@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from common import CommonArgs, LRSchedule, Trained, UserError, is_master, print0
+from data import export_tokenizer
 from lora import lora_layers, merge_lora, merged_state_dict
 from parallel import Dist
 
@@ -424,4 +425,5 @@ def export_hf(model, tok, out_dir: str) -> None:
     vocab = model.config.vocab_size
     pad = tok.pad_id if 0 <= tok.pad_id < vocab and tok.pad_id != tok.eos_id else None
     model.export_hf(out_dir, eos_id=tok.eos_id, pad_id=pad)
-    print0(f"exported a Hugging Face model to {out_dir} (transformers' from_pretrained loads it)")
+    written = export_tokenizer(tok, out_dir)
+    print0(f"exported a Hugging Face model to {out_dir} (transformers' from_pretrained loads it); {written}")

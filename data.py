@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import re
+import tempfile
 
 import tiktoken
 import torch
@@ -278,6 +279,67 @@ def load_tokenizer(spec: str, chat: bool | None = None) -> Tokenizer:
             return Tokenizer.from_state(json.load(f))
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{spec}: not a tokenizer file ({type(e).__name__}: {e})") from None
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character (Radford et al. 2019's encoder.py), the
+    vocabulary file's spelling of a byte-level BPE token."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    mapping = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in mapping:
+            mapping[byte] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merge list of a byte-level BPE given as tiktoken's ranks, in rank order: the two parts each multi-byte
+    token is built from, found by running BPE over its bytes with the merges of lower rank only."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) < 2:
+            continue
+        parts = [bytes([byte]) for byte in token]
+        while len(parts) > 2:
+            pairs = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+            best, i = min(pairs)
+            if best >= rank:
+                break
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        merges.append((parts[0], b"".join(parts[1:])))
+    return merges
+
+
+def export_tokenizer(tok: Tokenizer, out_dir: str) -> str:
+    """Write tok to out_dir as a Hugging Face tokenizer that AutoTokenizer.from_pretrained(out_dir) loads with the
+    same ids (--export-hf): a Hugging Face tokenizer as it saves itself; a tiktoken byte-level BPE with GPT-2's split
+    pattern (GPT-2's r50k_base, the built-in task's) as GPT-2's vocab.json and merges.txt, built from its ranks.
+    Returns the line to print."""
+    if not isinstance(tok.backend, tiktoken.Encoding):
+        tok.backend.save_pretrained(out_dir)
+        return f"tokenizer {tok.name} saved with it"
+    if tok.backend._pat_str != GPT2_PAT:
+        return f"tokenizer {tok.name}: its split pattern is not GPT-2's, so no Hugging Face tokenizer expresses it"
+    from transformers import GPT2TokenizerFast
+
+    ranks = tok.backend._mergeable_ranks
+    alphabet = bytes_to_unicode()
+
+    def spell(token: bytes) -> str:
+        return "".join(alphabet[byte] for byte in token)
+
+    vocab = {spell(token): rank for token, rank in ranks.items()} | {EOT: tok.eos_id}
+    with tempfile.TemporaryDirectory() as folder:
+        vocab_file, merges_file = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
+        write_atomic(vocab_file, json.dumps(vocab, ensure_ascii=False))
+        lines = [f"{spell(a)} {spell(b)}" for a, b in bpe_merges(ranks)]
+        write_atomic(merges_file, "#version: 0.2\n" + "\n".join(lines) + "\n")
+        hf = GPT2TokenizerFast(vocab_file, merges_file, unk_token=EOT, bos_token=EOT, eos_token=EOT)
+        hf.save_pretrained(out_dir)
+    return f"tokenizer {tok.name} written as GPT-2's byte-level BPE files"
 
 
 def train_bpe(word_counts: dict[str, int], targets: list[str], max_merges: int = 1024) -> list[bytes]:

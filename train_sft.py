@@ -50,7 +50,7 @@ class Args(common.CommonArgs):
     """scratch | path/to/ckpt.pt | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a local GPT-2 folder |
     hf:<name-or-path> (any Hugging Face causal LM: Llama, Qwen, ...)"""
     tokenizer: Optional[str] = None
-    """only with --init scratch on --data: gpt2 | hf:<path> | a tokenizer.json (None: the built-in task's)"""
+    """--init scratch only: gpt2 | hf:<path> | a tokenizer.json (None: the built-in task's; --data needs one)"""
     n_layer: int = 4
     """layers of a scratch model"""
     n_head: int = 4
@@ -136,11 +136,14 @@ def main(args: Args) -> None:
         prompts = [row["prompt"] for row in read_jsonl(task["eval_prompts"], "prompts")]
     else:
         prompts = [sft_prompt(row) for row in eval_rows]
+    if args.init == "scratch" and not builtin and args.tokenizer is None:
+        raise UserError(
+            "--init scratch on --data needs --tokenizer (gpt2, hf:<path> or a tokenizer.json), or an --init that "
+            "brings its own (gpt2, hf:<name-or-path>, a .pt checkpoint)"
+        )
     tok = load_tokenizer(args.tokenizer or task["tokenizer"]) if args.init == "scratch" else None
-    if args.init == "scratch" and tok is None:
-        raise UserError("--init scratch on --data needs --tokenizer (gpt2, hf:<path> or a tokenizer.json)")
     scratch = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
-    model, tok, _ = hf.load_init(args.init, tokenizer=tok, scratch=scratch)
+    model, tok, _ = hf.load_init(args.init, tokenizer=tok, scratch=scratch, kind=checkpoints.POLICY_KINDS)
     init_hash = checkpoints.init_fingerprint(args.init)  # what this run started from (--resume compares)
     # from scratch on the built-in task the model learns the language too: no prompt masking
     mask_prompt = not (builtin and args.init == "scratch")
