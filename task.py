@@ -133,6 +133,11 @@ def is_valid(response: str, ended: bool) -> bool:
     return ended and parse_response(response) is not None
 
 
+def is_task_prompt(prompt) -> bool:
+    """A prompt of this task ("Review of <title> (<aspects>):"): the hackability probe writes reviews for these only."""
+    return isinstance(prompt, str) and PROMPT_RE.fullmatch(prompt) is not None
+
+
 def prompt_aspects(prompt: str) -> list[str]:
     m = PROMPT_RE.fullmatch(prompt)
     if m is None:
@@ -274,7 +279,11 @@ def _task_records(name: str, rng: random.Random, n: int, train_titles: list[str]
 
 def build_task(data_dir: str, task_seed: int = 1337, tiny: bool = False) -> dict[str, str]:
     """Write the task files under {data_dir}/v{TASK_VERSION}-seed{task_seed}[-tiny]/ (only those missing) and
-    return name -> path."""
+    return name -> path: every stage reads the built-in task through this dict. A task of your own returns the same
+    keys (README, "How to extend"): the JSONL files of TASK_FILES in the layouts of DESIGN §3 (pretrain: {"text"};
+    sft, sft_eval: {"prompt", "response"}; pairs, pairs_eval, pairs_extra: {"prompt", "chosen", "rejected"};
+    prompts, eval_prompts: {"prompt"}) and "tokenizer", anything data.load_tokenizer reads ("gpt2", "hf:<path>", or a
+    tokenizer.json holding data.Tokenizer.state())."""
     out = os.path.join(data_dir, f"v{TASK_VERSION}-seed{task_seed}" + ("-tiny" if tiny else ""))
     paths = {name: os.path.join(out, f"{name}.jsonl") for name in TASK_FILES}
     paths["tokenizer"] = os.path.join(out, "tokenizer.json")

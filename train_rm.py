@@ -36,7 +36,7 @@ from data import (
     sft_sequence,
 )
 from model import calibration_error, last_token_scores, lm_loss, score_sequences
-from task import PROBE_KINDS, build_task, gold_reward, probe_texts
+from task import PROBE_KINDS, build_task, gold_reward, is_task_prompt, probe_texts
 
 
 @common.stage_args
@@ -281,7 +281,10 @@ def main(args: Args) -> None:
     golds = None  # the gold of every held-out response (built-in task)
     if builtin:
         prompts = [row["prompt"] for row in read_jsonl(task["eval_prompts"], "prompts")]
-        probes = encode_probes(tok, prompts, args.probe_size, args.task_seed, block_size)
+        if all(is_task_prompt(prompt) for prompt in prompts):
+            probes = encode_probes(tok, prompts, args.probe_size, args.task_seed, block_size)
+        else:  # a task of your own in task.py: the probe writes reviews-task texts only
+            print0("probe: skipped (the task's prompts are not the built-in reviews task's)")
         golds = [[gold_reward(ex[4]["prompt"], text, True) for text in responses_of(ex[4])] for ex in evals]
     per_kind = {}  # probe score by kind, filled by evaluate()
 
@@ -336,7 +339,7 @@ def main(args: Args) -> None:
         records = evals[:n_records]
         scores = score_all([seq for example in records for seq in example[0]]) - offset
         metrics, gaps, scored = pair_metrics(scores, records, golds[:n_records] if builtin else None)
-        if builtin:
+        if probes:
             probe_scores = score_all([ids for _, ids in probes]) - offset
             probe, kinds = probe_metrics(probe_scores, [kind for kind, _ in probes])
             metrics |= probe
@@ -419,15 +422,17 @@ def main(args: Args) -> None:
         f"calibration: score_offset {score_offset:+.4f} (the mean score of {len(calib)} calibration examples) "
         f"folded into score_head.bias"
     )
-    if builtin:
+    if probes:
         print0("probe (mean score by kind): " + " | ".join(f"{kind} {score:+.3f}" for kind, score in per_kind.items()))
     if args.export_hf and d.master:
         checkpoints.export_hf(raw_model, tok, args.export_hf)
     summary = f"rm done in {time.time() - t_start:.0f}s: {run.path} | val/accuracy {metrics['val/accuracy']:.4f}"
     if builtin:
+        summary += f" | val/bayes_ceiling {metrics['val/bayes_ceiling']:.4f}"
+    if probes:
         summary += (
-            f" | val/bayes_ceiling {metrics['val/bayes_ceiling']:.4f} | probe/degenerate_score "
-            f"{metrics['probe/degenerate_score']:+.3f} | probe/fluent_score {metrics['probe/fluent_score']:+.3f}"
+            f" | probe/degenerate_score {metrics['probe/degenerate_score']:+.3f} | probe/fluent_score "
+            f"{metrics['probe/fluent_score']:+.3f}"
         )
     print0(summary)
     logger.close()
