@@ -93,9 +93,10 @@ class Tokenizer:
 
     def conversation(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         """SFT on a conversation: its ids through the last assistant turn and a target mask (per token, 1 = learned)
-        that covers every assistant turn, each from its first token through its end-of-turn. A turn's span is
-        found by rendering the conversation before it with the generation prompt (most templates mark no assistant
-        spans themselves)."""
+        that covers every assistant turn, each from its first token through its end-of-turn, both read in the
+        rendering of the whole conversation: a turn starts where the conversation before it, rendered with the
+        generation prompt, ends (most templates mark no assistant spans themselves; that rendering must be a
+        prefix, or one line says so) and ends at its first end-of-turn token."""
         if not self.chat:  # HH's layout: each assistant turn's text learned, its "\n\nAssistant:" header not
             ids, mask = [], []
             for i, message in enumerate(messages):
@@ -110,11 +111,16 @@ class Tokenizer:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            start = len(self.render(messages[:i], True))
-            turn = _through_last(whole[start : len(self.render(messages[: i + 1], False))], self.eos_id)
-            if self.render(messages[:i], True) != whole[:start] or not turn:
+            head = self.render(messages[:i], True)
+            if whole[: len(head)] != head:
                 raise UserError(f"tokenizer {self.name!r}: its chat template does not render each turn as a prefix")
-            mask[start : start + len(turn)] = [1] * len(turn)
+            # the turn as the whole conversation renders it (a template may re-render earlier turns, as Qwen3
+            # strips their <think>), through its own end-of-turn and never into the next turn
+            rest = whole[len(head) :]
+            if self.eos_id not in rest:
+                raise UserError(f"tokenizer {self.name!r}: an assistant turn renders without its end-of-turn token")
+            end = len(head) + rest.index(self.eos_id) + 1
+            mask[len(head) : end] = [1] * (end - len(head))
         end = max(i for i, m in enumerate(mask) if m) + 1
         return whole[:end], mask[:end]
 
