@@ -91,16 +91,17 @@ class Tokenizer:
             raise UserError(f"tokenizer {self.name!r}: its chat template does not render the prompt as a prefix")
         return _through_last(whole[len(head) :], self.eos_id)
 
-    def conversation(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+    def conversation(self, messages: list[dict], learn_from: int = 0) -> tuple[list[int], list[int]]:
         """SFT on a conversation: its ids through the last assistant turn and a target mask (per token, 1 = learned)
         that covers every assistant turn, each from its first token through its end-of-turn, both read in the
         rendering of the whole conversation: a turn starts where the conversation before it, rendered with the
         generation prompt, ends (most templates mark no assistant spans themselves; that rendering must be a
-        prefix, or one line says so) and ends at its first end-of-turn token."""
+        prefix, or one line says so) and ends at its first end-of-turn token. learn_from: the first message whose
+        assistant turns are learned (a prompt-completion record learns its completion only)."""
         if not self.chat:  # HH's layout: each assistant turn's text learned, its "\n\nAssistant:" header not
             ids, mask = [], []
             for i, message in enumerate(messages):
-                learned = message["role"] == "assistant"
+                learned = message["role"] == "assistant" and i >= learn_from
                 head = self.encode(hh_text([message], False) if not learned else HH_ASSISTANT, bos=i == 0)
                 text = self.encode(f" {message['content']}") if learned else []
                 ids += head + text
@@ -109,7 +110,7 @@ class Tokenizer:
         whole = self.render(messages, False)
         mask = [0] * len(whole)
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or i < learn_from:
                 continue
             head = self.render(messages[:i], True)
             if whole[: len(head)] != head:
@@ -420,12 +421,68 @@ def _messages_problem(value, field: str, assistant_only: bool = False, last_assi
     return None
 
 
+def shared_head(a: list, b: list) -> int:
+    """How many leading messages two conversations share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _trl_problem(obj: dict, kind: str) -> str | None:
+    """What is wrong with a record in one of TRL's other layouts (DESIGN §3), or None: SFT prompt-completion
+    {"prompt", "completion"} (strings, or messages with the completion's assistant turns), implicit-prompt
+    preferences {"chosen": [messages], "rejected": [messages]} (their shared head is the prompt)."""
+    if kind == "sft":
+        prompt, completion = obj.get("prompt"), obj.get("completion")
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return None if prompt else "field 'prompt' is empty (a prompt needs at least one token)"
+        if not isinstance(prompt, list) or not isinstance(completion, list):
+            return "fields 'prompt' and 'completion' must be both strings or both lists of messages"
+        return _messages_problem(prompt, "prompt") or _messages_problem(completion, "completion", assistant_only=True)
+    for key in ("chosen", "rejected"):
+        if not isinstance(obj[key], list):
+            return (
+                f"missing field 'prompt': an implicit prompt needs 'chosen' and 'rejected' as lists of messages, "
+                f"not {type(obj[key]).__name__} (HH's dialogue strings: python data.py hh)"
+            )
+        problem = _messages_problem(obj[key], key)
+        if problem:
+            return problem
+    head = shared_head(obj["chosen"], obj["rejected"])
+    if head == 0:
+        return "fields 'chosen' and 'rejected' share no leading turn: an implicit prompt is their shared head"
+    for key in ("chosen", "rejected"):
+        problem = _messages_problem(obj[key][head:], f"{key} after the shared prompt", assistant_only=True)
+        if problem:
+            return problem
+    return None
+
+
+def canonical(obj: dict, kind: str) -> dict:
+    """A valid record in this repo's layout: TRL's prompt-completion SFT as {"prompt", "response"} (strings) or
+    {"messages", "learn_from"} (the completion's first turn: only it and later turns are learned), implicit-prompt
+    preferences as {"prompt", "chosen", "rejected"} with the shared head as the prompt."""
+    if kind == "sft" and "completion" in obj:
+        if isinstance(obj["prompt"], str):
+            return {"prompt": obj["prompt"], "response": obj["completion"]}
+        return {"messages": obj["prompt"] + obj["completion"], "learn_from": len(obj["prompt"])}
+    if kind == "pairs" and "prompt" not in obj:
+        head = shared_head(obj["chosen"], obj["rejected"])
+        return {"prompt": obj["chosen"][:head], "chosen": obj["chosen"][head:], "rejected": obj["rejected"][head:]}
+    return obj
+
+
 def _check_fields(obj: dict, kind: str) -> str | None:
     """What is wrong with one record of this kind, or None. Conversational records (DESIGN §3): SFT {"messages"},
     prompts {"prompt": [messages]}, preferences {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
-    (the replies' assistant turns)."""
+    (the replies' assistant turns); and TRL's prompt-completion SFT and implicit-prompt preferences (_trl_problem)."""
     if kind == "sft" and "messages" in obj:
         return _messages_problem(obj["messages"], "messages", last_assistant=True)
+    if kind == "sft" and "completion" in obj and "prompt" in obj:
+        return _trl_problem(obj, kind)
+    if kind == "pairs" and "prompt" not in obj and "chosen" in obj and "rejected" in obj:
+        return _trl_problem(obj, kind)
     if kind == "ultrafeedback":
         for key in ("chosen", "rejected"):
             problem = _messages_problem(obj.get(key), key) if key in obj else f"missing field {key!r}"
@@ -497,7 +554,7 @@ def read_jsonl(path: str, kind: str, flag: str | None = None) -> list[dict]:
             problem = _check_fields(obj, kind)
             if problem:
                 raise UserError(f"{path}:{lineno}: {problem}")
-            records.append(obj)
+            records.append(canonical(obj, kind))
     if not records:
         raise UserError(f"{path}: no records")
     return records
@@ -655,7 +712,7 @@ def encode_sft(tok: Tokenizer, rows: list[dict], block_size: int, mask_prompt: b
     examples, skipped = [], 0
     for row in rows:
         if "messages" in row:
-            ids, loss_mask = tok.conversation(row["messages"])
+            ids, loss_mask = tok.conversation(row["messages"], row.get("learn_from", 0))
             loss_mask = [0] + loss_mask[1:]  # the first token is never a target
         else:
             head = tok.encode(row.get("prompt", ""), bos=True)
@@ -670,14 +727,17 @@ def encode_sft(tok: Tokenizer, rows: list[dict], block_size: int, mask_prompt: b
 
 
 def sft_prompt(row: dict):
-    """What an SFT record answers: its prompt, or a conversation before its last (assistant) turn."""
-    return row["messages"][:-1] if "messages" in row else row["prompt"]
+    """What an SFT record answers: its prompt, or a conversation before its last (assistant) turn (a prompt-completion
+    record's: its prompt)."""
+    if "messages" not in row:
+        return row["prompt"]
+    return row["messages"][: row["learn_from"]] if "learn_from" in row else row["messages"][:-1]
 
 
 def sft_sequence(tok: Tokenizer, row: dict) -> list[int]:
     """An SFT record's whole sequence (prompt, response and its stop token): a reward model's calibration input."""
     if "messages" in row:
-        return tok.conversation(row["messages"])[0]
+        return tok.conversation(row["messages"], row.get("learn_from", 0))[0]
     return prompt_ids(tok, row["prompt"]) + response_ids(tok, row["prompt"], row["response"])
 
 

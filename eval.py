@@ -77,7 +77,8 @@ class Args:
     pairs_data: Optional[str] = None
     """preference JSONL for --pairs (None: the built-in task's held-out pairs)"""
     prompts: Optional[str] = None
-    """prompt JSONL ({"prompt": str}) to sample on (None: the built-in task's held-out prompts; gold needs those)"""
+    """prompt JSONL ({"prompt": str or [messages]}) to sample on (None: the built-in task's held-out prompts; gold
+    needs those)"""
     best_of_n: Optional[list[int]] = None
     """best-of-N sizes: per prompt max(N) samples, the first N reranked by --rm, the best scored (rows <name>_bon<N>)"""
     kl_optimal: Optional[list[float]] = None

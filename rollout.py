@@ -55,7 +55,7 @@ class RolloutArgs(common.CommonArgs):
     reward_fn_coef: float = 1.0
     """weight of --reward-fn in the score"""
     prompts: Optional[str] = None
-    """prompts JSONL, one {"prompt": str} a line (None: the built-in task's)"""
+    """prompts JSONL, one {"prompt": str or [messages]} a line (None: the built-in task's)"""
     ptx_data: Optional[str] = None
     """pre-training text JSONL {"text": str} for the ptx loss (None: the built-in task's text; none on user prompts)"""
     # --- rollout

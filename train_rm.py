@@ -46,7 +46,8 @@ class Args(common.CommonArgs):
     """where ckpt.pt, TensorBoard event files and samples.jsonl (scored held-out pairs) go"""
     # --- data and model
     data: Optional[str] = None
-    """preference JSONL: {"prompt", "chosen", "rejected"} or {"prompt", "responses", "ranking"} (None: built-in)"""
+    """preference JSONL: {"prompt", "chosen", "rejected"} (strings or messages), TRL's implicit prompt {"chosen",
+    "rejected"} (messages sharing their head), or K-wise {"prompt", "responses", "ranking"} (None: built-in)"""
     eval_data: Optional[str] = None
     """held-out preference JSONL (None: the built-in task's split, or the last 5% of --data)"""
     calib_data: Optional[str] = None

@@ -43,7 +43,9 @@ class Args(common.CommonArgs):
     """where ckpt.pt, TensorBoard event files and samples.jsonl go"""
     # --- data and model
     data: Optional[str] = None
-    """SFT JSONL, one {"prompt": str, "response": str} a line (None: the built-in task)"""
+    """SFT JSONL, a record a line: {"prompt", "response"} strings, TRL's {"prompt", "completion"} (strings, or
+    messages: the completion's turns learned), or {"messages": [...]} (every assistant turn learned) (None: the
+    built-in task)"""
     eval_data: Optional[str] = None
     """held-out SFT JSONL for val/loss (None: the built-in task's split, or the last 5% of --data)"""
     init: str = "scratch"
