@@ -1,22 +1,25 @@
-"""Iterated RLHF with on-policy labels (InstructGPT's and Llama 2's rounds): the reward model is what caps PPO
+"""Iterated RLHF with on-policy labels (InstructGPT's and Llama 2's rounds): the reward model is what caps RL
 (DESIGN §5d), and a reward model trained on the policy's own samples is a better one where the policy now lives.
 
 Round 0 is the start: the SFT policy and its reward model(s). Each round r >= 1 then runs, in order:
-  1. PPO, a fresh run from round r-1's policy (round 1: the SFT policy) against round r-1's reward model(s), the
-     reference still the SFT policy (--ref-ckpt); the critic starts from that reward model, and the optimizers, LR
-     schedule, reward moments and KL controller start fresh;
+  1. RL (--rl-stage ppo: train_ppo.py, grpo: train_grpo.py), a fresh run from round r-1's policy (round 1: the SFT
+     policy) against round r-1's reward model(s), the reference still the SFT policy (--ref-ckpt); PPO's critic
+     starts from that reward model, and the optimizers, LR schedule, reward moments and KL controller start fresh;
   2. pairs sampled from the new policy on training prompts, two responses a prompt;
   3. labelled by the annotator: the built-in task's simulated human (task.annotate: Bradley-Terry on the gold reward,
      as noisy as the offline labels), a judge of yours (--labeler module:function, fn(prompt, response_a,
      response_b) -> P(a is better), from which the label is drawn), or people (--labeler human); identical pairs and
      pairs with a response that never ended are dropped and counted;
   4. the next reward model(s) trained from the SFT checkpoint on every label so far (the offline pairs and every
-     round's);
+     round's), all evaluated on the same held-out pairs;
   5. the round's policy evaluated on the held-out prompts.
 Every stage is the stage script itself, run as a subprocess; every round's pairs, reward models, policy and
 evaluation are kept under --out-dir/round<r>/, and a step whose output is there is not run again, so the command
-resumes where it stopped. --out-dir/results.json holds a row per round, round<r>: gold, kl and valid_frac (each with
-_se), labels (distinct labelled pairs any reward model so far was trained on) and episodes (PPO episodes so far).
+resumes where it stopped (a stage stopped by a signal resumes from its last checkpoint). The arguments are kept in
+--out-dir/args.json: a rerun that changes one is refused (more --rounds excepted), --overwrite starts over.
+--out-dir/results.json holds a row per round, round<r>: gold, kl and valid_frac (each with _se), labels (the
+distinct labelled pairs the reward model(s) this round's policy optimised were trained on), new_labels (those the
+round collected, for the next ones) and episodes (RL episodes so far).
 
 python train_online.py                                   # after make demo: 3 rounds on the built-in task
 python train_online.py --labeler myjudge:prefer          # your judge
@@ -27,14 +30,15 @@ import json
 import os
 import random
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal, Optional
 
 import torch
-import tyro
 
 import checkpoints
 import common
@@ -50,36 +54,41 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 @dataclass
 class Args:
     out_dir: str = "out/online"
-    """where every round's pairs, reward models, policy and evaluation go (round<r>/), and results.json"""
+    """where every round's pairs, reward models, policy and evaluation go (round<r>/), args.json and results.json"""
     sft_ckpt: str = "out/sft/ckpt.pt"
     """round 0's policy, every round's reference and every reward model's init"""
     rm_ckpt: list[str] = field(default_factory=lambda: ["out/rm/ckpt.pt"])
     """round 0's reward model(s): one, or the members of an ensemble"""
     rounds: int = 3
-    """rounds of PPO, sampling, labelling and reward-model training"""
+    """rounds of RL, sampling, labelling and reward-model training (a rerun may raise it)"""
     pairs_per_round: int = 6000
     """on-policy pairs sampled a round (two responses a training prompt), before the drops"""
     ensemble: int = 1
     """reward models trained a round, seeds 1..K (an ensemble when K > 1, combined by --rm-agg)"""
     rm_agg: Literal["mean", "min", "uwo"] = "mean"
-    """how PPO and the evaluation combine an ensemble's scores (train_ppo.py's --rm-agg)"""
+    """how RL and the evaluation combine an ensemble's scores (--rm-agg of the stages)"""
     rm_uwo_coef: float = 1.0
     """--rm-agg uwo: the weight of the members' variance"""
     labeler: str = "task"
     """task (the built-in task's simulated human) | human (export each round's pairs, import the labels) |
     module:function or path/to/file.py:function, fn(prompt, response_a, response_b) -> P(a is better)"""
-    ppo_flags: str = "--kl-coef 0.15"
-    """train_ppo.py flags of every round (its defaults otherwise: 12,800 episodes). β 0.15: after 3 rounds on the
+    rl_stage: Literal["ppo", "grpo"] = "ppo"
+    """each round's RL: train_ppo.py (PPO-max) or train_grpo.py (the critic-free family)"""
+    rl_flags: str = "--kl-coef 0.15"
+    """flags of every round's RL stage (its defaults otherwise: 12,800 episodes). β 0.15: after 3 rounds on the
     built-in task gold 0.86 at 7-8 nats, against 0.74 at 3.5 with β 0.3 (docs/results.md). A value that starts with
-    -- goes after an = sign: --ppo-flags="--kl-coef 0.3" (likewise --rm-flags and --eval-flags)"""
+    -- goes after an = sign: --rl-flags="--kl-coef 0.3" (likewise --rm-flags and --eval-flags)"""
     rm_flags: str = ""
     """train_rm.py flags of every round's reward models (its defaults otherwise: one epoch over all labels so far)"""
     eval_flags: str = ""
     """eval.py flags of every round's evaluation (its defaults otherwise: 512 held-out prompts, one sample each)"""
     data: Optional[str] = None
     """the offline preference JSONL the first reward models were trained on (None: the built-in task's pairs)"""
+    eval_data: Optional[str] = None
+    """held-out preference JSONL every round's reward models are evaluated on (None: the built-in task's, or with
+    --data the last 5% of it, left out of every round's training pairs)"""
     prompts: Optional[str] = None
-    """training prompts JSONL the pairs are sampled on (None: the built-in task's PPO prompts)"""
+    """training prompts JSONL the pairs are sampled on (None: the built-in task's RL prompts)"""
     task_seed: int = 1337
     """seed of the built-in task"""
     task_dir: str = "out/data"
@@ -92,19 +101,69 @@ class Args:
     """longest sampled response"""
     device: str = "auto"
     """auto | cpu | cuda, for the sampling here (the stages take theirs from their flags)"""
+    overwrite: bool = False
+    """start over in an --out-dir that holds a run (its rounds, args.json and results.json are removed)"""
 
 
-def run_stage(script: str, flags: list[str], extra: str, log: str) -> None:
+# -----------------------------------------------------------------------------
+# the stages as subprocesses, and signals
+
+
+class Child:
+    """The stage running now. It runs in a session of its own, so a terminal's Ctrl-C reaches this driver alone,
+    which passes SIGINT or SIGTERM on to the stage once (the stage saves its step and exits 128 + the signal), waits
+    for it and exits the same way; a second signal is passed on too (the stage then stops at once)."""
+
+    process: Optional[subprocess.Popen] = None
+    signum = 0
+
+    @classmethod
+    def install(cls) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, cls.forward)
+
+    @classmethod
+    def forward(cls, signum: int, frame) -> None:
+        cls.signum = cls.signum or signum
+        if cls.process is not None and cls.process.poll() is None:
+            cls.process.send_signal(signum)
+        else:
+            sys.exit(128 + signum)
+
+
+def stage_done(out_dir: str) -> bool:
+    return os.path.exists(out_dir + ".done")
+
+
+def run_stage(script: str, flags: list[str], extra: str, log: str, out_dir: Optional[str] = None) -> None:
     """One stage script as a subprocess with this interpreter; its output goes to log; a failure ends the driver
-    with the log's last lines."""
-    command = [sys.executable, os.path.join(ROOT, script), *flags, *shlex.split(extra)]
+    with the log's last lines. out_dir: the stage's --out-dir, marked done (<out_dir>.done) once it finishes; a stage
+    stopped before (a checkpoint there, no mark) continues with --resume, a fresh one starts with --overwrite."""
+    resume = out_dir is not None and os.path.exists(os.path.join(out_dir, "ckpt.pt"))
+    start = (["--resume"] if resume else ["--overwrite"]) if out_dir is not None else []
+    command = [sys.executable, os.path.join(ROOT, script), *flags, *start, *shlex.split(extra)]
     started = time.time()
-    with open(log, "w") as out:
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=os.getcwd())
-    if done.returncode != 0:
+    with open(log, "a" if resume else "w") as out:
+        Child.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        returncode = Child.process.wait()
+        Child.process = None
+    if Child.signum:
+        name = signal.Signals(Child.signum).name
+        print0(f"{name}: {script} stopped with its last step saved; run the same command to continue")
+        sys.exit(128 + Child.signum)
+    if returncode != 0:
         tail = open(log).read().strip().splitlines()[-5:]
-        raise UserError(f"{script} failed (see {log}): " + " / ".join(tail))
+        if resume and "already at step" in tail[-1]:  # it had finished before its mark was written
+            returncode = 0
+        else:
+            raise UserError(f"{script} failed (see {log}): " + " / ".join(tail))
+    if out_dir is not None:
+        write_atomic(out_dir + ".done", "")
     print0(f"  {script} done in {time.time() - started:.0f}s ({log})")
+
+
+# -----------------------------------------------------------------------------
+# pairs and labels
 
 
 def load_labeler(spec: str) -> Callable:
@@ -155,25 +214,42 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
     write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
+def read_human_labels(path: str, to_label: list[dict]) -> list[bool]:
+    """labels.jsonl, the exported pairs with "a_wins" added by people, checked line by line against to_label.jsonl
+    (the same pairs in the same order, every one labelled): a_wins per pair, or a one-line UserError path:line."""
+    wins = []
+    with open(path, encoding="utf-8") as f:
+        lines = [(n, line) for n, line in enumerate(f, start=1) if line.strip()]
+    for (lineno, line), exported in zip(lines, to_label):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{lineno}: bad JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("a_wins"), bool):
+            raise UserError(f'{path}:{lineno}: needs "a_wins": true or false')
+        if any(row.get(key) != exported[key] for key in ("prompt", "response_a", "response_b")):
+            raise UserError(f"{path}:{lineno}: not the pair on line {lineno} of to_label.jsonl (keep its order)")
+        wins.append(row["a_wins"])
+    if len(lines) != len(to_label):
+        raise UserError(f"{path}: {len(lines)} labelled pairs for {len(to_label)} in to_label.jsonl: label them all")
+    return wins
+
+
 def label_pairs(to_label: list[dict], args: Args, labels_path: str, seed: int) -> Optional[list[dict]]:
     """The labelled pairs {"prompt", "chosen", "rejected"}: drawn from the annotator, or (--labeler human) read from
-    labels_path, the exported pairs with "a_wins": true | false added by people (None until that file exists)."""
+    labels_path (None until that file exists)."""
     if args.labeler == "human":
         if not os.path.exists(labels_path):
             return None
-        rows = [json.loads(line) for line in open(labels_path) if line.strip()]
-        wins = [row.get("a_wins") for row in rows]
-        if any(not isinstance(win, bool) for win in wins):
-            raise UserError(f'{labels_path}: every line needs "a_wins": true or false')
+        wins = read_human_labels(labels_path, to_label)
     else:
         labeler = load_labeler(args.labeler)
         rng = random.Random(seed)
-        rows = to_label
         wins = []
-        for row in rows:  # a conversation's judge reads it rendered
+        for row in to_label:  # a conversation's judge reads it rendered
             wins.append(labeler(rng, row.get("prompt_text", row["prompt"]), row["response_a"], row["response_b"]))
     labelled = []
-    for row, a_wins in zip(rows, wins):
+    for row, a_wins in zip(to_label, wins):
         a, b = row["response_a"], row["response_b"]
         if isinstance(row["prompt"], list):  # a conversation's replies are assistant turns
             a, b = [{"role": "assistant", "content": a}], [{"role": "assistant", "content": b}]
@@ -181,26 +257,73 @@ def label_pairs(to_label: list[dict], args: Args, labels_path: str, seed: int) -
     return labelled
 
 
-def eval_row(eval_json: str, name: str, labels: int, episodes: int) -> dict:
+# -----------------------------------------------------------------------------
+# the run's arguments, rounds and results
+
+
+def saved_args(args: Args) -> Args:
+    """The arguments a run in --out-dir keeps (args.json), written on its first start: a rerun takes the saved value
+    of every flag its command line does not give (common.cli) and refuses a given one that differs (more --rounds
+    excepted); --overwrite starts over."""
+    path = os.path.join(args.out_dir, "args.json")
+    if args.overwrite and os.path.isdir(args.out_dir):
+        shutil.rmtree(args.out_dir)
+    os.makedirs(args.out_dir, exist_ok=True)
+    current = {name: value for name, value in asdict(args).items() if name != "overwrite"}
+    if not os.path.exists(path):
+        write_atomic(path, json.dumps(current, indent=2))
+        return args
+    saved = json.load(open(path))
+    given = getattr(args, "given", None)  # None from Python: a field at its default counts as not given
+    defaults = Args()
+    for name in current:
+        if name in saved and (name not in given if given is not None else current[name] == getattr(defaults, name)):
+            current[name] = saved[name]
+    changed = [
+        f"--{name.replace('_', '-')} {saved[name]} -> {current[name]}"
+        for name in current
+        if name in saved and current[name] != saved[name] and not (name == "rounds" and current[name] > saved[name])
+    ]
+    if changed:
+        raise UserError(f"{path}: {', '.join(changed)}: this run was started otherwise (--overwrite starts over)")
+    write_atomic(path, json.dumps(current, indent=2))
+    return Args(**current)
+
+
+def eval_row(eval_json: str, name: str, labels: int, new_labels: int, episodes: int) -> dict:
     """A results.json row from a round's evaluation."""
     entry = json.load(open(eval_json))[name]
     row = {key: entry.get(key) for key in ("gold", "gold_se", "kl", "kl_se", "valid_frac", "valid_frac_se")}
-    return row | {"score": entry.get("score"), "labels": labels, "episodes": episodes}
+    return row | {"score": entry.get("score"), "labels": labels, "new_labels": new_labels, "episodes": episodes}
+
+
+def held_out_pairs(args: Args, task: Optional[dict], offline: list[dict]) -> tuple[str, list[dict]]:
+    """(the held-out pairs every round's reward models are evaluated on, the offline pairs they train on): the task's
+    held-out file, --eval-data, or with --data alone its last 5% (written to --out-dir), left out of training."""
+    if args.eval_data is not None:
+        return args.eval_data, offline
+    if args.data is None:
+        return task["pairs_eval"], offline
+    n_eval = max(1, len(offline) // 20)
+    path = os.path.join(args.out_dir, "eval_pairs.jsonl")
+    if not os.path.exists(path):
+        write_jsonl(path, offline[-n_eval:])
+    return path, offline[:-n_eval]
 
 
 def main(args: Args) -> None:
     started = time.time()
     if args.rounds < 1 or args.pairs_per_round < 2 or args.ensemble < 1:
         raise UserError("--rounds, --ensemble >= 1 and --pairs-per-round >= 2")
-    os.makedirs(args.out_dir, exist_ok=True)
-    task = build_task(args.task_dir, args.task_seed)
-    offline_path = args.data or task["pairs"]
-    offline = read_jsonl(offline_path, "pairs", "--data")
+    args = saved_args(args)
+    Child.install()
+    task = build_task(args.task_dir, args.task_seed) if args.data is None or args.prompts is None else None
+    offline = read_jsonl(args.data or task["pairs"], "pairs", "--data")
+    eval_pairs, offline = held_out_pairs(args, task, offline)
     prompts = [row["prompt"] for row in read_jsonl(args.prompts or task["prompts"], "prompts", "--prompts")]
     per_round = args.pairs_per_round
     rm_base = ["--task-dir", args.task_dir, "--task-seed", str(args.task_seed), "--init", args.sft_ckpt]
-    if args.data is None:  # held-out pairs: the task's, the same every round
-        rm_base += ["--eval-data", task["pairs_eval"]]
+    rm_base += ["--eval-data", eval_pairs]
     results_path = os.path.join(args.out_dir, "results.json")
     results = json.load(open(results_path)) if os.path.exists(results_path) else {}
     policy, rms = args.sft_ckpt, list(args.rm_ckpt)
@@ -210,32 +333,36 @@ def main(args: Args) -> None:
         json_path = os.path.join(args.out_dir, "round0_eval.json")
         flags = eval_base + ["--policy", policy, "--names", "round0", "--rm", *rms, "--json", json_path]
         run_stage("eval.py", flags, args.eval_flags, os.path.join(args.out_dir, "round0_eval.log"))
-        results["round0"] = eval_row(json_path, "round0", len(offline), 0)
+        results["round0"] = eval_row(json_path, "round0", len(offline), 0, 0)
         write_atomic(results_path, json.dumps(results, indent=2))
-    labelled_so_far = list(offline)
+    labelled_so_far = list(offline)  # what the reward models of the last round trained on
     episodes = 0
     for r in range(1, args.rounds + 1):
         folder = os.path.join(args.out_dir, f"round{r}")
         os.makedirs(folder, exist_ok=True)
         print0(f"round {r}: policy {policy} | reward model(s) {' '.join(rms)}")
-        # 1. PPO from the last policy, against the last reward model(s), the SFT policy as the reference
-        ppo = os.path.join(folder, "ppo", "ckpt.pt")
-        if not os.path.exists(os.path.join(folder, "ppo.done")):
+        # 1. RL from the last policy, against the last reward model(s), the SFT policy as the reference
+        rl_dir = os.path.join(folder, args.rl_stage)
+        if not stage_done(rl_dir):
             flags = ["--sft-ckpt", policy, "--ref-ckpt", args.sft_ckpt, "--rm-ckpt", *rms, "--rm-agg", args.rm_agg]
-            flags += ["--rm-uwo-coef", str(args.rm_uwo_coef), "--task-dir", args.task_dir, "--overwrite"]
-            flags += ["--out-dir", os.path.dirname(ppo)]
-            run_stage("train_ppo.py", flags, args.ppo_flags, os.path.join(folder, "ppo.log"))
-            write_atomic(os.path.join(folder, "ppo.done"), "")
-        ppo_run = torch.load(ppo, map_location="cpu", weights_only=False, mmap=True)
-        episodes += ppo_run["step"] * ppo_run["args"]["rollout_batch_size"]
+            flags += ["--rm-uwo-coef", str(args.rm_uwo_coef), "--task-dir", args.task_dir, "--out-dir", rl_dir]
+            run_stage(f"train_{args.rl_stage}.py", flags, args.rl_flags, rl_dir + ".log", rl_dir)
+        rl_ckpt = os.path.join(rl_dir, "ckpt.pt")
+        rl_run = torch.load(rl_ckpt, map_location="cpu", weights_only=False, mmap=True)
+        episodes += rl_run["data_state"].get("episodes", rl_run["step"] * rl_run["args"]["rollout_batch_size"])
         # 2.-3. on-policy pairs, labelled
         pairs_path = os.path.join(folder, "pairs.jsonl")
         if not os.path.exists(pairs_path):
             export = os.path.join(folder, "to_label.jsonl")
-            start = (r - 1) * per_round % len(prompts)
-            round_prompts = [prompts[(start + i) % len(prompts)] for i in range(per_round)]
-            to_label, dropped = sample_pairs(ppo, round_prompts, args, seed=args.seed * 1000 + r)
-            write_jsonl(export, to_label)
+            if os.path.exists(export):  # exported before (people are labelling them): the same pairs
+                to_label = [json.loads(line) for line in open(export)]
+                dropped = json.load(open(os.path.join(folder, "dropped.json")))
+            else:
+                start = (r - 1) * per_round % len(prompts)
+                round_prompts = [prompts[(start + i) % len(prompts)] for i in range(per_round)]
+                to_label, dropped = sample_pairs(rl_ckpt, round_prompts, args, seed=args.seed * 1000 + r)
+                write_atomic(os.path.join(folder, "dropped.json"), json.dumps(dropped))
+                write_jsonl(export, to_label)
             labels_path = os.path.join(folder, "labels.jsonl")
             labelled = label_pairs(to_label, args, labels_path, seed=args.seed * 1000 + r)
             if labelled is None:
@@ -248,27 +375,27 @@ def main(args: Args) -> None:
             stats = {"sampled": per_round, "kept": len(labelled), "dropped": dropped}
             write_atomic(os.path.join(folder, "pairs_stats.json"), json.dumps(stats, indent=2))
             print0(f"round {r}: {len(labelled)} of {per_round} pairs labelled ({dropped} dropped)")
-        labelled_so_far += [json.loads(line) for line in open(pairs_path)]  # written above (maybe none kept)
+        new_pairs = [json.loads(line) for line in open(pairs_path)]  # written above (maybe none kept)
         # 4. the next reward model(s), from the SFT checkpoint on every label so far
         all_pairs = os.path.join(folder, "pairs_all.jsonl")
         if not os.path.exists(all_pairs):
-            write_jsonl(all_pairs, labelled_so_far)
+            write_jsonl(all_pairs, labelled_so_far + new_pairs)
         members = []
         for k in range(1, args.ensemble + 1):
             out = os.path.join(folder, f"rm{k}")
-            if not os.path.exists(out + ".done"):
-                flags = rm_base + ["--data", all_pairs, "--seed", str(k), "--out-dir", out, "--overwrite"]
-                run_stage("train_rm.py", flags, args.rm_flags, out + ".log")
-                write_atomic(out + ".done", "")
+            if not stage_done(out):
+                flags = rm_base + ["--data", all_pairs, "--seed", str(k), "--out-dir", out]
+                run_stage("train_rm.py", flags, args.rm_flags, out + ".log", out)
             members.append(os.path.join(out, "ckpt.pt"))
         # 5. the round's policy, on the held-out prompts (scored by the reward model(s) it was trained against)
         json_path = os.path.join(folder, "eval.json")
         if not os.path.exists(json_path):
-            flags = eval_base + ["--policy", ppo, "--names", f"round{r}", "--rm", *rms, "--json", json_path]
+            flags = eval_base + ["--policy", rl_ckpt, "--names", f"round{r}", "--rm", *rms, "--json", json_path]
             run_stage("eval.py", flags, args.eval_flags, os.path.join(folder, "eval.log"))
-        results[f"round{r}"] = eval_row(json_path, f"round{r}", len(labelled_so_far), episodes)
+        results[f"round{r}"] = eval_row(json_path, f"round{r}", len(labelled_so_far), len(new_pairs), episodes)
         write_atomic(results_path, json.dumps(results, indent=2))
-        policy, rms = ppo, members
+        labelled_so_far += new_pairs
+        policy, rms = rl_ckpt, members
     print0(f"online done in {time.time() - started:.0f}s: {results_path}")
     for name, row in results.items():
         gold = "-" if row["gold"] is None else f"{row['gold']:.3f} ± {row['gold_se']:.3f}"
@@ -276,4 +403,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, tyro.cli(Args))
+    common.run_main(main, common.cli(Args))
