@@ -114,6 +114,9 @@ class Args:
     """where the built-in task is cached"""
     device: str = "auto"
     """auto | cpu | cuda"""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 (auto: bf16 on GPU, fp32 on CPU): under bf16 every model is stored in bf16 (all are
+    frozen here; norms and biases in fp32) and runs under autocast"""
     compile: Literal["auto", "on", "off"] = "auto"
     """decode with static KV caches and the one-token step compiled (CUDA graphs on a GPU): auto = on CUDA only; the
     same tokens as the eager decode up to float rounding"""
@@ -206,21 +209,28 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
     """One response per prompt of one generation batch; per-sample lists (see sample_policy)."""
     query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
     compiled = parallel.use_compile(args.compile, device)
-    samples = sample(
-        model, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator, compiled=compiled
-    )
+    amp = parallel.autocast(device, parallel.resolve_dtype(args.dtype, device))
+    with amp:
+        samples = sample(
+            model, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator, compiled=compiled
+        )
     response, response_mask = samples.response, samples.mask
     lengths = response_mask.sum(1).long()
     kl = torch.zeros(len(prompts), device=device)
     if ref is not None:  # k1 summed over the sequence, at the sampling temperature
-        ref_logits = response_forward(ref, query, query_mask, response, response_mask, args.temperature)[0]
+        with amp:
+            ref_logits = response_forward(ref, query, query_mask, response, response_mask, args.temperature)[0]
         ref_logprobs = logprobs_from_logits(ref_logits, response)
         kl = ((samples.logprobs - ref_logprobs) * response_mask).sum(1)
     score = torch.full((len(prompts),), float("nan"), device=device)
     member_scores = torch.zeros(0, len(prompts), device=device)
     if rms:
         mask = torch.cat([query_mask, response_mask], 1)
-        members = [last_token_scores(rm(torch.cat([query, response], 1), mask, logits=False)[1], mask) for rm in rms]
+        members = []
+        for rm in rms:
+            with amp:
+                token_scores = rm(torch.cat([query, response], 1), mask, logits=False)[1]
+            members.append(last_token_scores(token_scores.float(), mask))
         member_scores = torch.stack(members)  # (K, B)
         score = aggregate_rm_scores(member_scores, args.rm_agg, args.rm_uwo_coef)
     return {
@@ -378,12 +388,15 @@ def kl_optimal_rows(name: str, samples: dict, betas: list, builtin: bool, missin
     return rows
 
 
-def load_model(path: str, flag: str, device, want: str = "lm"):
-    """A GPT from one of our checkpoints (its LM or its scalar head), eval mode, and the checkpoint."""
+def load_model(path: str, flag: str, device, want: str = "lm", dtype: torch.dtype = torch.float32):
+    """A GPT from one of our checkpoints (its LM or its scalar head), eval mode, stored in dtype under bf16
+    (parallel.store_low_precision), and the checkpoint."""
     if not path.endswith(".pt"):
         raise UserError(f"{flag} {path}: expected a .pt checkpoint of this repo")
     kinds = checkpoints.POLICY_KINDS if want == "lm" else "rm"  # every policy kind has an LM head
     model, tok, ckpt = hf.load_init(path, lm_head=want == "lm", score_head=want == "score", flag=flag, kind=kinds)
+    if dtype != torch.float32:
+        parallel.store_low_precision(model, dtype)
     return model.to(device).eval(), tok, ckpt
 
 
@@ -464,11 +477,11 @@ def rm_paths(args: Args) -> list[str]:
     return [path for path in paths if path and path != "none"]
 
 
-def load_rms(paths: list[str], device, tok) -> list:
+def load_rms(paths: list[str], device, tok, dtype: torch.dtype) -> list:
     """The reward models (scalar heads), each with the given tokenizer's state, in eval mode on device."""
     rms = []
     for path in paths:
-        rm, rm_tok, _ = load_model(path, "--rm", device, want="score")
+        rm, rm_tok, _ = load_model(path, "--rm", device, want="score", dtype=dtype)
         if rm_tok.state() != tok.state():
             raise UserError(f"--rm {path}: its tokenizer differs from the reference's")
         rms.append(rm)
@@ -512,9 +525,8 @@ def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) 
         for path, rm in zip(rm_paths(args), rms):
             sha = checkpoints.file_sha256(path)
             if sha not in scored:
-                scored[sha] = score_sequences(
-                    rm, sequences, tok.pad_id, args.batch_size, device, torch.float32
-                ).tolist()
+                dtype = parallel.resolve_dtype(args.dtype, device)
+                scored[sha] = score_sequences(rm, sequences, tok.pad_id, args.batch_size, device, dtype).tolist()
             members.append(torch.tensor(scored[sha]))
         members = torch.stack(members)
         samples["member_scores"] = members.t().tolist()
@@ -565,9 +577,10 @@ def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
     if not paths:
         raise UserError("--pairs needs --rm")
     rows = read_jsonl(args.pairs_data or task["pairs_eval"], "pairs", "--pairs-data")
+    dtype = parallel.resolve_dtype(args.dtype, device)
     members, encoded = [], []
     for path in paths:
-        rm, tok, ckpt = load_model(path, "--rm", device, want="score")
+        rm, tok, ckpt = load_model(path, "--rm", device, want="score", dtype=dtype)
         examples, _ = encode_prefs(tok, rows, rm.config.block_size)
         members.append((rm, tok, ckpt))
         encoded.append({id(example[-1]): example for example in examples})  # by the record each came from
@@ -577,7 +590,7 @@ def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
     scores = []
     for (rm, tok, _), by_record in zip(members, encoded):
         sequences = [seq for row in kept for seq in by_record[id(row)][0]]
-        scores.append(score_sequences(rm, sequences, tok.pad_id, args.batch_size, device, torch.float32))
+        scores.append(score_sequences(rm, sequences, tok.pad_id, args.batch_size, device, dtype))
     scores = torch.stack(scores)
     examples = [encoded[0][id(row)] for row in kept]
     aggregate = aggregate_rm_scores(scores, args.rm_agg, args.rm_uwo_coef)
@@ -648,9 +661,10 @@ def main(args: Args) -> dict:
     names = args.names or [os.path.basename(os.path.dirname(p)) or f"policy{i}" for i, p in enumerate(args.policy)]
     if len(names) != len(args.policy):
         raise UserError(f"--names: {len(names)} names for {len(args.policy)} policies")
-    ref, ref_tok, _ = load_model(args.ref, "--ref", device)
+    dtype = parallel.resolve_dtype(args.dtype, device)
+    ref, ref_tok, _ = load_model(args.ref, "--ref", device, dtype=dtype)
     reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
-    rms = load_rms(rm_paths(args), device, ref_tok)
+    rms = load_rms(rm_paths(args), device, ref_tok, dtype)
     # every policy and the reference answer the same prompts (KL and win rate stay paired): those with room for a
     # response in the smallest context among them
     context = min(context_size(path) for path in [args.ref, *args.policy])
@@ -670,7 +684,7 @@ def main(args: Args) -> dict:
     ref_samples = sample_policy(ref, ref_tok, prompts, args, device)
     _, ref_gold = policy_metrics(ref_samples, builtin, None)
     for name, path in zip(names, args.policy):
-        model, tok, ckpt = load_model(path, "--policy", device)
+        model, tok, ckpt = load_model(path, "--policy", device, dtype=dtype)
         if tok.state() != ref_tok.state():
             raise UserError(f"--policy {path}: its tokenizer differs from the reference's ({args.ref})")
         # best-of-N draws max(N) seeds per prompt once; the plain row takes the first --seeds of them

@@ -211,12 +211,20 @@ class HFCausalLM(nn.Module):
         """AdamW; weight decay on every 2D+ parameter, none on biases and norms (model.GPT's groups)."""
         return GPT.configure_optimizers(self, weight_decay, learning_rate, betas, device_type)
 
+    def _tokens(self, idx: Tensor) -> dict:
+        """Token ids -> the HF kwarg that feeds them: input_ids, or for embeddings stored in bf16 (a frozen model,
+        parallel.store_low_precision) inputs_embeds in fp32, so the residual stream stays fp32 as under autocast."""
+        embedding = self.hf.get_input_embeddings()
+        if embedding.weight.dtype in (torch.float32, torch.float64):
+            return {"input_ids": idx}
+        return {"inputs_embeds": embedding(idx).float()}
+
     def _inputs(self, idx: Tensor, real: Tensor) -> dict:
         """Padded ids and the mask -> HF kwargs: pad ids replaced by 0 before the embedding, position ids explicit
         from the mask (the HF default would count the left padding)."""
         idx = idx.masked_fill(~real | (idx < 0) | (idx >= self.config.vocab_size), 0)
         pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
-        return dict(input_ids=idx, attention_mask=real.long(), position_ids=pos)
+        return self._tokens(idx) | dict(attention_mask=real.long(), position_ids=pos)
 
     def forward(
         self, idx: Tensor, attention_mask: Tensor | None = None, logits: bool = True, logits_to_keep: int = 0
@@ -229,8 +237,8 @@ class HFCausalLM(nn.Module):
         assert T <= self.config.block_size, f"sequence of length {T} > block_size {self.config.block_size}"
         real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         inputs = self._inputs(idx, real)
-        if attention_mask is None:
-            inputs = dict(input_ids=inputs["input_ids"])  # plain causal fast path, positions 0..T-1
+        if attention_mask is None:  # plain causal fast path, positions 0..T-1
+            inputs = {key: value for key, value in inputs.items() if key in ("input_ids", "inputs_embeds")}
         want_logits = logits and self.config.lm_head
         if want_logits:  # the full causal LM: its own lm head, logit scaling or soft-capping included
             keep = {"logits_to_keep": logits_to_keep} if self._keep_kw and logits_to_keep > 0 else {}
@@ -272,7 +280,7 @@ class HFCausalLM(nn.Module):
             # the new token sits at position n_real + step; it sees the real prompt keys and all new keys
             Tk = P + step + 1
             pos = (n_real + step).clamp(max=self.config.block_size - 1)[:, None]  # (B, 1); past a row's budget: unused
-            out = self.hf(input_ids=tok[:, None], attention_mask=key_real[:, :Tk], position_ids=pos, **kw)
+            out = self.hf(**self._tokens(tok[:, None]), attention_mask=key_real[:, :Tk], position_ids=pos, **kw)
             return out.logits[:, -1]  # (B, V)
 
         return logits, advance
@@ -301,7 +309,7 @@ class HFCausalLM(nn.Module):
 
         def advance(tok: Tensor, step: int) -> Tensor:
             pos = (n_real + step).clamp(max=self.config.block_size - 1)[:, None]  # (B, 1); past a row's budget: unused
-            out = step_fn(input_ids=tok[:, None], attention_mask=key_real, position_ids=pos, **kw)
+            out = step_fn(**self._tokens(tok[:, None]), attention_mask=key_real, position_ids=pos, **kw)
             return out.logits[:, -1].clone()  # a copy: a CUDA graph reuses its output buffer
 
         return logits, advance

@@ -266,7 +266,9 @@ class GPT(nn.Module):
     def _trunk(self, idx: Tensor, pos: Tensor, attn_mask: Tensor | None, kv_caches: list | None = None) -> Tensor:
         """idx, pos (B, T) long (pos may be (T,)) -> final hidden states (B, T, C) after ln_f."""
         idx = idx.masked_fill((idx < 0) | (idx >= self.config.vocab_size), 0)  # pad ids may lie outside the vocab
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        residual = torch.promote_types(self.transformer.wte.weight.dtype, torch.float32)  # fp32 for bf16 weights too
+        x = self.transformer.wte(idx).to(residual) + self.transformer.wpe(pos).to(residual)
+        x = self.transformer.drop(x)  # (B, T, C)
         recompute = self.grad_ckpt and torch.is_grad_enabled() and kv_caches is None
         for i, block in enumerate(self.transformer.h):
             if recompute:  # --grad-ckpt: keep only the block's input, recompute the rest in the backward

@@ -83,7 +83,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
-    """bf16 autocast context (weights stay fp32); a no-op for fp32."""
+    """bf16 autocast context (the trained models' weights stay fp32; frozen ones are stored in bf16,
+    store_low_precision); a no-op for fp32."""
     if dtype == torch.float32:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
@@ -144,9 +145,24 @@ def shard_model(model: torch.nn.Module, d: Dist, dtype: torch.dtype) -> torch.nn
     return model
 
 
-def place_model(model: torch.nn.Module, args: CommonArgs, d: Dist, dtype: torch.dtype) -> None:
+def store_low_precision(model: torch.nn.Module, dtype: torch.dtype, everything: bool = False) -> torch.nn.Module:
+    """A frozen model stored in dtype (DESIGN §7), in place: every matrix (linear layers, embeddings, the heads), which
+    autocast casts to dtype at every op anyway, so the linear layers compute the same and read half the bytes; the
+    norms and biases stay fp32 (autocast runs norms in fp32), and the models keep their residual stream in fp32
+    whatever their embeddings' dtype. everything: the 1-D parameters too (--fsdp, whose MixedPrecisionPolicy computes
+    with them in dtype already). Returns the model."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point() and (everything or parameter.dim() >= 2):
+            parameter.data = parameter.data.to(dtype)
+    return model
+
+
+def place_model(model: torch.nn.Module, args: CommonArgs, d: Dist, dtype: torch.dtype, frozen: bool = False) -> None:
     """The model onto the device: under --fsdp sharded block by block (a whole model is never there), else moved
-    whole. A LoRA BaseView moves only its own head: its base is placed as a model of its own."""
+    whole. frozen (a reference, a reward model): stored in dtype under bf16 (store_low_precision). A LoRA BaseView
+    moves only its own head: its base is placed as a model of its own, and keeps its dtype."""
+    if frozen and dtype != torch.float32 and not isinstance(model, BaseView):
+        store_low_precision(model, dtype, everything=args.fsdp)
     if args.fsdp and not isinstance(model, BaseView):
         shard_model(model, d, dtype)
     else:

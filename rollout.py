@@ -27,7 +27,7 @@ import parallel
 from common import UserError, exact_div, format_sample
 from data import Order, Tokenizer, encode_prompts, encode_sft, pad_right, prompt_ids, prompt_text, read_jsonl
 from generate import Samples, sample
-from lora import BaseView
+from lora import BaseView, merge_lora, merged_state_dict
 from model import aggregate_rm_scores, entropy_from_logits, lm_loss, logprobs_from_logits, response_forward
 from task import build_task, gold_reward
 
@@ -270,11 +270,13 @@ HASH_FLAGS = {"sft_hash": "--sft-ckpt", "ref_hash": "--ref-ckpt", "rm_hashes": "
 class Models:
     """The roles both RL stages have: the policy (actor, LM head), its frozen reference and the frozen reward models
     (scalar heads: one, the K members of an ensemble, or none with --rm-ckpt none). Under LoRA the reference is the
-    actor with its adapters off (lora.BaseView); PPO's first reward model is its critic's base with the RM's head."""
+    actor with its adapters off (lora.BaseView); PPO's first reward model is its critic's base with the RM's head.
+    sampler: what generates the rollouts when it is not the actor itself, a bf16 copy of it (with_sampler)."""
 
     actor: torch.nn.Module
     ref: torch.nn.Module
     reward_models: list[torch.nn.Module]
+    sampler: Optional[torch.nn.Module] = None
 
     def frozen(self) -> list[torch.nn.Module]:
         return [self.ref, *self.reward_models]
@@ -285,7 +287,26 @@ class Models:
         passes run it, so the sampler's log-probs are checked against the very forward the update differentiates."""
         if not parallel.use_compile(setting, device):
             return self
-        return Models(compile_role(self.actor), compile_role(self.ref), [compile_role(m) for m in self.reward_models])
+        reward_models = [compile_role(m) for m in self.reward_models]
+        return Models(compile_role(self.actor), compile_role(self.ref), reward_models, self.sampler)
+
+    def with_sampler(self, dtype: torch.dtype, fsdp: bool) -> "Models":
+        """Under bf16 (not --fsdp, whose sharded actor gathers its parameters in bf16 for the rollout already): a
+        frozen copy of the actor stored in bf16 (parallel.store_low_precision; LoRA adapters merged) that generates
+        the rollouts, so the decode reads 2 bytes a parameter and casts nothing; refresh_sampler copies the actor in
+        after every update, in place."""
+        if dtype == torch.float32 or fsdp:
+            return self
+        sampler = merge_lora(copy.deepcopy(self.actor)).requires_grad_(False).eval()
+        return replace(self, sampler=parallel.store_low_precision(sampler, dtype))
+
+
+@torch.no_grad()
+def refresh_sampler(models: Models) -> None:
+    """The actor's weights (adapters merged) into its bf16 sampler, in place (copy_: static caches and CUDA graphs
+    keep their addresses, no recompile); the actor's fp32 master weights and optimizer state are untouched."""
+    if models.sampler is not None:
+        models.sampler.load_state_dict(merged_state_dict(models.actor))
 
 
 def compile_role(model):
@@ -437,9 +458,10 @@ def generate_responses(
     device = next(models.actor.parameters()).device
     query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
     compiled = parallel.use_compile(args.compile, device) and not args.fsdp
-    with parallel.autocast(device, dtype), parallel.gathered(models.actor):  # --fsdp: gathered once, not per token
+    policy = models.actor if models.sampler is None else models.sampler
+    with parallel.autocast(device, dtype), parallel.gathered(policy):  # --fsdp: gathered once, not per token
         samples = sample(
-            models.actor,
+            policy,
             tok,
             query,
             query_mask,

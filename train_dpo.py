@@ -303,7 +303,7 @@ def main(args: Args) -> None:
     )
     ref.eval()
     parallel.place_model(model, args, d, dtype)
-    parallel.place_model(ref, args, d, dtype)
+    parallel.place_model(ref, args, d, dtype, frozen=True)  # stored in bf16 under bf16 (DESIGN §7)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps, min_lr_ratio=0.0)
     trained = common.Trained("model", model, optimizer, schedule, args.grad_clip)

@@ -584,7 +584,9 @@ def main(args: Args) -> None:
     )
     for model in (models.actor, *models.frozen()):
         model.eval()  # eval mode always: dropout off in every model
-        parallel.place_model(model, args, d, dtype)  # --fsdp shards the frozen models too
+        frozen = model is not models.actor  # stored in bf16 under bf16 (DESIGN §7)
+        parallel.place_model(model, args, d, dtype, frozen=frozen)  # --fsdp shards the frozen models too
+    models = models.with_sampler(dtype, args.fsdp)  # under bf16 the rollouts come from a bf16 copy of the actor
     optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps)
     actor = Trained("model", models.actor, optimizer, schedule, args.grad_clip)
@@ -642,6 +644,7 @@ def main(args: Args) -> None:
             actor, guard, experience, args, ptx_sampler=ptx_sampler_or_none, step=step, diagnose=not first, **shared
         )
         first = first or diagnostics["first"]
+        rollout.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
         amp = parallel.autocast(d.device, dtype)
         updated["policy/update_kl"] = rollout.update_kl(
             actor.forward, experience, sizes.micro_batch_size, args.temperature, amp

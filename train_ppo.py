@@ -549,7 +549,9 @@ def main(args: Args) -> None:
     )
     for model in (models.actor, critic_model, *models.frozen()):
         model.eval()  # eval mode always: dropout off in all four models
-        parallel.place_model(model, args, d, dtype)  # --fsdp shards the frozen models too
+        frozen = model not in (models.actor, critic_model)  # stored in bf16 under bf16 (DESIGN §7)
+        parallel.place_model(model, args, d, dtype, frozen=frozen)  # --fsdp shards the frozen models too
+    models = models.with_sampler(dtype, args.fsdp)  # under bf16 the rollouts come from a bf16 copy of the actor
     actor, critic = build_optimizers(args, models, critic_model, max_steps, d.device.type)
     sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
     kl_controller = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
@@ -622,6 +624,7 @@ def main(args: Args) -> None:
             **shared,
         )
         first = first or diagnostics["first"]
+        rollout.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
         amp = parallel.autocast(d.device, dtype)
         updated["policy/update_kl"] = rollout.update_kl(
             actor.forward, experience, sizes.micro_batch_size, args.temperature, amp
