@@ -145,13 +145,18 @@ def shard_model(model: torch.nn.Module, d: Dist, dtype: torch.dtype) -> torch.nn
     return model
 
 
-def store_low_precision(model: torch.nn.Module, dtype: torch.dtype, everything: bool = False) -> torch.nn.Module:
+def store_low_precision(
+    model: torch.nn.Module, dtype: torch.dtype, everything: bool = False, frozen_only: bool = False
+) -> torch.nn.Module:
     """A frozen model stored in dtype (DESIGN §7), in place: every matrix (linear layers, embeddings, the heads), which
     autocast casts to dtype at every op anyway, so the linear layers compute the same and read half the bytes; the
     norms and biases stay fp32 (autocast runs norms in fp32), and the models keep their residual stream in fp32
     whatever their embeddings' dtype. everything: the 1-D parameters too (--fsdp, whose MixedPrecisionPolicy computes
-    with them in dtype already). Returns the model."""
+    with them in dtype already). frozen_only: the parameters that do not train alone (a LoRA model's base). Returns
+    the model."""
     for parameter in model.parameters():
+        if frozen_only and parameter.requires_grad:
+            continue
         if parameter.is_floating_point() and (everything or parameter.dim() >= 2):
             parameter.data = parameter.data.to(dtype)
     return model
@@ -159,10 +164,14 @@ def store_low_precision(model: torch.nn.Module, dtype: torch.dtype, everything: 
 
 def place_model(model: torch.nn.Module, args: CommonArgs, d: Dist, dtype: torch.dtype, frozen: bool = False) -> None:
     """The model onto the device: under --fsdp sharded block by block (a whole model is never there), else moved
-    whole. frozen (a reference, a reward model): stored in dtype under bf16 (store_low_precision). A LoRA BaseView
-    moves only its own head: its base is placed as a model of its own, and keeps its dtype."""
-    if frozen and dtype != torch.float32 and not isinstance(model, BaseView):
+    whole. frozen (a reference, a reward model): stored in dtype under bf16 (store_low_precision), as is the frozen
+    base of a LoRA model (not under --fsdp). A LoRA BaseView moves only its own head: its base is placed as a model
+    of its own."""
+    low_precision = dtype != torch.float32 and not isinstance(model, BaseView)
+    if low_precision and frozen:
         store_low_precision(model, dtype, everything=args.fsdp)
+    elif low_precision and args.lora_rank > 0 and not args.fsdp:  # a LoRA model's frozen base, adapters in fp32
+        store_low_precision(model, dtype, frozen_only=True)
     if args.fsdp and not isinstance(model, BaseView):
         shard_model(model, d, dtype)
     else:
