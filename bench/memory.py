@@ -2,8 +2,11 @@
 ranks, LoRA (--lora-rank), and both, for GPT-2 124 M and Llama-shaped 1 B and 7 B, and a check of the same model
 against train_ppo.py's measured peak RSS on CPU.
 
-The model (fp32 master weights everywhere, as the stages keep them; bf16 is autocast or FSDP2's parameter dtype):
-  weights    4 bytes x (actor + reference + critic + RM); LoRA: two frozen bases (actor = reference, critic = RM)
+The model (fp32 master weights for what trains; bf16 is autocast or FSDP2's parameter dtype):
+  weights    4 bytes x (actor + critic) + 2 bytes x (reference + RM) and the actor's bf16 sampler copy (DESIGN §7:
+             what does not train is stored in bf16; --frozen-fp32: 4 bytes for all four and no copy, as before);
+             LoRA: two frozen bases (actor = reference, critic = RM) in bf16, the sampler copy; under --fsdp the
+             frozen models' shards in bf16, no copy, LoRA's bases fp32
   training   (4 grad + 8 Adam) bytes x trainable parameters (actor and critic; LoRA: adapters and the value head)
   --fsdp     both / ranks, plus the gathered working set: the whole actor during generation (parameters gathered once
              per rollout, in the parameter dtype) or, in the update, the root (embeddings, heads) and two blocks with
@@ -31,10 +34,10 @@ from typing import Optional
 
 import tyro
 
-import checkpoints
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import checkpoints  # noqa: E402
+
 GB = 1e9
 
 
@@ -101,6 +104,9 @@ class Setting:
     """16-bit activations and gathered parameters (False: fp32, as the CPU check runs)"""
     lora_rank: int = 8
     grad_ckpt: bool = False
+    frozen_bf16: bool = True
+    """what does not train stored in bf16 and a bf16 sampler copy of the actor (the stages under bf16 since the
+    low-precision change); False: every model in fp32, the actor sampling itself (before)"""
 
 
 def predict(shape: Shape, setting: Setting, fsdp: bool, lora: bool, ranks: int) -> dict:
@@ -108,18 +114,21 @@ def predict(shape: Shape, setting: Setting, fsdp: bool, lora: bool, ranks: int) 
     policy = shape.params()
     critic = shape.params(lm_head=False) + shape.n_embd + 1
     reward = shape.params() + shape.n_embd + 1
+    low = 2 if setting.bf16 else 4
+    frozen = low if setting.frozen_bf16 else 4  # bytes a parameter of what does not train
+    sampler = low * policy if setting.frozen_bf16 and setting.bf16 and not fsdp else 0  # the bf16 copy, replicated
     if lora:
-        weights = 4 * (policy + critic) + 4 * (shape.n_embd + 1)  # two bases, and the RM's own head
+        base = frozen if not fsdp else 4  # the bases of a LoRA model stay fp32 under --fsdp
+        weights = base * (policy + critic) + 4 * (shape.n_embd + 1)  # two bases, and the RM's own head
         trainable = 2 * shape.lora_params(setting.lora_rank) + shape.n_embd + 1
         built = 4 * (policy + critic)
     else:
-        weights = 4 * (2 * policy + critic + reward)
+        weights = 4 * (policy + critic) + frozen * (policy + reward)
         trainable = policy + critic
-        built = weights
+        built = 4 * (2 * policy + critic + reward)
     training = 12 * trainable
     shards = ranks if fsdp else 1
-    parts = {"weights": weights / shards, "grads+adam": training / shards}
-    low = 2 if setting.bf16 else 4
+    parts = {"weights": weights / shards + sampler, "grads+adam": training / shards}
     C, L = shape.n_embd, shape.n_layer
     b, T = setting.micro_batch_size, setting.seq_len
     per_layer = 34 * b * T * C * (low / 2)
@@ -134,8 +143,22 @@ def predict(shape: Shape, setting: Setting, fsdp: bool, lora: bool, ranks: int) 
     parts["gathered"] = max(generation, update + parts["activations"]) - parts["activations"]
     run = sum(parts.values())
     if not fsdp:  # DDP's start-up broadcast of each wrapped model goes through 250 MB buckets (a transient copy)
-        built = weights + min(250e6, 4 * policy)
+        built = max(built, weights + sampler) + min(250e6, 4 * policy)
     return {"parts": parts, "run": run, "build": built}
+
+
+def decode_bytes(shape: Shape) -> str:
+    """The weight bytes a decoding step reads (one new token for the whole batch), and the four roles' weights on one
+    GPU under DDP, at every shape: fp32 actor under autocast (before: 4 bytes a parameter read, and autocast writes and
+    reads a bf16 copy of each matrix at every step) against the bf16 sampler copy (after: 2 bytes)."""
+    policy = shape.params()
+    before = Setting(frozen_bf16=False)
+    after = Setting()
+    weights = [predict(shape, setting, False, False, 1)["parts"]["weights"] / GB for setting in (before, after)]
+    return (
+        f"| {shape.name} | {policy / 1e9:.2f} B | {4 * policy / GB:.2f} (+ {4 * policy / GB:.2f} cast) | "
+        f"{2 * policy / GB:.2f} | {weights[0]:.1f} | {weights[1]:.1f} |"
+    )
 
 
 def table(setting: Setting) -> str:
@@ -347,6 +370,12 @@ def main(args: Args) -> None:
     print(table(setting))
     print()
     print(table(replace(setting, grad_ckpt=True)))
+    print()
+    print(table(replace(setting, frozen_bf16=False)) + "\n(before: every model fp32, the actor sampling itself)")
+    print()
+    print("| shape | params | decode GB/step before | after | 4 roles' weights GB before | after |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(decode_bytes(shape) for shape in SHAPES.values()))
     if args.check:
         print()
         print(check(args.task_dir))
