@@ -46,14 +46,17 @@ PY
   GPT2="--layers 12 --heads 12 --dim 768 --vocab 50257 --n-positions 1024"
   LLAMA1B="--arch llama --layers 16 --heads 32 --kv-heads 8 --dim 2048 --intermediate 8192 --vocab 128256 \
       --n-positions 1024"
-  # decode: bf16 weights (the bytes a decode must read), and Llama's fp32 weights under autocast (PPO's rollout today)
+  # decode: bf16 weights (the rollout's sampler copy: the bytes a decode must read), and Llama's fp32 weights under
+  # autocast (the rollout before the bf16 copy)
   section decode-gpt2 50 $PY bench/decode.py --device cuda --dtype bfloat16 --weights bf16 $GPT2 --batch 64 \
       --prompt-len 64 --resp-len 128 --threads 8
   section decode-llama1b 70 $PY bench/decode.py --device cuda --dtype bfloat16 --weights bf16 $LLAMA1B --batch 64 \
       --prompt-len 128 --resp-len 256 --threads 8
   section decode-llama1b-fp32-weights 60 $PY bench/decode.py --device cuda --dtype bfloat16 --weights fp32 \
       $LLAMA1B --batch 64 --prompt-len 128 --resp-len 256 --reps 2 --threads 8
-  # the update's MFU ([result] update ... % of peak), eager then compiled (training forward and decode step)
+  # the update's MFU ([result] update ... % of peak), eager then compiled (training forward and decode step); the
+  # reference and RM stored in bf16 and the rollouts from a bf16 copy of the actor, as the stages under bf16: the
+  # decode's weight bytes a step, its GB/s ([result] decode traffic), and the compiled frames and graphs
   PPO1B="$LLAMA1B --batch 64 --prompt-len 128 --resp-len 128 --iters 3 --mini-batches 2 --micro-batch 16 \
       --ppo-epochs 1 --threads 8 --device cuda --dtype bfloat16"
   section update-llama1b-eager 60 $PY bench/ppo_throughput.py $PPO1B

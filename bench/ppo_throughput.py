@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import generate as generation  # noqa: E402
 import parallel  # noqa: E402
+import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 import train_ppo  # noqa: E402
 from common import StepGuard, Trained  # noqa: E402
@@ -289,7 +290,10 @@ def main(args: Args) -> None:
     # the warm-up iteration also records every linear layer's GEMM shape (the hooks cost a little Python time there)
     recorder = GemmRecorder(models) if args.floor and device.type == "cpu" else None
     floor = None
-    roles = Models(fwd[policy], fwd[ref], [fwd[member] for member in members])
+    if dtype != torch.float32:  # what does not train in bf16, the rollouts from a bf16 copy (as the stages)
+        for frozen in (ref, *members):
+            parallel.store_low_precision(frozen, dtype)
+    roles = Models(fwd[policy], fwd[ref], [fwd[member] for member in members]).with_sampler(dtype, fsdp=False)
     actor = Trained("model", policy, actor_opt, grad_clip=1.0, forward=fwd[policy])
     sizes = dict(micro_batch_size=B, generator=sampler, dtype=dtype)
     for it in range(args.iters):
@@ -310,9 +314,11 @@ def main(args: Args) -> None:
         sizes_update = dict(micro_batch_size=micro, generator=sampler, dtype=dtype)
         if critic_free:
             train_grpo.grpo_update(actor, StepGuard(), exp, settings, **sizes_update)
+            rollout.refresh_sampler(Models(policy, ref, members, roles.sampler))
         else:
             critic_entry = Trained("critic", critic, critic_opt, grad_clip=1.0, forward=fwd[critic])
             train_ppo.ppo_update(actor, critic_entry, StepGuard(), exp, settings, **sizes_update)
+            rollout.refresh_sampler(Models(policy, ref, members, roles.sampler))
         sync()
         t2 = time.perf_counter()
         rows.append({"total": t2 - t0, "generate": gen_time[0], "scoring": t1 - t0 - gen_time[0], "update": t2 - t1})
@@ -368,7 +374,8 @@ def main(args: Args) -> None:
             f"{100 * sum(floor.values()) / med['total']:.0f}% of our iteration is in them)"
         )
     # decode is bandwidth-bound on a GPU: each step reads the policy's weights and the KV cache so far
-    weight_bytes = sum(p.numel() * p.element_size() for p in policy.parameters())
+    sampler = roles.sampler if roles.sampler is not None else policy  # the weights the decode reads
+    weight_bytes = sum(p.numel() * p.element_size() for p in sampler.parameters())
     kv_elem = 2 if dtype != torch.float32 else 4
     kv_width = args.dim * (args.kv_heads or args.heads) // args.heads  # grouped-query attention reads fewer keys
     kv_bytes = sum(2 * args.layers * B * (P + t) * kv_width * kv_elem for t in range(R))
