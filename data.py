@@ -770,16 +770,48 @@ def encode_prefs(tok, rows: list[dict], block_size: int) -> tuple[list, int]:
     return examples, skipped
 
 
+def as_conversation(row: dict) -> dict:
+    """A string record as a conversation (DESIGN §3): the prompt as the user's turn, each answer as the assistant's;
+    SFT {"prompt", "response"}, preferences (pairwise or K-wise) and prompts."""
+
+    def reply(text: str) -> list[dict]:
+        return [{"role": "assistant", "content": text.strip()}]
+
+    prompt = [{"role": "user", "content": row["prompt"]}]
+    if "response" in row:
+        return {"messages": prompt + reply(row["response"])}
+    if "responses" in row:
+        return {"prompt": prompt, "responses": [reply(r) for r in row["responses"]], "ranking": row["ranking"]}
+    if "chosen" in row:
+        return {"prompt": prompt, "chosen": reply(row["chosen"]), "rejected": reply(row["rejected"])}
+    return {"prompt": prompt}
+
+
+def to_conversations(src: str, dst: str) -> int:
+    """The string records of src (SFT, preferences or prompts, told apart by their fields) as conversations at dst,
+    written atomically; returns how many."""
+    first = read_jsonl(src, "prompts")[0]
+    kind = "sft" if "response" in first else "pairs" if "chosen" in first or "responses" in first else "prompts"
+    rows = [as_conversation(row) for row in read_jsonl(src, kind)]
+    write_atomic(dst, "".join(json.dumps(row) + "\n" for row in rows))
+    return len(rows)
+
+
 def _cli(argv: list[str]) -> None:
-    """python data.py hh anthropic_hh.jsonl pairs.jsonl [--messages] | ultrafeedback uf.jsonl pairs.jsonl"""
+    """python data.py hh anthropic_hh.jsonl pairs.jsonl [--messages] | ultrafeedback uf.jsonl pairs.jsonl |
+    chat strings.jsonl conversations.jsonl"""
     usage = (
         "usage: python data.py hh anthropic_hh.jsonl pairs.jsonl [--messages] (gunzip the HH files first) | "
-        "python data.py ultrafeedback ultrafeedback_binarized.jsonl pairs.jsonl"
+        "python data.py ultrafeedback ultrafeedback_binarized.jsonl pairs.jsonl | "
+        "python data.py chat strings.jsonl conversations.jsonl"
     )
     messages = "--messages" in argv
     argv = [arg for arg in argv if arg != "--messages"]
-    if len(argv) != 3 or argv[0] not in ("hh", "ultrafeedback") or (messages and argv[0] != "hh"):
+    if len(argv) != 3 or argv[0] not in ("hh", "ultrafeedback", "chat") or (messages and argv[0] != "hh"):
         raise UserError(usage)
+    if argv[0] == "chat":
+        print(f"wrote {to_conversations(argv[1], argv[2])} conversations to {argv[2]}")
+        return
     written, skipped = convert(argv[1], argv[2], argv[0], messages)
     print(f"wrote {written} pairs to {argv[2]} ({skipped} skipped: no shared prompt, an empty or a tied answer)")
 

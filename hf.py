@@ -423,3 +423,55 @@ def load_init(
             f"hf:<name-or-path> or scratch"
         )
     return model, tokenizer, ckpt
+
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_chat_model(out_dir: str, tokenizer: str, n_layer: int = 2, n_embd: int = 64) -> None:
+    """A Hugging Face folder to try the conversational path with (README, "Your own model in two minutes"): a randomly
+    initialised Llama of n_layer layers and width n_embd, and `tokenizer` (anything data.load_tokenizer reads, e.g.
+    the built-in task's tokenizer.json) as a Hugging Face tokenizer with ChatML's template, <|im_end|> closing a
+    turn."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from data import export_tokenizer
+
+    print(export_tokenizer(load_tokenizer(tokenizer), out_dir))
+    hf_tok = AutoTokenizer.from_pretrained(out_dir)
+    hf_tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    hf_tok.chat_template = CHATML
+    hf_tok.save_pretrained(out_dir)
+    config = LlamaConfig(
+        num_hidden_layers=n_layer,
+        hidden_size=n_embd,
+        intermediate_size=4 * n_embd,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(hf_tok),
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=hf_tok.convert_tokens_to_ids("<|im_end|>"),
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out_dir)
+    print(f"wrote a {n_layer}-layer Llama with a ChatML template to {out_dir} (--init hf:{out_dir})")
+
+
+if __name__ == "__main__":
+    import sys
+
+    from common import run_main
+
+    def tiny_chat(argv: list[str]) -> None:
+        if len(argv) != 3 or argv[0] != "tiny-chat":
+            raise UserError(
+                "usage: python hf.py tiny-chat OUT_DIR TOKENIZER (e.g. out/data/v2-seed1337/tokenizer.json)"
+            )
+        write_tiny_chat_model(argv[1], argv[2])
+
+    run_main(tiny_chat, sys.argv[1:])
