@@ -356,15 +356,16 @@ def actor_backward(actor, batch: dict, args: Args, token_count, sync: bool, amp,
         loss, stats = ppo_policy_loss(
             logprobs, batch["logprobs"], batch["advantages"], mask, args.cliprange, denom=token_count, weights=weights
         )
-        pg_loss = loss.detach()
+        sums = {"pg_loss": loss.detach()}  # each term's global sum, for the metrics
         if args.kl_full:  # the current position's KL, exactly: its gradient is the KL's own at these states
             with torch.no_grad():
                 ref_logits, _ = rollout.policy_logprobs(ref, batch, args.temperature)
-            loss = loss + kl_coef * (rollout.full_kl(logits, ref_logits) * mask).sum() / token_count
+            sums["kl_loss"] = kl_coef * (rollout.full_kl(logits, ref_logits) * mask).sum() / token_count
+            loss = loss + sums["kl_loss"]
     # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
     (loss * world_size()).backward()
     tokens = mask.sum()
-    sums = {"tokens": tokens, "pg_loss": pg_loss}
+    sums = {key: value.detach() for key, value in sums.items()} | {"tokens": tokens}
     for key in ("approx_kl", "clipfrac", "ratio_mean"):
         sums[key] = rollout.token_sum(stats[key], tokens)
     return sums, logprobs
@@ -501,8 +502,9 @@ def update_metrics(totals: dict, steps: dict, guard: common.StepGuard, device) -
         metrics["policy/loss"] = summed["model/pg_loss"] / steps["model"]
         for key in ("approx_kl", "clipfrac", "ratio_mean"):
             metrics[f"policy/{key}"] = summed[f"model/{key}"] / summed["model/tokens"]
-        if "model/ptx_loss" in summed:
-            metrics["ptx/loss"] = summed["model/ptx_loss"] / steps["model"]
+        for key, tag in (("kl_loss", "policy/kl_loss"), ("ptx_loss", "ptx/loss")):  # the loss terms a run has
+            if f"model/{key}" in summed:
+                metrics[tag] = summed[f"model/{key}"] / steps["model"]
     return metrics
 
 
