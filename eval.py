@@ -52,7 +52,7 @@ from model import (
     response_forward,
     score_sequences,
 )
-from task import build_task, gold_reward, is_valid
+from task import build_task, gold_reward, is_task_prompt, is_valid
 
 
 @dataclass
@@ -658,6 +658,7 @@ def main(args: Args) -> dict:
     # 1. prompts, reference and reward models
     rows = read_jsonl(args.prompts or task["eval_prompts"], "prompts", "--prompts")
     prompts = [r["prompt"] for r in rows][: args.num_samples]
+    builtin = all(is_task_prompt(prompt) for prompt in prompts)  # the gold reward knows the built-in task's prompts
     names = args.names or [os.path.basename(os.path.dirname(p)) or f"policy{i}" for i, p in enumerate(args.policy)]
     if len(names) != len(args.policy):
         raise UserError(f"--names: {len(names)} names for {len(args.policy)} policies")
