@@ -211,13 +211,6 @@ def kl_estimate(logprobs, ref_logprobs, mask, estimator: str) -> torch.Tensor:
     return kl * mask
 
 
-def full_kl(logits, ref_logits) -> torch.Tensor:
-    """logits, ref_logits (B, T, V) -> (B, T): KL(pi || ref) of each token's whole distribution, sum_v pi(v) (log pi(v)
-    - log ref(v)): the value k1 estimates from the sampled token alone, without its sampling noise."""
-    log_policy = torch.log_softmax(logits.float(), -1)
-    return (log_policy.exp() * (log_policy - torch.log_softmax(ref_logits.float(), -1))).sum(-1)
-
-
 def tis_weights(old_logprobs, sampler_logprobs, mask, cap: float) -> tuple[torch.Tensor, dict]:
     """Truncated importance sampling (Yao et al. 2025): per token (B, T) min(pi_old / pi_sampler, cap), pi_old the
     training forward's probability of the sampled token and pi_sampler the sampler's own, masked before the
@@ -528,9 +521,8 @@ def response_scores(models: Models, responses: Responses, args: RolloutArgs, mic
 @torch.no_grad()
 def policy_and_reference_logprobs(models: Models, responses: Responses, micro_batch_size: int, temperature, amp):
     """Step 3's no-grad passes of the training forward, per micro-batch: the policy's and the reference's log-probs
-    of the response tokens, the policy's entropy and each token's whole-distribution KL (full_kl), (B, T) each,
-    masked."""
-    chunks = {"logprobs": [], "ref_logprobs": [], "entropy": [], "kl_full": []}
+    of the response tokens and the policy's entropy, (B, T) each, masked."""
+    chunks = {"logprobs": [], "ref_logprobs": [], "entropy": []}
     for _, *micro_batch in micro_batches(responses, micro_batch_size):
         response = micro_batch[2]
         with amp:
@@ -539,7 +531,6 @@ def policy_and_reference_logprobs(models: Models, responses: Responses, micro_ba
         chunks["logprobs"].append(logprobs_from_logits(logits, response))
         chunks["ref_logprobs"].append(logprobs_from_logits(ref_logits, response))
         chunks["entropy"].append(entropy_from_logits(logits))
-        chunks["kl_full"].append(full_kl(logits, ref_logits))
     mask = responses.samples.mask
     return {key: torch.cat(values) * mask for key, values in chunks.items()}
 
@@ -559,9 +550,9 @@ def rollout(
 ) -> tuple[dict, dict, list]:
     """Steps 1-3 on this rank's prompts (a group's G copies of a prompt consecutive), with models' training forwards:
     generate, the policy's and the reference's log-probs (checked against the sampler's own), the scores. Returns
-    (experience: (B, ...) tensors query, query_mask, response, mask, logprobs, ref_logprobs, kl_full,
-    sampler_logprobs, scores (after the missing-EOS penalty) and ended; sums: this rank's named sums of the rollout's
-    metrics for rollout_metrics; records: this rank's samples as dicts)."""
+    (experience: (B, ...) tensors query, query_mask, response, mask, logprobs, ref_logprobs, sampler_logprobs,
+    scores (after the missing-EOS penalty) and ended; sums: this rank's named sums of the rollout's metrics for
+    rollout_metrics; records: this rank's samples as dicts)."""
     responses = generate_responses(models, tok, prompts, args, generator, args.temperature, dtype)
     samples = responses.samples
     amp = parallel.autocast(samples.mask.device, dtype)
@@ -575,7 +566,6 @@ def rollout(
         mask=samples.mask,
         logprobs=logprobs["logprobs"],
         ref_logprobs=logprobs["ref_logprobs"],
-        kl_full=logprobs["kl_full"],
         scores=scores,
         ended=samples.ended.float(),
         sampler_logprobs=samples.logprobs * samples.mask,

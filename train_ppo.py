@@ -47,10 +47,6 @@ class Args(rollout.RolloutArgs):
     kl_coef: float = 0.3
     """beta of the per-token KL penalty -beta * (logp - ref_logp) in the rewards (the initial value with
     --kl-target); 0.3 keeps the built-in task's valid fraction above 0.9 across retrained RMs"""
-    kl_full: bool = False
-    """the KL of each token's whole distribution, sum_v pi log(pi / ref), in place of the sampled k1: -beta x the
-    next token's in the rewards, and its exact gradient at every sampled position in the loss (no sampling noise in
-    the penalty; one more reference forward a micro-batch of the update)"""
     kl_target: Optional[float] = None
     """adaptive KL controller (Ziegler et al. 2019): target KL per sequence in nats (None: fixed --kl-coef)"""
     kl_horizon: int = 10000
@@ -140,18 +136,6 @@ def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float):
     last = (mask.sum(1).long() - 1).clamp(min=0)  # (B,) index of the last real token
     rewards = rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
     return rewards * mask, kl
-
-
-def shape_rewards_full(scores, kl_full, mask, kl_coef: float) -> torch.Tensor:
-    """--kl-full: scores (B,), kl_full, mask (B, T) -> rewards (B, T), 0 on padding: -kl_coef x the whole-distribution
-    KL of the next position (what choosing this token leads to; the current position's own KL enters the loss
-    exactly), plus the score on the last valid token. Summed over a response it is -kl_coef x the KL of every
-    position but the first, with the first one's in the loss: the sequence KL without the sampling noise of k1."""
-    next_kl = torch.nn.functional.pad(kl_full[:, 1:] * mask[:, 1:], (0, 1))
-    rewards = -kl_coef * next_kl
-    last = (mask.sum(1).long() - 1).clamp(min=0)  # (B,) index of the last real token
-    rewards = rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
-    return rewards * mask
 
 
 def compute_gae(rewards, values, mask, gamma: float, lam: float):
@@ -318,10 +302,7 @@ def ppo_rollout(
     score_norm = rollout.normalize_scores(
         scores, reward_moments.mean, reward_moments.std, args.reward_norm, args.reward_clip
     )
-    if args.kl_full:
-        rewards = shape_rewards_full(score_norm, experience["kl_full"], mask, kl_coef)
-    else:
-        rewards, _ = shape_rewards(score_norm, experience["logprobs"], experience["ref_logprobs"], mask, kl_coef)
+    rewards, _ = shape_rewards(score_norm, experience["logprobs"], experience["ref_logprobs"], mask, kl_coef)
     # 5. advantages by GAE; returns = raw advantages + values, the critic's targets
     advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
     experience |= dict(rewards=rewards, advantages=advantages, values=values, returns=returns)
@@ -344,11 +325,10 @@ def ppo_rollout(
     return experience, metrics, samples
 
 
-def actor_backward(actor, batch: dict, args: Args, token_count, sync: bool, amp, ref=None, kl_coef: float = 0.0):
+def actor_backward(actor, batch: dict, args: Args, token_count, sync: bool, amp):
     """The actor's clipped policy loss on one micro-batch, a token mean over the minibatch's global token count, and
-    its backward (gradients accumulate; DDP all-reduces where sync); with --kl-full plus kl_coef x the exact
-    whole-distribution KL against ref at every position, aggregated alike. Returns (its sums for the metrics, the
-    new log-probs)."""
+    its backward (gradients accumulate; DDP all-reduces where sync). Returns (its sums for the metrics, the new
+    log-probs)."""
     mask = batch["mask"]
     weights = mask * batch["tis"] if "tis" in batch else mask  # --tis-cap
     with parallel.grad_sync(actor, sync), amp:
@@ -357,11 +337,6 @@ def actor_backward(actor, batch: dict, args: Args, token_count, sync: bool, amp,
             logprobs, batch["logprobs"], batch["advantages"], mask, args.cliprange, denom=token_count, weights=weights
         )
         sums = {"pg_loss": loss.detach()}  # each term's global sum, for the metrics
-        if args.kl_full:  # the current position's KL, exactly: its gradient is the KL's own at these states
-            with torch.no_grad():
-                ref_logits, _ = rollout.policy_logprobs(ref, batch, args.temperature)
-            sums["kl_loss"] = kl_coef * (rollout.full_kl(logits, ref_logits) * mask).sum() / token_count
-            loss = loss + sums["kl_loss"]
     # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
     (loss * world_size()).backward()
     tokens = mask.sum()
@@ -398,8 +373,6 @@ def ppo_update(
     dtype: torch.dtype = torch.float32,
     step: int = 0,
     diagnose: bool = False,
-    ref=None,
-    kl_coef: float = 0.0,
 ) -> tuple[dict, dict]:
     """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one optimizer step per
     minibatch for the critic and (unless train_actor is False: critic warm-up) the actor, each through its Trained
@@ -459,9 +432,7 @@ def ppo_update(
                             actor_forward, ptx_batches[micro], args.ptx_coef, ptx_token_count, amp
                         )
                         rollout.add_all(step_sums["model"], ptx_sums)
-                    sums, logprobs = actor_backward(
-                        actor_forward, micro_batch, args, token_count, sync, amp, ref, kl_coef
-                    )
+                    sums, logprobs = actor_backward(actor_forward, micro_batch, args, token_count, sync, amp)
                     rollout.add_all(step_sums["model"], sums)
                     if diagnose and not first:  # must be ratio 1, approx_kl 0, clipfrac 0 (DESIGN §5)
                         first = rollout.first_micro_batch(logprobs, micro_batch["logprobs"], micro_batch["mask"], sums)
@@ -502,7 +473,7 @@ def update_metrics(totals: dict, steps: dict, guard: common.StepGuard, device) -
         metrics["policy/loss"] = summed["model/pg_loss"] / steps["model"]
         for key in ("approx_kl", "clipfrac", "ratio_mean"):
             metrics[f"policy/{key}"] = summed[f"model/{key}"] / summed["model/tokens"]
-        for key, tag in (("kl_loss", "policy/kl_loss"), ("ptx_loss", "ptx/loss")):  # the loss terms a run has
+        for key, tag in (("ptx_loss", "ptx/loss"),):  # the loss terms a run has beside the policy loss
             if f"model/{key}" in summed:
                 metrics[tag] = summed[f"model/{key}"] / steps["model"]
     return metrics
@@ -652,8 +623,6 @@ def main(args: Args) -> None:
             ptx_sampler=ptx_sampler_or_none,
             step=step,
             diagnose=not first,
-            ref=forward.ref,
-            kl_coef=kl_coef,
             **shared,
         )
         first = first or diagnostics["first"]

@@ -44,8 +44,6 @@ VARIANTS = {
     "no_whiten": ("train_ppo.py", ["--adv-whiten", "none"]),
     "cliprange0.1": ("train_ppo.py", ["--cliprange", "0.1"]),
     "rloo": ("train_grpo.py", ["--estimator", "rloo"]),
-    "kl_full": ("train_ppo.py", ["--kl-full"]),
-    "kl_full_ptx0": ("train_ppo.py", ["--kl-full", "--ptx-coef", "0"]),
 }
 
 
