@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 import typing
 from contextlib import contextmanager
@@ -206,8 +207,17 @@ class StopSignal:
 
     def __init__(self):
         self.signum = 0
+        self.previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach the main thread only (a stage called from a thread stops as it ends)
         for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self._handle)
+            self.previous[signum] = signal.signal(signum, self._handle)
+
+    def close(self) -> None:
+        """The handlers from before, back in place (a stage's main() called twice in one process leaves none)."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum:
@@ -226,6 +236,7 @@ class StopSignal:
     def exit(self, signum: int, path: str) -> None:
         """After the save: one line, then exit 128 + signum on every rank."""
         print0(f"stopped by {signal.Signals(signum).name} with {path} saved: continue with --resume")
+        self.close()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

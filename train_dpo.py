@@ -334,7 +334,10 @@ def main(args: Args) -> None:
         samples = []
         if builtin:
             my_prompts = prompts[d.rank : n_samples : d.world_size]
-            samples = sample_responses(raw_model, ref, tok, my_prompts, args.temperature, args.max_new_tokens, sampler)
+            with amp:  # the reference's forward (bf16 weights under --dtype bfloat16)
+                samples = sample_responses(
+                    raw_model, ref, tok, my_prompts, args.temperature, args.max_new_tokens, sampler
+                )
             for key in ("gold", "kl", "valid"):
                 sums[key] = sum(sample[key] for sample in samples)
         totals = parallel.all_reduce_dict(sums, d.device)
@@ -427,6 +430,7 @@ def main(args: Args) -> None:
             logger.close()
             stop.exit(stopping, run.path)
 
+    stop.close()
     # 4. a few samples to look at, and the numbers that matter
     for line in shown[:5]:
         print0(f"  {line}")

@@ -689,6 +689,7 @@ def main(args: Args) -> None:
             logger.close()
             stop.exit(stopping, run.path)
 
+    stop.close()
     # 4. a few samples to look at
     for record in records[:5]:
         text = format_sample(record["prompt"], record["response"], record["ended"])

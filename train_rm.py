@@ -418,6 +418,7 @@ def main(args: Args) -> None:
                 if final:
                     logger.samples(step, scored)
 
+    stop.close()
     # 4. the numbers that matter
     print0(
         f"calibration: score_offset {score_offset:+.4f} (the mean score of {len(calib)} calibration examples) "

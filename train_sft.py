@@ -268,6 +268,7 @@ def main(args: Args) -> None:
             logger.close()
             stop.exit(stopping, run.path)
 
+    stop.close()
     # 4. a few samples to look at
     for line in shown[:5]:
         print0(f"  {line}")
