@@ -1,17 +1,28 @@
+"""common.py: exact_div, the LR schedule (and its re-timing on a longer budget), the logger (samples.jsonl, console
+keys, resume), the NaN-guarded optimizer step over one and two models, throughput, peak FLOPs; and common.run_main's
+contract across every stage (DESIGN §8): a user mistake ends with one line on stderr, exit code 2, no traceback and no
+checkpoint written; --help lists a stage's own flags first."""
+
+import dataclasses
 import json
 import math
 import os
-import socket
+import re
+import shlex
+import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from conftest import exits_2_with_one_line, offline, run
 
 import checkpoints
 import common
-import hf
-import parallel
+import rollout
+import train_grpo
+import train_ppo
+import train_sft
 from common import LRSchedule, StepGuard, Trained, UserError, exact_div, guarded_step
+from task import build_task
 
 
 def test_exact_div():
@@ -51,68 +62,9 @@ def test_lr_schedule_retimed_for_a_longer_budget():
     assert early.at(5) == schedule.at(5) and early.start_step is None and early.max_steps == 200
 
 
-def test_atomic_save_and_load(tmp_path):
-    path = str(tmp_path / "ckpt.pt")
-    checkpoints.save_checkpoint({"kind": "sft", "model": {"w": torch.ones(2)}}, path)
-    assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temp file left behind
-    ck = checkpoints.load_checkpoint(path, kind="sft")
-    assert torch.equal(ck["model"]["w"], torch.ones(2))
-    with pytest.raises(UserError, match="is a 'sft' checkpoint, expected rm"):
-        checkpoints.load_checkpoint(path, kind="rm", flag="--rm-ckpt")
-    with pytest.raises(UserError, match="no such checkpoint"):
-        checkpoints.load_checkpoint(str(tmp_path / "nope.pt"))
-    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(UserError, match="not a readable checkpoint"):
-        checkpoints.load_checkpoint(str(tmp_path / "junk.pt"))
-
-
-def test_rng_state_round_trip():
-    g = torch.Generator().manual_seed(3)
-    state = checkpoints.rng_state(g)
-    a = (torch.rand(3), torch.rand(3, generator=g))
-    checkpoints.set_rng_state(state, g)
-    b = (torch.rand(3), torch.rand(3, generator=g))
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
-
-def test_init_grammar_rejects_unknown():
-    with pytest.raises(UserError, match="--init nonsense: expected"):
-        hf.load_init("nonsense")
-
-
 def test_peak_flops_measured_on_cpu():
     assert common.peak_flops(torch.device("cpu"), 123.0) == 123.0
     assert common.peak_flops(torch.device("cpu")) > 1e8
-
-
-def test_all_reduce_dict_one_process():
-    sums = {"loss": torch.tensor(1.5), "tokens": 7, "accuracy": torch.tensor(0.25, dtype=torch.float64)}
-    assert parallel.all_reduce_dict(sums, torch.device("cpu")) == {"loss": 1.5, "tokens": 7.0, "accuracy": 0.25}
-
-
-def _all_reduce_dict_worker(rank: int, port: int, queue) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    sums = {"b": torch.tensor(float(rank + 1)), "a": 10.0 * (rank + 1)}
-    queue.put(parallel.all_reduce_dict(sums, torch.device("cpu")))
-    dist.destroy_process_group()
-
-
-def test_all_reduce_dict_two_gloo_ranks():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_all_reduce_dict_worker, args=(rank, port, queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get() for _ in procs]
-    for p in procs:
-        p.join(60)
-    assert results == [{"b": 3.0, "a": 30.0}] * 2
-    assert all(list(result) == ["b", "a"] for result in results)  # the caller's key order
 
 
 def test_logger_owns_samples_jsonl(tmp_path, capsys):
@@ -148,19 +100,6 @@ def test_logger_console_keys(tmp_path, capsys):
     logger.log(3, metrics)
     assert capsys.readouterr().out == "step 00003 | kl 0.125 | loss 0.5\n"
     logger.close()
-
-
-def test_prepare_out_dir(tmp_path):
-    out = str(tmp_path)
-    checkpoints.prepare_out_dir(out, resume=False, overwrite=False)  # nothing there: fine
-    for name in ("ckpt.pt", "samples.jsonl", "events.out.tfevents.1.host", "notes.txt"):
-        (tmp_path / name).write_text("x")
-    with pytest.raises(UserError, match=r"ckpt\.pt exists: pass --resume to continue that run, or --overwrite to"):
-        checkpoints.prepare_out_dir(out, resume=False, overwrite=False)
-    checkpoints.prepare_out_dir(out, resume=True, overwrite=False)  # --resume: left for load_resume
-    assert len(os.listdir(out)) == 4
-    checkpoints.prepare_out_dir(out, resume=False, overwrite=True)
-    assert os.listdir(out) == ["notes.txt"]
 
 
 def test_guarded_step_skips_non_finite_steps():
@@ -240,3 +179,214 @@ def test_logger_resume_keeps_the_checkpoint_step_and_hides_later_ones(tmp_path):
     events = EventAccumulator(out)
     events.Reload()
     assert [(event.step, event.value) for event in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+# -----------------------------------------------------------------------------
+# user mistakes (DESIGN §8): one line on stderr, exit 2, no traceback, no checkpoint written. The JSONL cases the
+# stage tests already cover (test_sft.py, test_rm.py, test_data.py) are not repeated here.
+
+SFT = (
+    "train_sft.py --n-layer 1 --n-head 2 --n-embd 32 --max-steps 2 --batch-size 8 --micro-batch-size 4 "
+    "--eval-every 2 --num-samples 4 --eval-samples 4 --max-new-tokens 8"
+)
+RM = (
+    "train_rm.py --init {sft} --max-steps 2 --batch-size 8 --micro-batch-size 4 --eval-every 2 --eval-pairs 8 "
+    "--probe-size 4 --calib-size 16"
+)
+ROLLOUT = (
+    "--sft-ckpt {sft} --rm-ckpt {rm} --max-steps 1 --rollout-batch-size 8 --num-minibatches 2 --micro-batch-size 4 "
+    "--ptx-batch-size 4 --max-new-tokens 8"
+)
+PPO = "train_ppo.py " + ROLLOUT
+GRPO = "train_grpo.py " + ROLLOUT
+BAD_LINES = {  # file name: (a good first line, a bad second line)
+    "sft_utf8.jsonl": (b'{"prompt": "a", "response": "b"}', b'{"prompt": "\xff", "response": "b"}'),
+    "pairs_range.jsonl": (
+        b'{"prompt": "a", "chosen": "b", "rejected": "c"}',
+        b'{"prompt": "a", "responses": ["b", "c"], "ranking": [0, 2]}',
+    ),
+    "prompts_json.jsonl": (b'{"prompt": "a"}', b"{not json"),
+    "text_type.jsonl": (b'{"text": "a b"}', b'{"text": 1}'),
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, task_dir, tiny_ckpts):
+    """Paths for the command templates: bad JSONL files, an RM on another tokenizer, a truncated checkpoint, and out
+    dirs holding a checkpoint saved with world size 2."""
+    w = tmp_path_factory.mktemp("mistakes")
+    for name, lines in BAD_LINES.items():
+        (w / name).write_bytes(b"\n".join(lines) + b"\n")
+    (w / "empty.jsonl").write_text("")
+    rm = torch.load(tiny_ckpts[1], weights_only=False)
+    ranks = list(rm["tokenizer"]["ranks"])
+    ranks[300], ranks[301] = ranks[301], ranks[300]  # the same size, two merges swapped: another tokenizer
+    checkpoints.save_checkpoint(rm | {"tokenizer": {**rm["tokenizer"], "ranks": ranks}}, str(w / "rm_othertok.pt"))
+    sft = torch.load(tiny_ckpts[0], weights_only=False)
+    checkpoints.save_checkpoint(sft | {"tokenizer": {**sft["tokenizer"], "ranks": ranks}}, str(w / "sft_othertok.pt"))
+    (w / "truncated.pt").write_bytes(open(tiny_ckpts[0], "rb").read()[:20000])
+    from transformers import LlamaConfig, LlamaForCausalLM  # a model folder saved without its tokenizer
+
+    config = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=64)
+    LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(str(w / "model_only"))
+    for kind in ("sft", "rm", "ppo", "grpo"):
+        checkpoints.save_checkpoint({"kind": kind, "model": {}, "world_size": 2}, str(w / f"ws_{kind}" / "ckpt.pt"))
+    return dict(w=str(w), sft=tiny_ckpts[0], rm=tiny_ckpts[1], td=task_dir, tok=build_task(task_dir, 1337)["tokenizer"])
+
+
+def command_line(cmd: str, files: dict, tmp_path) -> tuple[list, str]:
+    """A template filled in, with --task-dir and (a stage's; eval.py writes no checkpoint) --out-dir appended, the
+    template's own or a fresh folder: (argv, the checkpoint path a mistake must leave as it was)."""
+    cmd = cmd.format(**files)
+    out = re.search(r"--out-dir (\S+)", cmd)
+    out = out.group(1) if out else str(tmp_path / "out")
+    out_flag = "" if cmd.startswith("eval.py") else f" --out-dir {out}"
+    return shlex.split(f"{cmd} --task-dir {files['td']}{out_flag}"), os.path.join(out, "ckpt.pt")
+
+
+def read_bytes(path: str):
+    return open(path, "rb").read() if os.path.exists(path) else None
+
+
+@pytest.mark.parametrize(
+    "cmd, message",
+    [
+        (SFT + " --data {w}/sft_utf8.jsonl --tokenizer {tok}", r"sft_utf8\.jsonl:2: not valid UTF-8"),
+        (SFT + " --data {w}/empty.jsonl --tokenizer {tok}", r"empty\.jsonl: no records"),
+        (SFT + " --init {w}/truncated.pt", r"--init .*truncated\.pt: not a readable checkpoint"),
+        (SFT + " --resume", r"--resume .*ckpt\.pt: no such checkpoint"),
+        (SFT + " --init hf:{w}/no_such_model", r"--init hf:.*no_such_model: .*no_such_model: no such folder"),
+        (SFT + " --init hf:{w}/model_only", r"model_only holds no tokenizer files \(tokenizer\.json, "),
+        (SFT + " --init hf:no-such-org/no-such-model", r"could not load the tokenizer .*HF_HUB_OFFLINE=1 to skip"),
+        (SFT + " --data {w}/nofile.jsonl", r"^error: --data .*nofile\.jsonl: no such file"),
+        (SFT + " --resume --out-dir {w}/ws_sft", r"--resume .*ckpt\.pt: saved with world size 2, now 1"),
+        (
+            SFT + " --out-dir {w}/ws_sft",
+            r"ws_sft/ckpt\.pt exists: pass --resume to continue that run, or --overwrite to",
+        ),
+        (
+            RM + " --data {w}/pairs_range.jsonl",
+            r"pairs_range\.jsonl:2: field 'ranking' must be a permutation of 0\.\.1",
+        ),
+        (RM + " --init {w}/sft_othertok.pt", r"--init .*sft_othertok\.pt: its tokenizer is not the built-in task's"),
+        (RM + " --resume --out-dir {w}/ws_rm", r"--resume .*ckpt\.pt: saved with world size 2, now 1"),
+        (RM + " --out-dir {w}/ws_rm", r"ws_rm/ckpt\.pt exists: pass --resume to continue that run, or --overwrite to"),
+        (PPO + " --prompts {w}/prompts_json.jsonl", r"prompts_json\.jsonl:2: bad JSON"),
+        (PPO + " --ptx-data {w}/text_type.jsonl", r"text_type\.jsonl:2: field 'text' must be a string, got int"),
+        (PPO.replace("--rm-ckpt {rm}", "--rm-ckpt {sft}"), r"--rm-ckpt .*: is a 'sft' checkpoint, expected rm"),
+        (PPO.replace("{rm}", "{w}/rm_othertok.pt"), r"--rm-ckpt .*rm_othertok\.pt: its tokenizer differs from"),
+        (
+            PPO + " --rollout-batch-size 10 --num-minibatches 4",
+            r"--rollout-batch-size/world_size over --num-minibatches: "
+            r"10 must divide by 4",
+        ),
+        (PPO + " --micro-batch-size 2 --ptx-batch-size 3", r"--ptx-batch-size over world_size \* accum steps: 3 must"),
+        (PPO + " --resume", r"--resume .*ckpt\.pt: no such checkpoint"),
+        (PPO + " --resume --out-dir {w}/ws_rm", r"--resume .*ckpt\.pt: is a 'rm' checkpoint, expected ppo"),
+        (PPO + " --resume --out-dir {w}/ws_ppo", r"--resume .*ckpt\.pt: saved with world size 2, now 1"),
+        (GRPO + " --prompts {w}/prompts_json.jsonl", r"prompts_json\.jsonl:2: bad JSON"),
+        (GRPO.replace("--rm-ckpt {rm}", "--rm-ckpt {sft}"), r"--rm-ckpt .*: is a 'sft' checkpoint, expected rm"),
+        (GRPO.replace("{rm}", "{w}/rm_othertok.pt"), r"--rm-ckpt .*rm_othertok\.pt: its tokenizer differs from"),
+        (GRPO + " --group-size 3", r"--rollout-batch-size/world_size over --group-size: 8 must divide by 3"),
+        (GRPO + " --resume", r"--resume .*ckpt\.pt: no such checkpoint"),
+        (GRPO + " --resume --out-dir {w}/ws_ppo", r"--resume .*ckpt\.pt: is a 'ppo' checkpoint, expected grpo"),
+        (GRPO + " --resume --out-dir {w}/ws_grpo", r"--resume .*ckpt\.pt: saved with world size 2, now 1"),
+    ],
+)
+def test_user_mistake_is_one_line_exit_2(tmp_path, files, cmd, message, monkeypatch, capsys):
+    """Each command line as `python <script>` runs it, in this process (HF_HUB_OFFLINE=1, as a fresh machine without
+    network; test_every_script_exits_2_as_a_process runs a mistake of every script as its own process)."""
+    offline(monkeypatch, tmp_path)
+    argv, ckpt = command_line(cmd, files, tmp_path)
+    before = read_bytes(ckpt)
+    script, *flags = argv
+    err = exits_2_with_one_line(script, flags, capsys, monkeypatch)
+    assert re.search(message, err), err
+    assert read_bytes(ckpt) == before  # no checkpoint written or changed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "cmd, message",
+    [
+        (SFT + " --data {w}/nofile.jsonl", r"^error: --data .*nofile\.jsonl: no such file"),
+        (RM + " --data {w}/pairs_range.jsonl", r"pairs_range\.jsonl:2: field 'ranking' must be a permutation"),
+        ("train_dpo.py --beta 0", r"^error: --beta 0: the KL strength must be > 0$"),
+        (PPO + " --prompts {w}/prompts_json.jsonl", r"prompts_json\.jsonl:2: bad JSON"),
+        (GRPO + " --kl-penalty reward --kl-estimator k3", r"--kl-estimator k3 in the reward: "),
+        ("eval.py --temperature 0", r"^error: --temperature 0: kl and perplexity are measured at the sampling"),
+    ],
+)
+def test_every_script_exits_2_as_a_process(tmp_path, files, cmd, message):
+    """The same contract through each script's own __main__ (tyro, then common.run_main), as a process."""
+    argv, ckpt = command_line(cmd, files, tmp_path)
+    before = read_bytes(ckpt)
+    r = run(shlex.join([sys.executable, *argv]), env={"HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.startswith("error: ") and re.search(message, r.stderr.strip()), r.stderr
+    assert read_bytes(ckpt) == before
+
+
+@pytest.mark.slow
+def test_resume_of_a_finished_run_is_a_user_error(tmp_path, task_dir):
+    """It used to end in an UnboundLocalError traceback (no step ran, so no samples to print)."""
+    args = train_sft.Args(
+        out_dir=str(tmp_path),
+        task_dir=task_dir,
+        n_layer=1,
+        n_head=2,
+        n_embd=32,
+        batch_size=8,
+        micro_batch_size=4,
+        max_steps=1,
+        eval_every=1,
+        num_samples=4,
+        eval_samples=4,
+        max_new_tokens=8,
+    )
+    train_sft.main(args)
+    with pytest.raises(common.UserError, match=r"already at step 1 of 1 \(raise --max-steps\)"):
+        train_sft.main(train_sft.Args(**{**args.__dict__, "resume": True}))
+
+
+def help_options(script: str) -> tuple[str, list]:
+    """`python <script> --help`: (its text, the option names in the order it lists them, as field names)."""
+    r = run(f"{sys.executable} {script} --help", env={"COLUMNS": "200"}, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = []
+    for line in r.stdout.splitlines():
+        match = re.match(r"^(?:│ )?(--[a-z][a-z0-9-]*)", line)  # an option's own line, not a wrapped description
+        if match and match.group(1) != "--help":
+            names.append(match.group(1)[2:].replace("-", "_"))
+    return r.stdout, names
+
+
+def declaring_class(name: str, classes: tuple) -> int:
+    """The index of the first class (the stage's Args, then its bases) that declares the field."""
+    return next(i for i, klass in enumerate(classes) if name in klass.__dict__.get("__annotations__", {}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script, classes",
+    [
+        ("train_ppo.py", (train_ppo.Args, rollout.RolloutArgs, common.CommonArgs)),
+        ("train_grpo.py", (train_grpo.Args, rollout.RolloutArgs, common.CommonArgs)),
+        ("train_sft.py", (train_sft.Args, common.CommonArgs)),
+    ],
+)
+def test_help_lists_the_stage_flags_first_and_points_at_no_code(script, classes):
+    """--help: a stage's own flags (what to train from, the algorithm) first, then RolloutArgs' (what an RL stage
+    starts from and samples), then the shared ones (--compile, --fsdp, --lora-*, ...), every field once; help texts
+    name values, not code (no "see RECIPES"); --init lists hf:<name-or-path>."""
+    text, names = help_options(script)
+    fields = [f.name for f in dataclasses.fields(classes[0])]
+    assert sorted(names) == sorted(fields), script  # every flag listed once
+    groups = [declaring_class(name, classes) for name in names]
+    assert groups == sorted(groups) and set(groups) == set(range(len(classes))), (script, list(zip(names, groups)))
+    own = "--init" if script == "train_sft.py" else "--sft-ckpt"
+    assert text.index(own) < text.index("--compile") < text.index("--fsdp"), script
+    assert "ESTIMATOR_DEFAULTS" not in text and "RECIPES" not in text, script
+    if script == "train_sft.py":
+        assert "hf:<name-or-path>" in text.replace("│", "").replace(" ", "").replace("\n", "")

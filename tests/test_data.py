@@ -1,30 +1,40 @@
-"""Tests for data.py and task.py: tokenizers, the reviews task and its gold reward, JSONL validation, batching."""
+"""data.py: tokenizers (the task's BPE, GPT-2's, a Hugging Face one), JSONL validation, batching and encoding; the
+Anthropic-HH and UltraFeedback converters; conversational data (DESIGN §3): chat-template rendering, every assistant
+turn learned, the end-of-turn token as the stop and score token, HH's layout without a template, and every stage on
+messages data with a tiny Hugging Face Llama whose tokenizer has a chat template. (task.py: test_task.py.)"""
 
 import base64
 import hashlib
 import json
-import math
 import os
-import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 import regex
 import torch
+from conftest import ROOT, write_jsonl
 
+import common
 import data
+import eval as ev
 import task
+import train_dpo
+import train_ppo
+import train_rm
+import train_sft
 from common import UserError
 
-ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "assets")  # vendored GPT-2 ranks
+ASSETS = os.path.join(ROOT, "assets")  # vendored GPT-2 ranks
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 PROMPT = "Review of The Silent River (music, ending):"
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tiny_task):
     """The tiny built-in task's files: name -> path."""
-    return task.build_task(str(tmp_path_factory.mktemp("data")), task_seed=1337, tiny=True)
+    return tiny_task
 
 
 @pytest.fixture(scope="module")
@@ -143,135 +153,6 @@ def test_hf_tokenizer(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# the task files
-
-
-def _read_all(paths):
-    return {k: open(p, "rb").read() for k, p in sorted(paths.items())}
-
-
-def test_build_task_deterministic_and_idempotent(tmp_path, files):
-    assert set(files) == set(task.TASK_FILES) | {"tokenizer"}
-    a = task.build_task(str(tmp_path / "a"), task_seed=1337, tiny=True)
-    assert _read_all(a) == _read_all(files)
-    mtimes = {k: os.stat(p).st_mtime_ns for k, p in a.items()}
-    assert task.build_task(str(tmp_path / "a"), task_seed=1337, tiny=True) == a
-    assert {k: os.stat(p).st_mtime_ns for k, p in a.items()} == mtimes
-    other = _read_all(task.build_task(str(tmp_path / "a"), task_seed=7, tiny=True))
-    first = _read_all(a)
-    assert all(other[k] != first[k] for k in task.TASK_FILES)
-    assert not [f for f in os.listdir(os.path.dirname(a["sft"])) if ".tmp" in f]
-    # a lost file is rebuilt identically
-    os.remove(a["pairs"])
-    task.build_task(str(tmp_path / "a"), task_seed=1337, tiny=True)
-    assert _read_all(a) == first
-    for name in task.TASK_FILES:
-        assert len(first[name].splitlines()) == task.TINY_SIZES[name]
-
-
-def test_eval_titles_held_out(files):
-    train_titles, eval_titles = task.split_titles(1337)
-    assert len(eval_titles) == round(0.15 * 256) and not set(train_titles) & set(eval_titles)
-
-    def title_of(text: str) -> str:
-        return " ".join(text.split(" ")[2:5])
-
-    for r in data.read_jsonl(files["eval_prompts"], "prompts"):
-        assert title_of(r["prompt"]) in eval_titles
-    for name, kind, key in [
-        ("prompts", "prompts", "prompt"),
-        ("sft", "sft", "prompt"),
-        ("pairs", "pairs", "prompt"),
-        ("pretrain", "text", "text"),
-        ("sft_eval", "sft", "prompt"),
-    ]:
-        assert all(title_of(r[key]) in train_titles for r in data.read_jsonl(files[name], kind))
-
-
-def test_generated_responses_valid(files):
-    sft = data.read_jsonl(files["sft"], "sft") + data.read_jsonl(files["sft_eval"], "sft")
-    pairs = data.read_jsonl(files["pairs"], "pairs") + data.read_jsonl(files["pairs_eval"], "pairs")
-    cases = [(r["prompt"], r["response"]) for r in sft]
-    cases += [(r["prompt"], r[k]) for r in pairs for k in ("chosen", "rejected")]
-    for prompt, response in cases:
-        assert task.is_valid(response, True), response
-        assert -1 <= task.gold_reward(prompt, response, True) <= 1
-    assert all(r["chosen"] != r["rejected"] for r in pairs)
-
-
-# -----------------------------------------------------------------------------
-# gold reward
-
-
-def test_gold_hand_made():
-    good = " the music was very wonderful. i loved the ending. the music was truly brilliant. overall it was superb."
-    assert task.is_valid(good, True) and task.gold_reward(PROMPT, good, True) > 0.9
-    assert not task.is_valid(good, False) and task.gold_reward(PROMPT, good, False) == -1.0
-    invalid = [
-        " the music was very wonderful. the music was very wonderful.",  # repeated sentence
-        " the music was good. the ending was good. i loved the music. i loved the ending. overall it was good.",  # 5
-        " the music was wonderful wonderful.",  # broken grammar
-        " the music was very wonderful. i loved the ending",  # no final period
-        "the music was good.",  # no leading space
-        " the music was good.  i loved the ending.",  # double space
-        " the music was very good but the ending was awful.",  # S3 takes no intensifier
-        " overall it was good. the music was good.",  # S4 not last
-        "",
-    ]
-    # S3 takes any two adjectives and aspects (the demonstrations contrast them, the validator does not insist)
-    assert task.is_valid(" the music was good but the ending was nice.", True)
-    assert task.is_valid(" the music was good but the music was awful.", True)
-    for response in invalid:
-        assert not task.is_valid(response, True), response
-        assert task.gold_reward(PROMPT, response, True) == -1.0, response
-    # hand-computed values; mentions of aspects not requested count 0
-    assert task.gold_reward(PROMPT, " the music was very wonderful.", True) == pytest.approx(math.tanh(1.5) / 2)
-    assert task.gold_reward(PROMPT, " the plot was very wonderful. i loved the acting.", True) == 0.0
-    s3 = " the music was awful but the plot was good. overall it was slightly good."
-    want = (math.tanh(-1 + 0.5 * 0.25) + math.tanh(0.5 * 0.25)) / 2
-    assert task.gold_reward(PROMPT, s3, True) == pytest.approx(want)
-    assert task.prompt_aspects(PROMPT) == ["music", "ending"]
-    # more positive requested sentences score higher, with diminishing returns
-    g = [
-        task.gold_reward("Review of The Iron Tower (plot):", r, True)
-        for r in [
-            " the plot was good.",
-            " the plot was good. i liked the plot.",
-            " the plot was good. i liked the plot. the plot was nice.",
-        ]
-    ]
-    assert g[0] < g[1] < g[2] and g[2] - g[1] < g[1] - g[0]
-
-
-def test_sft_mean_gold():
-    rng, (titles, _) = random.Random(0), task.split_titles(1337)
-    golds = []
-    for _ in range(2000):
-        prompt = task.sample_prompt(rng, titles)
-        golds.append(task.gold_reward(prompt, task.sample_response(rng, prompt), True))
-    assert -0.2 <= sum(golds) / len(golds) <= 0.2
-
-
-def test_pair_labels_follow_bradley_terry():
-    rng, (titles, _) = random.Random(1), task.split_titles(1337)
-    agree, expected, var = 0, 0.0, 0.0
-    n = 0
-    while n < 2500:
-        prompt = task.sample_prompt(rng, titles)
-        pair = task.sample_pair(rng, prompt)
-        gc, gr = (task.gold_reward(prompt, pair[k], True) for k in ("chosen", "rejected"))
-        if gc == gr:
-            continue  # a tie carries no label information
-        p = 1 / (1 + math.exp(-abs(gc - gr) / task.BT_TEMPERATURE))  # P(label agrees with gold)
-        agree += gc > gr
-        expected += p
-        var += p * (1 - p)
-        n += 1
-    assert abs(agree - expected) < 4 * math.sqrt(var), (agree / n, expected / n)
-    assert 0.6 < agree / n < 0.95  # labels are informative but noisy
-
-
-# -----------------------------------------------------------------------------
 # JSONL readers
 
 
@@ -355,3 +236,322 @@ def test_encode_sft(tok):
     assert ids[-1] == tok.eos_id and mask == [0] + [1] * (len(ids) - 1)
     examples, _ = data.encode_sft(tok, rows[:1], block_size=32, mask_prompt=False)
     assert examples[0][1] == [0] + [1] * (len(examples[0][0]) - 1)
+
+
+# -----------------------------------------------------------------------------
+# Anthropic-HH -> preference JSONL
+
+H, A = "\n\nHuman:", "\n\nAssistant:"
+
+
+def test_hh_to_pair():
+    # multi-turn: the prompt is the whole shared dialogue up to and including the last "Assistant:"
+    dialogue = f"{H} hi{A} hello!{H} how do I bake bread?{A}"
+    pair = data.hh_to_pair(dialogue + " Knead, rest, bake.", dialogue + " No idea.")
+    assert pair == {"prompt": dialogue, "chosen": " Knead, rest, bake.", "rejected": " No idea."}
+    assert data.hh_to_pair(f"{H} a{A} yes", f"{H} a{A} no")["prompt"] == f"{H} a{A}"  # one turn
+    # an earlier assistant turn inside the answers' shared prefix stays in the prompt, the answers only differ last
+    assert data.hh_to_pair(f"{H} a{A} b{H} c{A} d", f"{H} a{A} b{H} c{A} e")["prompt"] == f"{H} a{A} b{H} c{A}"
+    # skipped: the dialogues differ before the last turn, no assistant turn, an empty answer, the same answer
+    assert data.hh_to_pair(f"{H} a{A} yes", f"{H} b{A} no") is None
+    assert data.hh_to_pair(f"{H} a{A} b{H} c{A} d", f"{H} a{A} x{H} c{A} e") is None
+    assert data.hh_to_pair(f"{H} a yes", f"{H} a no") is None
+    assert data.hh_to_pair(f"{H} a{A} yes", f"{H} a{A}") is None
+    assert data.hh_to_pair(f"{H} a{A}  \n", f"{H} a{A} no") is None
+    assert data.hh_to_pair(f"{H} a{A} same", f"{H} a{A} same") is None
+
+
+def hh_cli(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "data.py", *map(str, argv)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.slow
+def test_convert_hh_cli(tmp_path):
+    d1 = f"{H} what is 2+2?{A}"
+    d2 = f"{H} hi{A} hello{H} tell me a joke{A}"
+    records = [
+        {"chosen": d1 + " 4", "rejected": d1 + " 5"},
+        {"chosen": f"{H} a{A} b", "rejected": f"{H} c{A} d"},  # no shared prompt: skipped
+        {"chosen": d2 + " Why did the chicken...", "rejected": d2 + ""},  # empty answer: skipped
+        {"chosen": d2 + " A pun.", "rejected": d2 + " No.", "extra": 1},
+    ]
+    src, dst = write_jsonl(tmp_path / "hh.jsonl", records), tmp_path / "pairs.jsonl"
+    r = hh_cli("hh", src, dst)
+    assert (
+        r.returncode == 0
+        and r.stdout.strip() == f"wrote 2 pairs to {dst} (2 skipped: no shared prompt, an empty or a tied answer)"
+    ), r.stdout + r.stderr
+    pairs = data.read_jsonl(str(dst), "pairs")  # what train_rm.py --data reads
+    assert pairs == [
+        {"prompt": d1, "chosen": " 4", "rejected": " 5"},
+        {"prompt": d2, "chosen": " A pun.", "rejected": " No."},
+    ]
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]  # written through a temp file and os.replace
+    assert data.convert(src, str(dst), "hh") == (2, 2)
+    # a bad line: one line on stderr, exit code 2 (like every stage), nothing written
+    with open(src, "a") as f:
+        f.write('{"chosen": "x", "rejected": 3}\n')
+    os.remove(dst)
+    r = hh_cli("hh", src, dst)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"error: {src}:5: field 'rejected' must be a string") and not os.path.exists(dst)
+
+
+GOOD = json.dumps({"chosen": f"{H} a{A} yes", "rejected": f"{H} a{A} no"}) + "\n"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            GOOD + '{"chosen": "\\n\\nHuman: a\\n\\nAssistant: b", "rejected": 3}\n',
+            r"hh\.jsonl:2: field 'rejected' must be a string, got int",
+        ),
+        (GOOD + '{"chosen": "x"}\n', r"hh\.jsonl:2: missing field 'rejected'"),
+        (GOOD + "\n{not json\n", r"hh\.jsonl:3: bad JSON"),
+        (GOOD + '["chosen", "rejected"]\n', r"hh\.jsonl:2: expected a JSON object"),
+        (GOOD.encode() + b'{"chosen": "\xff"}\n', r"hh\.jsonl:2: not valid UTF-8"),
+        ("\n", r"hh\.jsonl: no records"),
+        (json.dumps({"chosen": f"{H} a{A} b", "rejected": f"{H} c{A} d"}) + "\n", r"hh\.jsonl: no usable record"),
+    ],
+)
+def test_convert_hh_user_mistakes(tmp_path, content, message):
+    src, dst = tmp_path / "hh.jsonl", tmp_path / "pairs.jsonl"
+    src.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(common.UserError, match=message):
+        data._cli(["hh", str(src), str(dst)])
+    assert not os.path.exists(dst)  # nothing written from a bad file
+
+
+def test_convert_hh_usage_errors(tmp_path):
+    for argv, message in [
+        (["hh", str(tmp_path / "missing.jsonl"), str(tmp_path / "o.jsonl")], "no such file"),
+        (["hh", "in.jsonl"], "usage: python data.py hh"),
+        (["sft", "in.jsonl", "out.jsonl"], "usage: python data.py hh"),
+    ]:
+        with pytest.raises(common.UserError, match=message):
+            data._cli(argv)
+    src = write_jsonl(tmp_path / "hh.jsonl", [{"chosen": f"{H} a{A} yes", "rejected": f"{H} a{A} no"}])
+    with pytest.raises(common.UserError, match="nowhere/pairs.jsonl: cannot write"):
+        data._cli(["hh", src, str(tmp_path / "nowhere" / "pairs.jsonl")])
+
+
+# -----------------------------------------------------------------------------
+# conversational data (DESIGN §3): chat templates, HH's layout without one, every stage on messages
+
+SPECIAL = ["<unk>", "<eos>", "<pad>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
+WORDS = [f"w{i}" for i in range(40)]
+# ChatML, with spaces where the real one has newlines (the test's word-level tokenizer splits on whitespace)
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+IM_START, IM_END = 3, 4
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+@pytest.fixture(scope="module")
+def chat_llama(tmp_path_factory) -> str:
+    """A tiny Llama folder whose tokenizer has a ChatML-style template; <|im_end|> closes a turn."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = str(tmp_path_factory.mktemp("chat_llama"))
+    vocab = {word: i for i, word in enumerate(SPECIAL + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(vocab),
+        max_position_embeddings=128,
+        bos_token_id=None,
+        eos_token_id=IM_END,
+        pad_token_id=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_the_template_renders_prompts_replies_and_every_assistant_turn(chat_llama):
+    tok = data.load_tokenizer(f"hf:{chat_llama}")
+    assert tok.chat and tok.eos_id == IM_END and tok.state()["chat"] is True
+    assert data.Tokenizer.from_state(tok.state()).eos_id == IM_END
+    prompt = [user("w1 w2")]
+    head = data.prompt_ids(tok, prompt)  # apply_chat_template(..., add_generation_prompt=True)
+    hf_tok = tok.backend
+    rendered = hf_tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert head == list(rendered["input_ids"]) and head[-2:] == [IM_START, 6]  # ends with the assistant header
+    assert "<|im_start|>assistant" in data.prompt_text(tok, prompt)
+    reply = data.response_ids(tok, prompt, [assistant("w3 w4")])
+    assert reply == tok.encode("w3 w4") + [IM_END]  # the end-of-turn token, no EOS appended, nothing after it
+    assert data.response_ids(tok, prompt, " w3") == tok.encode(" w3") + [IM_END]  # a string reply: eos_id too
+    conversation = [user("w1"), assistant("w2 w3"), user("w4"), assistant("w5")]
+    ids, mask = tok.conversation(conversation)
+    targets = [token for token, learned in zip(ids, mask) if learned]
+    assert targets == tok.encode("w2 w3") + [IM_END] + tok.encode("w5") + [IM_END]
+    assert ids[-1] == IM_END and tok.encode("w4")[0] in ids and not mask[ids.index(tok.encode("w4")[0])]
+    examples, _ = data.encode_sft(tok, [{"messages": conversation}], 128, mask_prompt=True)
+    encoded, loss_mask = examples[0]
+    assert encoded == ids and loss_mask[0] == 0 and sum(loss_mask) == len(targets)
+
+
+def test_without_a_template_conversations_take_hh_layout(task_dir):
+    tok = data.load_tokenizer(task.build_task(task_dir, 1337)["tokenizer"])
+    assert not tok.chat
+    prompt = [{"role": "system", "content": "be kind"}, user("how was it?")]
+    assert data.prompt_text(tok, prompt) == "\n\nSystem: be kind\n\nHuman: how was it?\n\nAssistant:"
+    assert data.response_ids(tok, prompt, [assistant("fine")]) == tok.encode(" fine") + [tok.eos_id]
+    ids, mask = tok.conversation([user("hi"), assistant("yes"), user("and?"), assistant("no")])
+    assert tok.decode(ids) == "\n\nHuman: hi\n\nAssistant: yes\n\nHuman: and?\n\nAssistant: no"
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == " yes no" and ids[-1] == tok.eos_id and mask[-1] == 1
+
+
+@pytest.mark.parametrize(
+    "kind, record, message",
+    [
+        ("sft", {"messages": [{"content": "w1"}]}, r"field 'messages' turn 1: missing 'role'"),
+        ("sft", {"messages": [{"role": "user"}]}, r"field 'messages' turn 1: missing 'content'"),
+        ("sft", {"messages": [user("w1")]}, r"field 'messages': the last turn must be the assistant's"),
+        ("sft", {"messages": [{"role": "bot", "content": "x"}]}, r"role 'bot' is not one of system, user, assistant"),
+        (
+            "pairs",
+            {"prompt": [user("a")], "chosen": [user("b")], "rejected": [assistant("c")]},
+            r"assistant turns only",
+        ),
+        ("pairs", {"prompt": [user("a")], "chosen": "b", "rejected": [assistant("c")]}, r"field 'chosen' must be a"),
+        ("prompts", {"prompt": []}, r"field 'prompt' must be a non-empty list of messages"),
+    ],
+)
+def test_malformed_messages_are_file_line_errors(tmp_path, kind, record, message):
+    good = {
+        "sft": {"messages": [user("a"), assistant("b")]},
+        "pairs": {"prompt": [user("a")], "chosen": [assistant("b")], "rejected": [assistant("c")]},
+        "prompts": {"prompt": [user("a")]},
+    }[kind]
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(UserError, match=rf"data\.jsonl:2: .*{message}"):
+        data.read_jsonl(str(path), kind)
+
+
+@pytest.mark.slow
+def test_converters_write_conversational_pairs(tmp_path):
+    """python data.py ultrafeedback: UltraFeedback-binarized's chosen/rejected repeat the user turn, which becomes the
+    prompt; python data.py hh --messages: HH dialogues as messages."""
+    rows = [
+        {"prompt": "q", "chosen": [user("q"), assistant("good")], "rejected": [user("q"), assistant("bad")]},
+        {"prompt": "q", "chosen": [user("q"), assistant("same")], "rejected": [user("q"), assistant("same")]},
+    ]
+    src, dst = tmp_path / "uf.jsonl", tmp_path / "pairs.jsonl"
+    src.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = [sys.executable, os.path.join(ROOT, "data.py"), "ultrafeedback", str(src), str(dst)]
+    r = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "wrote 1 pairs" in r.stdout and "1 skipped" in r.stdout, r.stderr
+    assert [json.loads(line) for line in open(dst)] == [
+        {"prompt": [user("q")], "chosen": [assistant("good")], "rejected": [assistant("bad")]}
+    ]
+    hh = tmp_path / "hh.jsonl"
+    dialogue = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: how?\n\nAssistant:"
+    hh.write_text(json.dumps({"chosen": dialogue + " well", "rejected": dialogue + " badly"}) + "\n")
+    data.convert(str(hh), str(dst), "hh", messages=True)
+    (pair,) = data.read_jsonl(str(dst), "pairs")
+    assert pair["prompt"] == [user("hi"), assistant("hello"), user("how?")] and pair["chosen"] == [assistant("well")]
+
+
+@pytest.mark.slow
+def test_every_stage_on_messages_with_a_chat_template(tmp_path, chat_llama):
+    """SFT -> RM -> DPO -> PPO -> eval with conversational data and a tiny Llama whose tokenizer has a chat template:
+    responses stop at <|im_end|> (the stop and score token, never followed by an EOS), --reward-fn and the samples
+    see the rendered prompt."""
+    g = torch.Generator().manual_seed(0)
+
+    def words(n: int) -> str:
+        return " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())
+
+    def write(name: str, rows: list) -> str:
+        (tmp_path / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return str(tmp_path / name)
+
+    sft_rows = [{"messages": [user(words(3)), assistant(words(2)), user(words(2)), assistant(words(2))]}] * 20
+    sft_rows += [{"messages": [user(words(3)), assistant(words(3))]} for _ in range(20)]
+    pairs = [{"prompt": [user(words(3))], "chosen": [assistant("w1 w2")], "rejected": [assistant(words(3))]}] * 24
+    prompts = [{"prompt": [user(words(3))]} for _ in range(16)]
+    sft_data, pairs_data, prompts_data = (
+        write("sft.jsonl", sft_rows),
+        write("pairs.jsonl", pairs),
+        write("p.jsonl", prompts),
+    )
+    out = {stage: str(tmp_path / stage) for stage in ("sft", "rm", "dpo", "ppo")}
+    ckpt = {stage: os.path.join(folder, "ckpt.pt") for stage, folder in out.items()}
+    small = dict(batch_size=8, micro_batch_size=4, max_steps=2, warmup_steps=1, device="cpu", task_dir=str(tmp_path))
+    train_sft.main(
+        train_sft.Args(out_dir=out["sft"], init=f"hf:{chat_llama}", data=sft_data, eval_every=2, num_samples=4, **small)
+    )
+    rm_flags = dict(eval_every=2, eval_pairs=8, calib_size=8)
+    train_rm.main(train_rm.Args(out_dir=out["rm"], init=ckpt["sft"], data=pairs_data, **rm_flags, **small))
+    dpo_flags = dict(eval_every=2, eval_pairs=8, num_samples=4, eval_samples=4)
+    train_dpo.main(train_dpo.Args(out_dir=out["dpo"], init=ckpt["sft"], data=pairs_data, **dpo_flags, **small))
+    (tmp_path / "myreward.py").write_text(
+        "SEEN = []\ndef length(prompt, response, ended):\n    SEEN.append(prompt)\n    return len(response) / 10\n"
+    )
+    ppo = train_ppo.Args(
+        out_dir=out["ppo"],
+        sft_ckpt=ckpt["dpo"],
+        ref_ckpt=ckpt["sft"],
+        rm_ckpt=[ckpt["rm"]],
+        prompts=prompts_data,
+        reward_fn=f"{tmp_path}/myreward.py:length",
+        max_steps=2,
+        rollout_batch_size=8,
+        num_minibatches=2,
+        micro_batch_size=4,
+        max_new_tokens=8,
+        critic_warmup_steps=1,
+        warmup_steps=1,
+        device="cpu",
+        task_dir=str(tmp_path),
+    )
+    train_ppo.main(ppo)
+    sample = json.loads(open(os.path.join(out["ppo"], "samples.jsonl")).readline())
+    assert sample["prompt"].startswith("<|im_start|>user ") and sample["prompt"].endswith("<|im_start|>assistant ")
+    tok = data.Tokenizer.from_state(torch.load(ckpt["ppo"], weights_only=False)["tokenizer"])
+    assert tok.chat and tok.eos_id == IM_END
+    examples, _ = data.encode_prefs(tok, pairs[:1], 128)
+    assert all(seq[-1] == IM_END and seq[-2] != IM_END for seq in examples[0][0])  # scored at the end-of-turn
+    res = ev.main(
+        ev.Args(
+            policy=[ckpt["ppo"]],
+            names=["ppo"],
+            ref=ckpt["sft"],
+            rm=[ckpt["rm"]],
+            prompts=prompts_data,
+            num_samples=8,
+            max_new_tokens=8,
+            reward_fn=f"{tmp_path}/myreward.py:length",
+            task_dir=str(tmp_path),
+        )
+    )
+    assert res["ppo"]["gold"] is None and res["ppo"]["score"] is not None and res["ppo"]["reward_fn"] is not None

@@ -1,6 +1,7 @@
-"""Tests for train_dpo.py: dpo_loss against the formulas of DESIGN §5c, response log-probs that padding does not
-change (so reference log-probs per batch equal precomputed ones), K-wise expansion, a NaN step, user mistakes, a tiny
-smoke run whose checkpoint eval.py accepts, 2 ranks against 1, and kill/resume."""
+"""train_dpo.py: dpo_loss against the formulas of DESIGN §5c, response log-probs that padding does not change (so
+reference log-probs per batch equal precomputed ones), K-wise expansion, user mistakes, a tiny smoke run whose
+checkpoint eval.py accepts, IPO on K-wise user data, Hugging Face inits, a NaN step, 2 ranks against 1, and
+kill-and-resume."""
 
 import json
 import math
@@ -12,7 +13,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from test_resume import assert_same_weights, kill_and_resume
+from conftest import ROOT, assert_same_weights, exits_2_with_one_line, kill_and_resume, read_scalars
 
 import common
 import data
@@ -21,7 +22,6 @@ import task
 import train_dpo
 from model import GPT, GPTConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DPO_TAGS = [
     "train/loss",
     "train/nll_loss",
@@ -57,14 +57,6 @@ TINY_FLAGS = (
     "--batch-size 8 --micro-batch-size 2 --warmup-steps 2 --log-every 1 --eval-pairs 16 --num-samples 8 "
     "--eval-samples 8 --max-new-tokens 16 --lr 1e-3"
 )
-
-
-def read_scalars(out_dir: str) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(out_dir, size_guidance={"scalars": 0})
-    events.Reload()
-    return {tag: [event.value for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 # -----------------------------------------------------------------------------
@@ -240,6 +232,7 @@ def test_dpo_smoke(tmp_path, task_dir, tiny_ckpts):
     assert sum(s["gold"] for s in samples) / 8 == pytest.approx(scalars["val/gold"][-1], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_dpo_ipo_on_kwise_user_data(tmp_path, tiny_ckpts):
     rows = []
     for i in range(40):
@@ -262,6 +255,7 @@ def test_dpo_ipo_on_kwise_user_data(tmp_path, tiny_ckpts):
     assert 0 < scalars["train/nll_loss"][0] < 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init", ["gpt2_dir", "llama_dir"])
 def test_dpo_from_hugging_face_models(tmp_path, init, request):
     """--init a local GPT-2 folder (native GPT) or hf:<folder> (the adapter, here a tiny Llama) on user pairs: the
@@ -280,6 +274,7 @@ def test_dpo_from_hugging_face_models(tmp_path, init, request):
     assert all(math.isfinite(v) for v in read_scalars(out)["train/loss"])
 
 
+@pytest.mark.slow
 def test_dpo_nan_step_is_skipped(tmp_path, task_dir, tiny_ckpts, monkeypatch):
     calls = {"n": 0}
     real_loss = train_dpo.dpo_loss
@@ -298,17 +293,17 @@ def test_dpo_nan_step_is_skipped(tmp_path, task_dir, tiny_ckpts, monkeypatch):
     assert read_scalars(out)["train/skipped_steps"] == [0, 0, 1, 1, 1, 1]
 
 
-def test_user_mistakes_are_one_line(tmp_path, task_dir, tiny_ckpts):
+def test_user_mistakes_are_one_line(tmp_path, task_dir, tiny_ckpts, capsys, monkeypatch):
     with pytest.raises(common.UserError, match="--label-smoothing applies to --loss dpo"):
         train_dpo.main(train_dpo.Args(out_dir=str(tmp_path / "a"), loss="ipo", label_smoothing=0.1))
-    with pytest.raises(common.UserError, match=r"is a 'rm' checkpoint, expected sft or dpo or ppo"):
+    with pytest.raises(common.UserError, match=r"is a 'rm' checkpoint, expected sft or dpo or ppo or grpo$"):
         train_dpo.main(train_dpo.Args(out_dir=str(tmp_path / "b"), init=tiny_ckpts[1], task_dir=task_dir))
-    cli = f"{sys.executable} train_dpo.py --beta 0 --out-dir {tmp_path}/c"
-    run = subprocess.run(shlex.split(cli), cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and run.stderr.strip().splitlines() == ["error: --beta 0: the KL strength must be > 0"]
+    err = exits_2_with_one_line("train_dpo.py", ["--beta", "0", "--out-dir", f"{tmp_path}/c"], capsys, monkeypatch)
+    assert err.strip().splitlines() == ["error: --beta 0: the KL strength must be > 0"]
     assert not os.path.exists(tmp_path / "c")
 
 
+@pytest.mark.slow
 def test_dpo_ddp_matches_single_process(tmp_path, task_dir, tiny_ckpts):
     """2 ranks (gloo) with the same global batch end with the same weights and logged statistics as 1 process."""
     flags = f"--task-dir {task_dir} --init {tiny_ckpts[0]} {TINY_FLAGS} --max-steps 3 --eval-every 3"
@@ -336,6 +331,7 @@ def test_dpo_ddp_matches_single_process(tmp_path, task_dir, tiny_ckpts):
         )  # margins: fp32 log-prob sums
 
 
+@pytest.mark.slow
 def test_dpo_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts):
     base = (
         f"{sys.executable} train_dpo.py --task-dir {task_dir} --init {tiny_ckpts[0]} {TINY_FLAGS} --max-steps 12 "

@@ -1,17 +1,19 @@
 """eval.py: metrics and their standard errors on hand-made samples with known answers, KL of a policy against itself,
-seeds pooled, the JSON layout, a temperature that cannot be measured, best-of-N (the pick, the KL bound, its rows)."""
+seeds pooled, the JSON layout, a temperature that cannot be measured, best-of-N (the pick, the KL bound, its rows),
+--reward-fn, --pairs on user data; the reward signal (DESIGN §5d): the KL-optimal tilt's estimates on a toy with an
+exact optimum, the --kl-optimal rows and their sample cache, --pairs over an RM ensemble."""
 
 import json
 import math
 import os
 import random
 import statistics
-import subprocess
-import sys
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
+from conftest import exits_2_with_one_line
 
 import checkpoints
 import common
@@ -20,7 +22,6 @@ from data import load_tokenizer
 from model import GPT, GPTConfig, last_token_scores
 from task import build_task
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICY_KEYS = [
     "gold",
     "score",
@@ -42,7 +43,8 @@ def test_distinct_2_by_hand():
 
 
 def test_win_rate_ties_count_half():
-    assert ev.win_rate([1.0, 0.0, -1.0, 0.5], [0.0, 0.0, 1.0, 0.5]) == pytest.approx((1 + 0.5 + 0 + 0.5) / 4)
+    outcomes = ev.win_outcomes([1.0, 0.0, -1.0, 0.5], [0.0, 0.0, 1.0, 0.5])
+    assert outcomes == [1.0, 0.5, 0.0, 0.5] and sum(outcomes) / 4 == pytest.approx((1 + 0.5 + 0 + 0.5) / 4)
 
 
 def test_mean_se_by_hand():
@@ -184,22 +186,21 @@ def test_results_json_layout(tmp_path, task_dir, tiny_policy):
     res = json.loads(out.read_text(), parse_constant=reject_nan)
     assert set(res) == {"rm", "sft"}
     se_keys = [f"{key}_se" for key in POLICY_KEYS]
-    assert set(res["sft"]) == {*POLICY_KEYS, *se_keys, "num_samples", "seeds", "seconds"}
+    assert set(res["sft"]) == {*POLICY_KEYS, *se_keys, "num_samples", "seeds", "train_seconds"}
     assert res["sft"]["num_samples"] == 16 and res["sft"]["seeds"] == [5, 6]
-    assert res["sft"]["seconds"] == 12.0 and res["sft"]["win_rate_vs_ref"] == 0.5 and abs(res["sft"]["kl"]) < 1e-4
+    assert res["sft"]["train_seconds"] == 12.0 and res["sft"]["win_rate_vs_ref"] == 0.5 and abs(res["sft"]["kl"]) < 1e-4
     assert res["sft"]["win_rate_vs_ref_se"] == 0.0  # the reference against itself: every sample a tie
     assert res["sft"]["score"] is None and res["sft"]["score_se"] is None
     for key in ("gold", "kl", "response_len", "perplexity", "eos_frac", "valid_frac", "distinct_2"):
         assert res["sft"][f"{key}_se"] >= 0.0, key
 
 
-def test_temperature_zero_is_rejected(tmp_path, tiny_policy):
+def test_temperature_zero_is_rejected(tmp_path, tiny_policy, capsys, monkeypatch):
     with pytest.raises(common.UserError, match="--temperature 0: kl and perplexity"):
         ev.main(ev.Args(policy=[tiny_policy], ref=tiny_policy, rm="none", temperature=0))
-    cli = [sys.executable, os.path.join(ROOT, "eval.py"), "--temperature", "0", "--task-dir", str(tmp_path)]
-    run = subprocess.run(cli, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2, run.stderr
-    assert run.stderr.strip().splitlines() == [
+    monkeypatch.chdir(tmp_path)
+    err = exits_2_with_one_line("eval.py", ["--temperature", "0", "--task-dir", str(tmp_path)], capsys, monkeypatch)
+    assert err.strip().splitlines() == [
         "error: --temperature 0: kl and perplexity are measured at the sampling temperature; use > 0 (e.g. 1.0)"
     ]
 
@@ -243,6 +244,7 @@ def test_best_of_n_kl_bound_formula():
         assert exact == pytest.approx(ev.best_of_n_kl_bound(n), abs=2e-3)
 
 
+@pytest.mark.slow
 def test_best_of_n_rows_in_the_json(tmp_path, task_dir, tiny_ckpts):
     """eval.main --best-of-n: rows <name>_bon<N> with the policy keys and kl_bound; N = 1 is the plain row; the
     policy is the reference here, so each kl is the bound alone."""
@@ -264,7 +266,7 @@ def test_best_of_n_rows_in_the_json(tmp_path, task_dir, tiny_ckpts):
     assert set(res) == {"sft", "sft_bon1", "sft_bon2", "sft_bon4"}
     for n in (1, 2, 4):
         row = res[f"sft_bon{n}"]
-        assert row["kl_bound"] is True and row["num_samples"] == 12 and {*POLICY_KEYS, "seconds"} <= set(row)
+        assert row["kl_bound"] is True and row["num_samples"] == 12 and {*POLICY_KEYS, "train_seconds"} <= set(row)
         assert row["kl"] == pytest.approx(ev.best_of_n_kl_bound(n), abs=1e-4)
     for key in ("gold", "score", "response_len", "win_rate_vs_ref"):
         assert res["sft_bon1"][key] == pytest.approx(res["sft"][key]), key
@@ -272,6 +274,7 @@ def test_best_of_n_rows_in_the_json(tmp_path, task_dir, tiny_ckpts):
         ev.main(ev.Args(policy=[sft], ref=sft, rm="none", best_of_n=[2], task_dir=task_dir))
 
 
+@pytest.mark.slow
 def test_reward_fn_column_is_the_users_objective_on_held_out_prompts(tmp_path, task_dir, tiny_policy):
     """eval.py --reward-fn: the mean of fn(prompt, response, ended) over the samples, with its standard error; the
     gold reward as the function gives the gold column back."""
@@ -290,6 +293,7 @@ def test_reward_fn_column_is_the_users_objective_on_held_out_prompts(tmp_path, t
     assert ev.main(replace(args, reward_fn=None))["sft"]["reward_fn"] is None
 
 
+@pytest.mark.slow
 def test_pairs_on_user_data_builds_no_task(tmp_path, tiny_ckpts):
     """eval.py --pairs --pairs-data X reads X only (it used to build the built-in task into --task-dir first)."""
     pairs = tmp_path / "pairs.jsonl"
@@ -298,3 +302,64 @@ def test_pairs_on_user_data_builds_no_task(tmp_path, tiny_ckpts):
     )
     res = ev.main(ev.Args(pairs=True, pairs_data=str(pairs), rm=tiny_ckpts[1], task_dir=str(tmp_path / "data")))
     assert res["rm"]["pairs"] == 2 and not os.path.exists(tmp_path / "data")
+
+
+# -----------------------------------------------------------------------------
+# the reward signal (DESIGN §5d): the KL-optimal limit, reward-model ensembles
+
+
+def test_tilted_estimates_on_a_toy_where_the_optimum_is_exact():
+    """A reference over 4 outcomes with probabilities 0.1 0.2 0.3 0.4, sampled exactly in proportion (M = 10 samples:
+    1, 2, 3, 4 of each): the importance-weighted estimates are the tilted distribution's exact mean, KL and ess."""
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    r = torch.tensor([1.0, -0.5, 0.3, 0.0], dtype=torch.float64)
+    f = torch.tensor([2.0, 5.0, -1.0, 0.5], dtype=torch.float64)
+    outcomes = torch.tensor([0, 1, 1, 2, 2, 2, 3, 3, 3, 3])
+    for beta in (0.2, 1.0, 5.0):
+        est = ev.tilted_estimates(r[outcomes][None], {"f": f[outcomes][None]}, beta)
+        tilted = p * torch.exp(r / beta)
+        tilted = tilted / tilted.sum()
+        assert est["f"].item() == pytest.approx((tilted * f).sum().item(), abs=1e-12)
+        assert est["kl"].item() == pytest.approx((tilted * (tilted / p).log()).sum().item(), abs=1e-12)
+        weights = tilted[outcomes] / torch.bincount(outcomes)[outcomes]  # each sample's share of its outcome
+        assert est["ess"].item() == pytest.approx(1 / (weights**2).sum().item(), abs=1e-9)
+    flat = ev.tilted_estimates(r[outcomes][None], {}, 1e6)  # beta -> infinity: the reference itself
+    assert abs(flat["kl"].item()) < 1e-9 and flat["ess"].item() == pytest.approx(10, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_eval_kl_optimal_rows_and_the_sample_cache(tmp_path, task_dir, tiny_ckpts, tiny_rms, capsys):
+    """eval.py --kl-optimal: the first --policy must be --ref; rows <name>_opt_gold_b<beta> and _opt_rm_b<beta> with
+    their schema; a large beta is the reference itself (KL ~ 0), the gold tilt raises gold and stays under log M;
+    the cached samples serve another reward model without sampling again."""
+    sft = tiny_ckpts[0]
+    base = dict(policy=[sft], names=["sft"], ref=sft, num_samples=6, seeds=16, max_new_tokens=8, task_dir=task_dir)
+    with pytest.raises(common.UserError, match="--kl-optimal tilts the reference's own samples"):
+        ev.main(ev.Args(**base | {"policy": [tiny_rms[0]]}, rm=[tiny_rms[0]], kl_optimal=[0.5]))
+    cache = str(tmp_path / "samples.pt")
+    rows = ev.main(ev.Args(**base, rm=[tiny_rms[0]], kl_optimal=[0.05, 1e4], sample_cache=cache))
+    assert set(rows) == {"sft_opt_gold_b0.05", "sft_opt_gold_b10000", "sft_opt_rm_b0.05", "sft_opt_rm_b10000"}
+    keys = {"gold", "score", "kl", "valid_frac", "ess", "samples", "beta", "warning"}
+    assert all(keys | {"gold_se", "score_se", "kl_se"} <= set(row) for row in rows.values())
+    flat, sharp = rows["sft_opt_gold_b10000"], rows["sft_opt_gold_b0.05"]
+    assert abs(flat["kl"]) < 1e-3 and flat["ess"] == pytest.approx(16, abs=0.01) and flat["samples"] == 16
+    assert sharp["gold"] >= flat["gold"] and 0 <= sharp["kl"] <= math.log(16) + 1e-9
+    capsys.readouterr()
+    again = ev.main(ev.Args(**base, rm=tiny_rms, rm_agg="min", kl_optimal=[0.05, 1e4], sample_cache=cache))
+    assert "reference samples from" in capsys.readouterr().out
+    assert again["sft_opt_gold_b0.05"]["gold"] == sharp["gold"]  # the same samples
+    assert again["sft_opt_rm_b10000"]["score"] <= rows["sft_opt_rm_b10000"]["score"] + 1e-9  # min <= a member
+    kept = torch.load(cache, weights_only=False)["rm_scores"]  # each RM's scores, by its file's hash
+    assert set(kept) == {checkpoints.file_sha256(path) for path in tiny_rms}
+    with mock.patch.object(ev, "score_sequences", side_effect=AssertionError("scored again")):
+        third = ev.main(ev.Args(**base, rm=tiny_rms, rm_agg="min", kl_optimal=[0.05, 1e4], sample_cache=cache))
+    assert third == again
+
+
+@pytest.mark.slow
+def test_eval_pairs_reports_each_member_and_the_aggregate(task_dir, tiny_rms):
+    res = ev.main(ev.Args(pairs=True, rm=tiny_rms, rm_agg="mean", task_dir=task_dir, batch_size=64))
+    assert set(res) == {"rm", "rm_member1", "rm_member2"}
+    # the second member's head is the first's negated: its accuracy is the first's complement, the mean is a tie
+    assert res["rm_member1"]["accuracy"] + res["rm_member2"]["accuracy"] == pytest.approx(1.0, abs=1e-9)
+    assert res["rm"]["accuracy"] == pytest.approx(0.5, abs=0.01)

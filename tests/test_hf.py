@@ -1,5 +1,7 @@
-"""hf.py (any Hugging Face causal LM behind GPT's interface) and GPT's reward-model export, against transformers itself.
-Tiny random Llama and GPT-2 folders written by the tests (weights widened to std 0.3 so greedy paths are varied and
+"""hf.py (any Hugging Face causal LM behind GPT's interface) and GPT's reward-model export, against transformers itself;
+the --init grammar; BOS per tokenizer; offline loads as one line; and the whole SFT -> RM -> PPO chain on a tiny random
+Llama (`--init hf:<dir>`) and on a tiny random GPT-2 folder (native GPT), exported and reloaded by transformers.
+Tiny random Llama and GPT-2 folders written by conftest (weights widened to std 0.3 so greedy paths are varied and
 peaked), a word-level tokenizer beside them, no network. Greedy comparisons stop at the first step whose top-two logit
 gap is ≤ 1e-4 (DESIGN §9): Llama's RMSNorm and rotary tables run in fp32 even in a float64 model."""
 
@@ -11,29 +13,17 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from conftest import HF_EOS, HF_PAD, HF_V, ROOT, offline, run_chain
 
 import checkpoints
 import common
 import data
 import hf
+from generate import generate
 from hf import HFCausalLM, load_init, model_from_checkpoint
 from model import GPT, GPTConfig, logprobs_from_logits
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-V = 97  # embedding rows of every tiny model; the tokenizer has 83 tokens (ids 0..82)
-EOS, PAD = 1, 2  # the tokenizer's; PAD lies inside the vocab, the tests also pad with ids outside it
-
-
-def write_tokenizer(path: str) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<eos>", "<pad>"] + [f"w{i}" for i in range(80)]
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
-    hf_tok.save_pretrained(path)
+V, EOS, PAD = HF_V, HF_EOS, HF_PAD  # the tiny folders' vocabulary rows, and their tokenizer's EOS and pad ids
 
 
 def write_bos_tokenizer(path: str) -> None:
@@ -49,60 +39,6 @@ def write_bos_tokenizer(path: str) -> None:
         tokenizer_object=tk, bos_token="<s>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
     )
     hf_tok.save_pretrained(path)
-
-
-def write_model(path: str, config) -> None:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0.0, 0.3) if p.dim() >= 2 else p.add_(0.1 * torch.randn_like(p))
-    hf.save_pretrained(path)
-    write_tokenizer(path)
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> str:
-    from transformers import LlamaConfig
-
-    path = str(tmp_path_factory.mktemp("hf_llama"))
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=V,
-        max_position_embeddings=64,
-        bos_token_id=None,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-    )
-    write_model(path, cfg)
-    return path
-
-
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory) -> str:
-    from transformers import GPT2Config
-
-    path = str(tmp_path_factory.mktemp("hf_gpt2"))
-    write_model(
-        path,
-        GPT2Config(
-            n_layer=2,
-            n_head=4,
-            n_embd=32,
-            vocab_size=V,
-            n_positions=64,
-            bos_token_id=EOS,
-            eos_token_id=EOS,
-            pad_token_id=PAD,
-        ),
-    )
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +73,11 @@ def prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
 
 # -----------------------------------------------------------------------------
 # --init hf:, forward, padding
+
+
+def test_init_grammar_rejects_unknown():
+    with pytest.raises(common.UserError, match="--init nonsense: expected"):
+        hf.load_init("nonsense")
 
 
 def test_load_init_routes(llama_dir, gpt2_dir):
@@ -216,10 +157,10 @@ def test_greedy_generation_matches_transformers(hf_dir):
     seqs = prompts([5, 9, 2, 7], seed=3)
     idx, mask = left_pad(seqs, PAD)
     # an EOS the greedy paths actually produce: the token row 0 emits at step 3 (so rows stop at different steps)
-    probe, _, _ = model.generate(idx, mask, 4, eos_id=-1, pad_id=PAD, temperature=0.0)
+    probe, _, _ = generate(model, idx, mask, 4, eos_id=-1, pad_id=PAD, temperature=0.0)
     eos = int(probe[0, 3])
     new = 20
-    response, response_mask, _ = model.generate(idx, mask, new, eos_id=eos, pad_id=PAD, temperature=0.0)
+    response, response_mask, _ = generate(model, idx, mask, new, eos_id=eos, pad_id=PAD, temperature=0.0)
     out = raw.generate(
         input_ids=idx,
         attention_mask=mask,
@@ -237,7 +178,7 @@ def test_greedy_generation_matches_transformers(hf_dir):
         ours = response[i, : int(response_mask[i].sum())].tolist()
         ref = out.sequences[i, idx.size(1) :].tolist()
         compared += greedy_agrees(ours, ref, gaps[i], eos)
-        alone, alone_mask, _ = model.generate(torch.tensor([s]), None, new, eos_id=eos, pad_id=PAD, temperature=0.0)
+        alone, alone_mask, _ = generate(model, torch.tensor([s]), None, new, eos_id=eos, pad_id=PAD, temperature=0.0)
         greedy_agrees(alone[0, : int(alone_mask[0].sum())].tolist(), ref, gaps[i], eos)
         assert (response[i, int(response_mask[i].sum()) :] == PAD).all()
     assert compared >= 20, f"only {compared} tokens compared: the test lost its power"
@@ -249,10 +190,11 @@ def test_sampled_logprobs_equal_a_full_forward(llama_dir):
     idx, mask = left_pad(prompts([6, 3, 10]), V + 5)
     temperature, P = 0.7, idx.size(1)
     g = torch.Generator().manual_seed(0)
-    response, response_mask, logprobs = model.generate(
-        idx, mask, 12, eos_id=EOS, pad_id=V + 5, temperature=temperature, top_k=20, min_new_tokens=2, generator=g
+    response, response_mask, logprobs = generate(
+        model, idx, mask, 12, eos_id=EOS, pad_id=V + 5, temperature=temperature, top_k=20, min_new_tokens=2, generator=g
     )
-    again = model.generate(
+    again = generate(
+        model,
         idx,
         mask,
         12,
@@ -481,21 +423,6 @@ def test_bos_once_at_the_start_of_every_sequence(bos_tokenizer_dir):
 # offline: every model and tokenizer load is one line that names the flag
 
 
-def offline(monkeypatch, tmp_path) -> dict:
-    """HF_HUB_OFFLINE=1 and an empty HF_HOME; huggingface_hub read both at import, so its constants follow."""
-    import huggingface_hub.constants as constants
-
-    home = tmp_path / "hf_home"
-    home.mkdir()
-    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(home), "TIKTOKEN_CACHE_DIR": str(tmp_path / "tiktoken")}
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(constants, "HF_HOME", str(home))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    return env
-
-
 @pytest.mark.parametrize("spec", ["gpt2", "hf:gpt2"])
 def test_offline_load_is_one_line(spec, monkeypatch, tmp_path):
     offline(monkeypatch, tmp_path)
@@ -520,6 +447,7 @@ def test_tokenizer_load_failure_names_the_flag(monkeypatch):
     assert msg.startswith("--init gpt2: could not load the GPT-2 tokenizer") and "\n" not in msg
 
 
+@pytest.mark.slow
 def test_offline_train_sft_exits_2_without_traceback(monkeypatch, tmp_path):
     env = offline(monkeypatch, tmp_path)
     rows = [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]
@@ -530,3 +458,60 @@ def test_offline_train_sft_exits_2_without_traceback(monkeypatch, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "--init gpt2: could not load GPT-2 weights" in proc.stderr
+
+
+# -----------------------------------------------------------------------------
+# the whole chain on Hugging Face models (conftest.run_chain: SFT -> RM -> PPO on user data, in-process)
+
+
+@pytest.mark.slow
+def test_llama_chain_sft_rm_ppo(tmp_path, llama_dir, user_data):
+    """`--init hf:<llama>` through SFT, RM and PPO: every checkpoint rebuilds the adapter model
+    (hf.model_from_checkpoint dispatches on model_config's hf_config), and the PPO policy is no longer the SFT one."""
+    ckpts = run_chain(tmp_path, f"hf:{llama_dir}", user_data)
+    assert [ckpts[s]["kind"] for s in ("sft", "rm", "ppo")] == ["sft", "rm", "ppo"]
+    for s in ("sft", "rm", "ppo"):
+        assert ckpts[s]["model_config"]["hf_config"]["model_type"] == "llama", s
+    sft, rm, policy = (model_from_checkpoint(ckpts[s]).eval() for s in ("sft", "rm", "ppo"))
+    critic = model_from_checkpoint(ckpts["ppo"], key="critic").eval()
+    assert all(isinstance(m, HFCausalLM) for m in (sft, rm, policy, critic))
+    assert sft.score_head is None and rm.score_head is not None and rm.config.lm_head
+    assert critic.score_head is not None and not critic.config.lm_head
+    idx = torch.randint(3, 83, (2, 7))
+    with torch.no_grad():
+        assert (sft(idx)[0] - policy(idx)[0]).abs().max() > 0  # PPO moved the actor
+        assert critic(idx)[0] is None and torch.isfinite(critic(idx)[1]).all()
+    # the RM's calibration (folded into the head's bias) survives the round trip
+    assert rm.score_head.bias.item() == pytest.approx(-ckpts["rm"]["score_offset"], abs=1e-3)
+
+
+@pytest.mark.slow
+def test_gpt2_chain_then_export(tmp_path, gpt2_dir, user_data):
+    """A GPT-2 folder (native GPT) through SFT, RM and PPO; the PPO policy and the RM that the stages exported with
+    --export-hf load in transformers with the same logits and scores on padded batches."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    ckpts = run_chain(tmp_path, gpt2_dir, user_data)
+    policy, rm = GPT.from_checkpoint(ckpts["ppo"]).eval(), GPT.from_checkpoint(ckpts["rm"]).eval()
+    assert type(policy) is GPT and type(rm) is GPT and rm.score_head.bias.item() != 0.0  # calibrated
+    tok = data.Tokenizer.from_state(ckpts["ppo"]["tokenizer"])
+    assert (tok.eos_id, tok.pad_id) == (EOS, PAD)
+    hf_policy = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_policy")).eval()
+    hf_rm = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf_rm")).eval()
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 83, (n,), generator=g).tolist() + [tok.eos_id] for n in (4, 11, 7)]
+    # the policy on a left-padded batch (position ids from the mask, as generation uses it)
+    idx, mask = data.pad_left(seqs, tok.pad_id)
+    with torch.no_grad():
+        ours = policy(idx, mask)[0]
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        theirs = hf_policy(input_ids=idx, attention_mask=mask.long(), position_ids=pos).logits
+    real = mask.bool()
+    assert (ours[real] - theirs[real]).abs().max() <= 1e-4
+    # the RM on a right-padded batch: ours at the EOS token, transformers' at the last non-pad token
+    idx, mask = data.pad_right(seqs, tok.pad_id)
+    lengths = mask.sum(1).long()
+    with torch.no_grad():
+        ours = rm(idx, mask)[1][torch.arange(len(seqs)), lengths - 1]
+        theirs = hf_rm(input_ids=idx, attention_mask=mask.long()).logits.squeeze(-1)
+    assert (ours - theirs).abs().max() <= 1e-4 and ours.abs().max() > 1e-3

@@ -1,13 +1,18 @@
-"""LoRA adapters, the base views PPO and DPO build on them, and activation checkpointing (issue #16)."""
+"""LoRA adapters, the base views PPO and DPO build on them, and activation checkpointing (issue #16); LoRA through
+the stages: SFT's merged checkpoint and resume, PPO's shared bases, the whole SFT -> RM -> PPO chain on a Hugging
+Face Llama, and a resume refused after the base folder changed."""
 
 import copy
 import os
+import shutil
 from dataclasses import replace
 
 import pytest
 import torch
+from conftest import CHAIN_SFT, run_chain
 
 import checkpoints
+import common
 import hf
 import train_ppo
 import train_sft
@@ -176,6 +181,7 @@ def test_grad_ckpt_gives_the_same_loss_and_gradients(make, llama_dir):
         assert torch.allclose(grads_a[name], grads_b[name], atol=1e-10), name
 
 
+@pytest.mark.slow
 def test_sft_lora_checkpoint_holds_merged_weights_and_resumes(tmp_path, task_dir, tiny_ckpts):
     """SFT with --lora-rank, the tied embedding among the targets: `model` is the merged full state dict (a later
     stage loads it as any), `model_lora` the adapters; the --export-hf folder gives the unmerged model's logits;
@@ -227,6 +233,7 @@ def test_sft_lora_checkpoint_holds_merged_weights_and_resumes(tmp_path, task_dir
         assert torch.allclose(ckpt["model_lora"][key], split["model_lora"][key], atol=1e-6), key
 
 
+@pytest.mark.slow
 def test_ppo_lora_shares_bases_and_trains(tmp_path, task_dir, tiny_ckpts, capsys):
     sft, rm = tiny_ckpts
     train_ppo.main(
@@ -258,3 +265,65 @@ def test_ppo_lora_shares_bases_and_trains(tmp_path, task_dir, tiny_ckpts, capsys
     reference = hf.model_from_checkpoint(checkpoints.load_checkpoint(sft))
     differs = [n for n, p in actor.state_dict().items() if not torch.equal(p, reference.state_dict()[n])]
     assert differs  # the actor's adapters moved (the ptx loss trains them even when no response ends)
+
+
+@pytest.mark.slow
+def test_llama_chain_with_lora_and_grad_ckpt(tmp_path, llama_dir, user_data):
+    """--lora-rank and --grad-ckpt on the Hugging Face adapter through SFT, RM and PPO: adapters on q/k/v/o, the MLP
+    projections and the (untied) token embedding, checkpoints with merged weights (plain adapter models load them)
+    and the adapters beside them, and an export with the unmerged actor's logits."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"]
+    ckpts = run_chain(
+        tmp_path, f"hf:{llama_dir}", user_data, lora_rank=2, lora_alpha=4, lora_targets=targets, grad_ckpt=True
+    )
+    for stage in ("sft", "rm", "ppo"):
+        adapters = ckpts[stage]["model_lora"]
+        assert any(name.endswith("q_proj.lora_a") for name in adapters), stage
+        assert any(name.endswith("embed_tokens.lora_b") for name in adapters), stage
+        assert not any("lora_" in name for name in ckpts[stage]["model"]), stage
+    assert any(name.endswith("lora_b") for name in ckpts["ppo"]["critic_lora"])
+    sft, policy = (hf.model_from_checkpoint(ckpts[s]).eval() for s in ("sft", "ppo"))
+    idx = torch.randint(3, 83, (2, 7))
+    with torch.no_grad():
+        assert (sft(idx)[0] - policy(idx)[0]).abs().max() > 0  # the adapters moved the actor
+    # the merged export against the unmerged actor: the SFT model (PPO's base) with PPO's adapters on it
+    from transformers import AutoModelForCausalLM
+
+    add_lora(sft, rank=2, alpha=4, targets=targets)
+    sft.load_state_dict(ckpts["ppo"]["model_lora"], strict=False)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_policy").eval()
+    assert exported.config.model_type == "llama"
+    with torch.no_grad():
+        assert (sft(idx)[0] - exported(idx).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_lora_resume_refuses_a_changed_base_folder(tmp_path, llama_dir, user_data):
+    """A LoRA SFT run from a Hugging Face folder records the folder's fingerprint (it used to record no hash for a
+    non-.pt --init): resuming after the folder's weights changed would load the adapters onto other weights, and is
+    refused; the unchanged folder resumes."""
+    from transformers import AutoModelForCausalLM
+
+    base = str(tmp_path / "base")
+    shutil.copytree(llama_dir, base)
+    args = train_sft.Args(
+        out_dir=str(tmp_path / "sft"),
+        init=f"hf:{base}",
+        data=user_data["sft"],
+        task_dir=str(tmp_path / "data"),
+        lora_rank=2,
+        **(CHAIN_SFT | {"max_steps": 2}),
+    )
+    train_sft.main(args)
+    assert torch.load(tmp_path / "sft" / "ckpt.pt", weights_only=False)["init_hash"] is not None
+    resume = replace(args, resume=True, max_steps=3)
+    hf_model = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        hf_model.get_input_embeddings().weight.add_(0.01)
+    hf_model.save_pretrained(base)
+    with pytest.raises(common.UserError, match=r"--init hf:.*base changed since the run started"):
+        train_sft.main(resume)
+    shutil.rmtree(base)
+    shutil.copytree(llama_dir, base)
+    train_sft.main(resume)
+    assert torch.load(tmp_path / "sft" / "ckpt.pt", weights_only=False)["step"] == 3

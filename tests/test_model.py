@@ -1,6 +1,6 @@
-"""model.py: GPT-2 import/export against transformers, padding invariance, KV-cache generation against naive loops,
-log-probs, stopping, sampling filters, checkpoints and optimizer groups. Tiny random models, no downloads.
-Greedy-equality tests run in float64 on models with wide random weights (no near-ties, varied greedy paths)."""
+"""model.py: GPT-2 import/export against transformers, the heads and padding invariance of the forward, log-probs,
+checkpoints and head overrides, optimizer groups and FLOPs, the RM ensemble aggregation, and that model.py imports
+nothing of ours. Tiny random models, no downloads. (Decoding is generate.py's: test_generate.py.)"""
 
 import ast
 import os
@@ -9,7 +9,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from model import GPT, GPTConfig, logprobs_from_logits, padded_causal_mask, sample_tokens
+from model import GPT, GPTConfig, aggregate_rm_scores, logprobs_from_logits, padded_causal_mask
 
 V = 97  # vocab size of every tiny model
 PAD = V  # pad id outside the embedding, like GPT-2's tiktoken tokenizer
@@ -17,24 +17,6 @@ PAD = V  # pad id outside the embedding, like GPT-2's tiktoken tokenizer
 
 def tiny_config(**kw) -> GPTConfig:
     return GPTConfig(**{**dict(block_size=64, vocab_size=V, n_layer=2, n_head=2, n_embd=32), **kw})
-
-
-def wide_model(seed: int = 0, **kw) -> GPT:
-    """float64 model with std-0.3 matrices: peaked, varied greedy continuations instead of one repeated token."""
-    torch.manual_seed(seed)
-    model = GPT(tiny_config(**kw)).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3) if p.dim() >= 2 else p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-def boost_eos(model: GPT, eos_id: int, amount: float) -> GPT:
-    """Raise the EOS logit everywhere by shifting ln_f's bias along wte[eos] (the lm head is tied to wte)."""
-    with torch.no_grad():
-        w = model.transformer.wte.weight[eos_id]
-        model.transformer.ln_f.bias += amount * w / w.norm() ** 2
-    return model
 
 
 def left_pad(seqs: list[list[int]], pad_id: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,23 +29,6 @@ def left_pad(seqs: list[list[int]], pad_id: int = PAD) -> tuple[torch.Tensor, to
 def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
-
-
-def naive_greedy(model: GPT, prompt: list[int], max_new_tokens: int, eos_id: int) -> list[int]:
-    """Full forward over the whole sequence every step, argmax, stop at EOS."""
-    ids, out = torch.tensor([prompt]), []
-    for _ in range(max_new_tokens):
-        logits, _ = model(ids)
-        tok = int(logits[0, -1].argmax())
-        out.append(tok)
-        if tok == eos_id:
-            break
-        ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
-    return out
-
-
-def row(response: torch.Tensor, mask: torch.Tensor, i: int) -> list[int]:
-    return response[i, : int(mask[i].sum())].tolist()
 
 
 # -----------------------------------------------------------------------------
@@ -189,126 +154,6 @@ def test_logprobs_from_logits():
 
 
 # -----------------------------------------------------------------------------
-# generation
-
-
-def test_greedy_batched_equals_single_equals_naive():
-    model = wide_model()
-    prompts = random_prompts([5, 2, 7, 1, 4, 6])
-    max_new = 12
-    # EOS: the token that makes the rows stop at the most different steps (or not at all)
-    free = [naive_greedy(model, p, max_new, eos_id=-1) for p in prompts]
-    eos = max(sorted({t for f in free for t in f}), key=lambda t: len({f.index(t) if t in f else -1 for f in free}))
-    naive = [naive_greedy(model, p, max_new, eos) for p in prompts]
-    ended = [len(n) for n in naive if n[-1] == eos]
-    assert len(set(ended)) >= 2 and len(ended) < len(naive)  # ragged stops, and rows that never stop
-    idx, mask = left_pad(prompts)
-    response, rmask, logprobs = model.generate(idx, mask, max_new, eos, PAD, temperature=0.0)
-    assert response.shape[1] <= max_new
-    for i, p in enumerate(prompts):
-        assert row(response, rmask, i) == naive[i], f"row {i}"
-        assert (response[i, len(naive[i]) :] == PAD).all() and rmask[i, len(naive[i]) :].sum() == 0
-        single, smask, slp = model.generate(torch.tensor([p]), None, max_new, eos, PAD, temperature=0.0)
-        assert row(single, smask, 0) == naive[i], f"row {i} alone"
-        n = len(naive[i])
-        assert (slp[0, :n] - logprobs[i, :n]).abs().max() <= 1e-10
-
-
-def test_sampling_reproducible_per_batch_not_per_row():
-    """generate's contract: the same generator state and batch give the same tokens; a row moved elsewhere in the
-    batch draws other uniforms (one per row per step) and samples other tokens; greedy does not depend on the batch."""
-    model = wide_model()
-    prompts = random_prompts([5, 2, 7, 4])
-    swapped = [prompts[1], prompts[0]] + prompts[2:]
-
-    def sample(batch: list[list[int]], temperature: float) -> list[list[int]]:
-        idx, mask = left_pad(batch)
-        generator = torch.Generator().manual_seed(0)
-        response, rmask, _ = model.generate(idx, mask, 12, -1, PAD, temperature=temperature, generator=generator)
-        return [row(response, rmask, i) for i in range(len(batch))]
-
-    first = sample(prompts, 1.0)
-    assert sample(prompts, 1.0) == first
-    moved = sample(swapped, 1.0)
-    assert moved[1] != first[0] and moved[0] != first[1]  # prompts 0 and 1 swapped places: other tokens
-    greedy = sample(prompts, 0.0)
-    greedy_moved = sample(swapped, 0.0)
-    assert greedy_moved[1] == greedy[0] and greedy_moved[0] == greedy[1]
-
-
-def sample_and_rescore(model: GPT, temperature: float, **kw) -> tuple:
-    idx, mask = left_pad(random_prompts([6, 1, 3, 8, 4, 2, 7, 5]))
-    g = torch.Generator().manual_seed(0)
-    response, rmask, logprobs = model.generate(idx, mask, 16, 3, PAD, temperature=temperature, generator=g, **kw)
-    P, Tn = idx.size(1), response.size(1)
-    with torch.no_grad():
-        logits, _ = model(torch.cat([idx, response], 1), torch.cat([mask, rmask], 1))
-    return response, rmask, logprobs, logits[:, P - 1 : P + Tn - 1]
-
-
-@pytest.mark.parametrize("temperature", [0.7, 1.0, 0.0])
-def test_generate_logprobs_match_full_forward(temperature):
-    torch.manual_seed(0)
-    model = boost_eos(GPT(tiny_config()).eval(), eos_id=3, amount=2.0)  # fp32, some rows end early
-    response, rmask, logprobs, logits = sample_and_rescore(model, temperature)
-    t = temperature if temperature > 0 else 1.0
-    ref = torch.log_softmax(logits / t, dim=-1).gather(-1, response.clamp(max=V - 1)[..., None]).squeeze(-1)
-    real = rmask.bool()
-    assert (logprobs[real] - ref[real]).abs().max() <= 1e-5
-    assert (logprobs[~real] == 0).all() and (~real).any()
-    assert (logprobs_from_logits(logits, response, t)[real] - ref[real]).abs().max() <= 1e-6
-
-
-def test_response_mask_and_eos_stop():
-    torch.manual_seed(0)
-    model = boost_eos(GPT(tiny_config()).eval(), eos_id=3, amount=2.0)
-    response, rmask, _, _ = sample_and_rescore(model, 1.0)
-    ended = 0
-    for i in range(response.size(0)):
-        toks = response[i].tolist()
-        n = toks.index(3) + 1 if 3 in toks else len(toks)  # up to and including the first EOS
-        ended += 3 in toks
-        assert rmask[i, :n].tolist() == [1.0] * n and rmask[i, n:].sum() == 0
-        assert all(t == PAD for t in toks[n:]) and PAD not in toks[:n]
-    assert 0 < ended < response.size(0)
-    # every row ends quickly: the loop stops early, at a multiple of 8 steps
-    model = boost_eos(model, eos_id=3, amount=20.0)
-    response, rmask, _, _ = sample_and_rescore(model, 1.0)
-    assert response.size(1) == 8 and rmask[:, -1].sum() == 0
-    with pytest.raises(AssertionError, match="max_new_tokens"):
-        model.generate(torch.zeros(1, 60, dtype=torch.long), None, 8, 3, PAD)
-    assert all(x.shape == (1, 0) for x in model.generate(torch.zeros(1, 64, dtype=torch.long), None, 0, 3, PAD))
-
-
-def test_min_new_tokens_and_filters():
-    torch.manual_seed(0)
-    model = boost_eos(GPT(tiny_config()).eval(), eos_id=3, amount=20.0)
-    response, rmask, logprobs, logits = sample_and_rescore(model, 1.0, min_new_tokens=6)
-    assert (response[:, :6] != 3).all() and (rmask[:, :6] == 1).all()
-    assert (response == 3).any(dim=1).all()  # EOS right after
-    # log-probs while EOS is suppressed are under that masked distribution
-    logits[:, :6, 3] = -float("inf")
-    ref = torch.log_softmax(logits, -1).gather(-1, response.clamp(max=V - 1)[..., None]).squeeze(-1)
-    assert (logprobs - ref)[rmask.bool()].abs().max() <= 1e-5
-    # top_k=1 and a tiny top_p sample the argmax; log-probs stay those of the full distribution
-    model = wide_model()
-    greedy = sample_and_rescore(model, 0.0)
-    for kw in (dict(top_k=1), dict(top_p=1e-6)):
-        out = sample_and_rescore(model, 1.0, **kw)
-        assert torch.equal(out[0], greedy[0]) and (out[2] - greedy[2]).abs().max() <= 1e-10
-    # top_k=3 samples among the 3 largest logits only
-    response, rmask, logprobs, logits = sample_and_rescore(model, 0.7, top_k=3)
-    rank = (logits > logits.gather(-1, response.clamp(max=V - 1)[..., None])).sum(-1)
-    assert (rank[rmask.bool()] < 3).all()
-    # the generator alone decides the samples
-    a, b = sample_and_rescore(model, 1.0), sample_and_rescore(model, 1.0)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
-    idx, mask = left_pad(random_prompts([6, 1, 3, 8]))
-    c = model.generate(idx, mask, 16, 3, PAD, generator=torch.Generator().manual_seed(1))
-    assert not torch.equal(c[0], a[0][:4, : c[0].size(1)])
-
-
-# -----------------------------------------------------------------------------
 # checkpoints, optimizer, FLOPs
 
 
@@ -417,18 +262,19 @@ def test_configure_optimizers_and_flops():
     assert model.flops_per_token(64) == 6 * model.num_params() + 12 * cfg.n_layer * cfg.n_head * head_dim * 64
 
 
-def test_sample_tokens_distribution_and_masked_logits():
-    """Inverse-CDF sampling: empirical frequencies match softmax (chi-square-sized tolerance), -inf never sampled."""
+def test_aggregate_rm_scores_against_loops():
     g = torch.Generator().manual_seed(0)
-    logits = torch.tensor(
-        [[0.0, 1.0, -float("inf"), 2.0, -1.0], [-float("inf"), -float("inf"), 5.0, -float("inf"), -float("inf")]]
-    )
-    n = 20000
-    toks = torch.stack([sample_tokens(logits, g) for _ in range(n)])  # (n, 2)
-    assert (toks[:, 1] == 2).all() and (toks[:, 0] != 2).all()
-    freq = torch.bincount(toks[:, 0], minlength=5).double() / n
-    p = torch.softmax(logits[0].double(), -1)
-    assert (freq - p).abs().max() <= 4 * (p * (1 - p) / n).sqrt().max()
-    # a leading zero-probability token is never chosen, even for u = 0
-    g0 = torch.Generator().manual_seed(1)
-    assert (torch.stack([sample_tokens(torch.tensor([[-float("inf"), 0.0]]), g0) for _ in range(200)]) == 1).all()
+    scores = torch.randn(4, 9, generator=g, dtype=torch.float64)
+    got = {agg: aggregate_rm_scores(scores, agg, 0.7) for agg in ("mean", "min", "uwo")}
+    for b in range(9):
+        members = scores[:, b].tolist()
+        mean = sum(members) / 4
+        variance = sum((x - mean) ** 2 for x in members) / 4  # the population variance
+        assert got["mean"][b].item() == pytest.approx(mean, abs=1e-12)
+        assert got["min"][b].item() == min(members)
+        assert got["uwo"][b].item() == pytest.approx(mean - 0.7 * variance, abs=1e-12)
+    one = scores[:1]
+    for agg in ("mean", "min", "uwo"):  # one member is its own score
+        assert torch.equal(aggregate_rm_scores(one, agg, 0.7), one[0])
+    with pytest.raises(ValueError, match="unknown RM aggregation"):
+        aggregate_rm_scores(scores, "max")

@@ -1,4 +1,5 @@
-"""train_online.py: iterated RLHF rounds with tiny flags (every stage a subprocess), resumable, every round kept."""
+"""train_online.py: iterated RLHF rounds with tiny flags (every stage a subprocess), resumable, every round kept, a
+rerun's changed argument refused; the labelers: people's labels.jsonl, the task's simulated human, a judge of yours."""
 
 import json
 import os
@@ -32,12 +33,20 @@ def ending_sft(tmp_path_factory, tiny_ckpts) -> str:
     return path
 
 
+def label(folder: str, a_wins) -> list:
+    """People's labels for a round: labels.jsonl, the exported pairs with "a_wins" (a_wins(i) for the i-th) added."""
+    exported = [json.loads(line) for line in open(os.path.join(folder, "to_label.jsonl"))]
+    with open(os.path.join(folder, "labels.jsonl"), "w") as f:
+        f.writelines(json.dumps(row | {"a_wins": a_wins(i)}) + "\n" for i, row in enumerate(exported))
+    return exported
+
+
 def test_rounds_keep_everything_resume_and_take_human_labels(tmp_path, task_dir, tiny_ckpts, ending_sft):
-    """Round 0 (the SFT policy), round 1 labelled by the simulated human, then round 2 by people: it stops at
-    to_label.jsonl and continues once labels.jsonl (each line with "a_wins") is there. Each round keeps its PPO
-    policy, pairs (kept + dropped = sampled), reward model and evaluation; results.json has a row per round whose
-    labels count the offline pairs plus every round's and whose episodes add up; a run with every step done changes
-    nothing."""
+    """Round 0 (the SFT policy), then rounds labelled by people: each stops at to_label.jsonl and continues once
+    labels.jsonl (each line with "a_wins") is there; a rerun may raise --rounds but not change another argument. Each
+    round keeps its PPO policy, pairs (kept + dropped = sampled), reward model and evaluation; results.json has a row
+    per round whose labels count the offline pairs plus every earlier round's, whose new_labels are the round's own
+    and whose episodes add up; a run with every step done changes nothing."""
     out = str(tmp_path / "online")
     args = train_online.Args(
         out_dir=out,
@@ -47,49 +56,76 @@ def test_rounds_keep_everything_resume_and_take_human_labels(tmp_path, task_dir,
         rounds=1,
         pairs_per_round=24,
         max_new_tokens=8,
-        ppo_flags=TINY_PPO,
+        labeler="human",
+        rl_flags=TINY_PPO,
         rm_flags=TINY_RM,
         eval_flags=TINY_EVAL,
     )
+    train_online.main(args)  # round 0, round 1's PPO and pairs: it waits for the labels
+    round1, round2 = (os.path.join(out, f"round{r}") for r in (1, 2))
+    assert not os.path.exists(os.path.join(round1, "pairs.jsonl"))
+    exported1 = label(round1, lambda i: i % 2 == 0)
     train_online.main(args)
-    human = train_online.Args(**{**args.__dict__, "rounds": 2, "labeler": "human"})
-    train_online.main(human)
-    round2 = os.path.join(out, "round2")
+    with pytest.raises(train_online.UserError, match=r"--pairs-per-round 24 -> 12: this run was started otherwise"):
+        train_online.main(train_online.Args(**{**args.__dict__, "rounds": 2, "pairs_per_round": 12}))
+    more = train_online.Args(**{**args.__dict__, "rounds": 2})
+    train_online.main(more)
     assert not os.path.exists(os.path.join(round2, "pairs.jsonl"))
     assert "round2" not in json.load(open(os.path.join(out, "results.json")))
-    exported = [json.loads(line) for line in open(os.path.join(round2, "to_label.jsonl"))]
-    with open(os.path.join(round2, "labels.jsonl"), "w") as f:
-        f.writelines(json.dumps(row | {"a_wins": False}) + "\n" for row in exported)
-    train_online.main(human)
+    exported2 = label(round2, lambda i: False)
+    train_online.main(more)
+    pairs = [json.loads(line) for line in open(os.path.join(round1, "pairs.jsonl"))]
+    want = [row["response_a"] if i % 2 == 0 else row["response_b"] for i, row in enumerate(exported1)]
+    assert [pair["chosen"] for pair in pairs] == want
     pairs = [json.loads(line) for line in open(os.path.join(round2, "pairs.jsonl"))]
-    assert [pair["chosen"] for pair in pairs] == [row["response_b"] for row in exported]
+    assert [pair["chosen"] for pair in pairs] == [row["response_b"] for row in exported2]
     results = json.load(open(os.path.join(out, "results.json")))
     assert list(results) == ["round0", "round1", "round2"]
-    kept = 0
+    kept = {}
     for r in (1, 2):
         folder = os.path.join(out, f"round{r}")
         for name in ("ppo/ckpt.pt", "rm1/ckpt.pt", "eval.json", "to_label.jsonl", "pairs_all.jsonl"):
             assert os.path.exists(os.path.join(folder, name)), (r, name)
         stats = json.load(open(os.path.join(folder, "pairs_stats.json")))
         assert stats["kept"] + sum(stats["dropped"].values()) == stats["sampled"] == 24
-        kept += stats["kept"]
-        assert results[f"round{r}"]["episodes"] == 2 * 8 * r
+        kept[r] = stats["kept"]
+        assert results[f"round{r}"]["episodes"] == 2 * 8 * r and results[f"round{r}"]["new_labels"] == kept[r]
         assert set(results[f"round{r}"]) >= {"gold", "gold_se", "kl", "kl_se", "valid_frac", "valid_frac_se"}
-    assert kept > 0 and results["round2"]["labels"] == results["round0"]["labels"] + kept
+    assert kept[1] + kept[2] > 0 and results["round1"]["labels"] == results["round0"]["labels"]
+    assert results["round2"]["labels"] == results["round0"]["labels"] + kept[1]
+    assert results["round2"]["labels"] + results["round2"]["new_labels"] == results["round0"]["labels"] + sum(
+        kept.values()
+    )
     before = {name: os.path.getmtime(os.path.join(round2, name)) for name in ("eval.json", "pairs.jsonl")}
-    train_online.main(human)  # resumes: nothing left to do
+    train_online.main(more)  # resumes: nothing left to do
     assert before == {name: os.path.getmtime(os.path.join(round2, name)) for name in before}
     with pytest.raises(train_online.UserError, match="--rounds"):
         train_online.main(train_online.Args(**{**args.__dict__, "rounds": 0}))
 
 
+def test_the_task_labeler_is_the_simulated_human(tmp_path):
+    """--labeler task draws each label from the task's Bradley-Terry annotator on the gold reward, seeded: a
+    wonderful review against an ungrammatical one is chosen all but always, the same labels from the same seed."""
+    good = " the music was very wonderful. i loved the ending."
+    rows = [{"prompt": "Review of The Silent River (music, ending):", "response_a": good, "response_b": " music"}] * 50
+    rows = [
+        row if i % 2 else {**row, "response_a": row["response_b"], "response_b": good} for i, row in enumerate(rows)
+    ]
+    args = train_online.Args(labeler="task")
+    labelled = train_online.label_pairs(rows, args, str(tmp_path / "labels.jsonl"), seed=0)
+    assert sum(pair["chosen"] == good for pair in labelled) >= 45
+    assert all({pair["chosen"], pair["rejected"]} == {good, " music"} for pair in labelled)
+    assert train_online.label_pairs(rows, args, str(tmp_path / "labels.jsonl"), seed=0) == labelled
+
+
 def test_a_judge_of_yours_draws_the_labels(tmp_path):
     """--labeler path.py:fn: each label is drawn from the judge's P(a is better): 1 always a, 0 always b, 0.5 both."""
     (tmp_path / "judge.py").write_text("def prefer(prompt, a, b):\n    return {'a': 1.0, 'b': 0.0}.get(prompt, 0.5)\n")
-    label = train_online.load_labeler(f"{tmp_path}/judge.py:prefer")
+    label_fn = train_online.load_labeler(f"{tmp_path}/judge.py:prefer")
     rng = random.Random(0)
-    assert all(label(rng, "a", "x", "y") for _ in range(50)) and not any(label(rng, "b", "x", "y") for _ in range(50))
-    assert 10 < sum(label(rng, "?", "x", "y") for _ in range(100)) < 90
+    assert all(label_fn(rng, "a", "x", "y") for _ in range(50))
+    assert not any(label_fn(rng, "b", "x", "y") for _ in range(50))
+    assert 10 < sum(label_fn(rng, "?", "x", "y") for _ in range(100)) < 90
     rows = [
         {"prompt": "a", "response_a": "x", "response_b": "y"},
         {"prompt": "b", "response_a": "x", "response_b": "y"},

@@ -1,5 +1,6 @@
-"""Tests for train_rm.py: the preference math against naive references, padding invariance, K-wise expansion,
-calibration, the hackability probe's data, user mistakes, and a tiny smoke run."""
+"""train_rm.py: the preference math against naive references, padding invariance, K-wise expansion, calibration,
+the hackability probe's data, the FLOPs per token by hand, user mistakes, a tiny smoke run, K-wise user data, 2 DDP
+ranks against 1, and kill-and-resume."""
 
 import json
 import math
@@ -8,20 +9,18 @@ import re
 import shlex
 import subprocess
 import sys
-from dataclasses import asdict
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ROOT, assert_same_weights, exits_2_with_one_line, kill_and_resume, read_events, read_scalars, run
 
-import checkpoints
 import data
 import hf
 import task
 import train_rm
-from model import GPT, GPTConfig, score_sequences, last_token_scores
+from model import GPT, GPTConfig, calibration_error, last_token_scores, score_sequences
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RM_TAGS = [
     "train/loss",
     "train/bt_loss",
@@ -69,42 +68,14 @@ TINY = dict(
 
 
 @pytest.fixture(scope="module")
-def tok(task_dir):
-    return data.load_tokenizer(task.build_task(task_dir, 1337)["tokenizer"])
+def tok(task_tok):
+    return task_tok
 
 
 @pytest.fixture(scope="module")
-def sft_ckpt(tok, tmp_path_factory):
+def sft_ckpt(tiny_ckpts):
     """A tiny random GPT saved in the SFT checkpoint layout (the RM only needs a trunk and a tokenizer)."""
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32)
-    path = str(tmp_path_factory.mktemp("sft") / "ckpt.pt")
-    checkpoints.save_checkpoint(
-        dict(
-            kind="sft",
-            model=GPT(cfg).state_dict(),
-            model_config=asdict(cfg),
-            tokenizer=tok.state(),
-            args={},
-            step=0,
-            optimizer={},
-            scheduler={},
-            rng=[],
-            data_state={},
-            world_size=1,
-            seconds=0.0,
-        ),
-        path,
-    )
-    return path
-
-
-def read_events(out_dir: str):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(out_dir, size_guidance={"histograms": 0, "scalars": 0})
-    acc.Reload()
-    return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}, acc.Tags()["histograms"]
+    return tiny_ckpts[0]
 
 
 # -----------------------------------------------------------------------------
@@ -187,8 +158,8 @@ def test_calibration_error_known_answers():
     for p, want in [(0.75, 0.0), (0.9, 0.15), (0.6, 0.15)]:
         g = math.log(p / (1 - p))
         gaps = torch.tensor([g] * 300 + [-g] * 100)
-        assert data.calibration_error(gaps) == pytest.approx(want, abs=1e-6)
-    assert data.calibration_error(torch.zeros(10)) == pytest.approx(0.0)  # p = 0.5, half the outcomes 1
+        assert calibration_error(gaps) == pytest.approx(want, abs=1e-6)
+    assert calibration_error(torch.zeros(10)) == pytest.approx(0.0)  # p = 0.5, half the outcomes 1
 
 
 def test_fold_score_offset_known_answer():
@@ -260,19 +231,11 @@ def test_probe_texts(task_dir):
         ),
     ],
 )
-def test_bad_preference_file_is_one_line_exit_2(tmp_path, line, message):
+def test_bad_preference_file_is_one_line_exit_2(tmp_path, line, message, capsys, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n' + line + "\n")
-    r = subprocess.run(
-        shlex.split(f"{sys.executable} train_rm.py --data {bad} --out-dir {tmp_path}/o"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert re.search(message, r.stderr), r.stderr
+    err = exits_2_with_one_line("train_rm.py", ["--data", str(bad), "--out-dir", f"{tmp_path}/o"], capsys, monkeypatch)
+    assert re.search(message, err), err
     assert not os.path.exists(tmp_path / "o")
 
 
@@ -292,8 +255,11 @@ def test_rm_smoke(tmp_path, task_dir, sft_ckpt, tok):
         tok.encode(r["prompt"]) + tok.encode(r["response"]) + [tok.eos_id]
         for r in data.read_jsonl(task.build_task(task_dir, 1337)["sft"], "sft")[:128]
     ]
-    assert score_sequences(model, calib, tok.pad_id, 64, "cpu", torch.float32).mean().item() == pytest.approx(0.0, abs=1e-4)
-    scalars, histograms = read_events(out)
+    assert score_sequences(model, calib, tok.pad_id, 64, "cpu", torch.float32).mean().item() == pytest.approx(
+        0.0, abs=1e-4
+    )
+    scalars, tags = read_events(out)
+    histograms = tags["histograms"]
     for tag in RM_TAGS:
         assert tag in scalars and all(math.isfinite(v) for v in scalars[tag]), tag
     assert "val/score_gap" in histograms
@@ -314,6 +280,7 @@ def test_rm_smoke(tmp_path, task_dir, sft_ckpt, tok):
     assert acc == pytest.approx(scalars["val/accuracy"][-1], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_rm_kwise_user_data(tmp_path, sft_ckpt):
     """K-wise and pairwise records mixed in one user file: trains, calibrates on the best responses, scores pairs."""
     rows = []
@@ -326,7 +293,7 @@ def test_rm_kwise_user_data(tmp_path, sft_ckpt):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = str(tmp_path / "rm")
     train_rm.main(train_rm.Args(out_dir=out, data=str(path), init=sft_ckpt, **{**TINY, "max_steps": 4}))
-    scalars, _ = read_events(out)
+    scalars = read_scalars(out)
     assert "val/bayes_ceiling" not in scalars and "probe/fluent_score" not in scalars  # built-in task only
     assert all(math.isfinite(v) for tag in ("train/loss", "val/accuracy", "val/ece") for v in scalars[tag])
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
@@ -334,6 +301,7 @@ def test_rm_kwise_user_data(tmp_path, sft_ckpt):
     assert {(s["chosen"], s["rejected"]) for s in samples} <= {(" yes", " no"), (" yes", " maybe"), (" maybe", " no")}
 
 
+@pytest.mark.slow
 def test_rm_ddp_matches_single_process(tmp_path, task_dir, sft_ckpt):
     """2 ranks (gloo) with the same global batch end with the same weights and calibration as 1 process."""
     flags = (
@@ -358,7 +326,7 @@ def test_rm_ddp_matches_single_process(tmp_path, task_dir, sft_ckpt):
     assert b["score_offset"] == pytest.approx(a["score_offset"], abs=1e-4)
     for k in a["model"]:
         assert torch.allclose(a["model"][k], b["model"][k], atol=1e-4), k
-    one, two = read_events(str(tmp_path / "one"))[0], read_events(str(tmp_path / "two"))[0]
+    one, two = read_scalars(str(tmp_path / "one")), read_scalars(str(tmp_path / "two"))
     for tag in ("train/grad_norm", "train/loss", "train/accuracy", "val/accuracy"):  # Adam would hide a scale error
         assert two[tag] == pytest.approx(one[tag], rel=1e-4), tag
 
@@ -392,3 +360,32 @@ def test_flops_per_token_hand_count(lm_coef):
         loss.backward()
     matmul_weights = L * 12 * C * C + lm_head + C
     assert counter.get_total_flops() == ids.numel() * (6 * matmul_weights + 12 * L * C * T)
+
+
+# -----------------------------------------------------------------------------
+# reliability: a run killed at a random moment resumes exactly
+
+RM_FLAGS = (
+    "--batch-size 8 --micro-batch-size 4 --max-steps 40 --warmup-steps 2 --eval-every 15 --eval-pairs 8 "
+    "--probe-size 4 --calib-size 32 --log-every 10 --save-every 1"
+)
+
+
+@pytest.mark.slow
+def test_rm_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts):
+    held_out = tmp_path / "pairs_eval.jsonl"
+    with open(task.build_task(task_dir, 1337)["pairs_eval"]) as f:  # a small held-out set keeps the final eval short
+        held_out.write_text("".join(f.readline() for _ in range(32)))
+    base = (
+        f"{sys.executable} train_rm.py --task-dir {task_dir} --init {tiny_ckpts[0]} --eval-data {held_out} {RM_FLAGS}"
+    )
+    r = run(f"{base} --out-dir {tmp_path}/full")
+    assert r.returncode == 0, r.stderr[-3000:]
+    kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=12)
+    assert_same_weights(tmp_path / "full" / "ckpt.pt", tmp_path / "killed" / "ckpt.pt")
+    full, killed = (torch.load(tmp_path / p / "ckpt.pt", weights_only=False) for p in ("full", "killed"))
+    assert abs(full["score_offset"] - killed["score_offset"]) < 1e-5
+    for k, v in full["data_state"].items():
+        assert torch.equal(v, killed["data_state"][k]) if k == "perm" else v == killed["data_state"][k], k
+    lines = open(tmp_path / "killed" / "samples.jsonl").read().splitlines()
+    assert lines == open(tmp_path / "full" / "samples.jsonl").read().splitlines()
