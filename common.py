@@ -326,13 +326,15 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def guarded_step(trained: list[Trained], guard: StepGuard, step: int) -> set[str]:
     """One optimizer step of every model in `trained`: clip its global grad norm (taken after DDP's all-reduce, so
-    every rank decides the same; one host sync a model), step it if the norm is finite, zero its grads. A model whose
-    norm is not finite skips this step and the others still step; the step counts once in guard.skipped, and 10 such
-    steps in a row stop the run. Returns the names of the models that stepped."""
-    stepped = set()
+    every rank decides the same; one host sync for all the models), step it if the norm is finite, zero its grads. A
+    model whose norm is not finite skips this step and the others still step; the step counts once in guard.skipped,
+    and 10 such steps in a row stop the run. Returns the names of the models that stepped."""
+    grad_norms = []
     for entry in trained:
-        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(entry.model.parameters(), entry.grad_clip or math.inf))
-        grad_norm = grad_norm.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(entry.model.parameters(), entry.grad_clip or math.inf)
+        grad_norms.append(full_tensor(grad_norm).float())
+    stepped = set()
+    for entry, grad_norm in zip(trained, torch.stack(grad_norms).tolist()):
         if math.isfinite(grad_norm):
             entry.optimizer.step()
             stepped.add(entry.name)

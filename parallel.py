@@ -256,12 +256,16 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_stack(values: list[torch.Tensor | float], device) -> torch.Tensor:
+    """Sums over ranks in one all-reduce, stacked as float64 on device and left there: no host sync."""
+    stacked = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).detach() for value in values])
+    return all_reduce_sum(stacked)
+
+
 def all_reduce_dict(sums: dict[str, torch.Tensor | float], device) -> dict[str, float]:
-    """Named sums over ranks in one all-reduce (float64, stacked in key order on device; identity without DDP)."""
-    stacked = torch.stack(
-        [torch.as_tensor(value, dtype=torch.float64, device=device).detach() for value in sums.values()]
-    )
-    return dict(zip(sums, all_reduce_sum(stacked).tolist()))
+    """Named sums over ranks in one all-reduce (float64, stacked in key order on device; identity without DDP), read
+    on the host: one host sync."""
+    return dict(zip(sums, all_reduce_stack(list(sums.values()), device).tolist()))
 
 
 def barrier() -> None:

@@ -126,16 +126,14 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 
 
 def global_moments(x: torch.Tensor, mask: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and biased variance of x over the valid entries of every rank (one all-reduce), as float32 tensors for
-    masked_whiten; no valid entry anywhere gives mean 0 and variance 0, not a NaN."""
+    """Mean and biased variance of x over the valid entries of every rank (one all-reduce, float64 on device: no host
+    sync), as float32 tensors for masked_whiten; no valid entry anywhere gives mean 0 and variance 0, not a NaN."""
     masked = x * mask
-    sums = {"count": mask.sum(), "sum": masked.sum(), "sum_squared": (masked**2).sum()}
-    totals = parallel.all_reduce_dict(sums, device)
-    count = max(totals["count"], 1.0)
-    mean = totals["sum"] / count
-    variance = totals["sum_squared"] / count - mean**2
-    mean_tensor = torch.tensor(mean, dtype=torch.float32, device=device)
-    return mean_tensor, torch.tensor(variance, dtype=torch.float32, device=device)
+    count, total, total_squared = parallel.all_reduce_stack([mask.sum(), masked.sum(), (masked**2).sum()], device)
+    count = count.clamp(min=1.0)
+    mean = total / count
+    variance = total_squared / count - mean**2
+    return mean.float(), variance.float()
 
 
 class RunningMoments:

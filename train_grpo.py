@@ -468,27 +468,24 @@ def grpo_update(
         permutation = torch.randperm(mask.size(0), generator=generator, device=generator.device if generator else "cpu")
         widths = rollout.micro_batch_widths(lengths, permutation.tolist(), micro_batch_size)
         permutation = permutation.to(device)
+        # every step's global counts of kept tokens and sequences (loss denominators): one all-reduce an epoch, read
+        # on the host (a step with none is not taken)
+        minibatch_masks = batch["loss_mask"][permutation].view(args.num_minibatches, minibatch_rows, -1)
+        kept_tokens = minibatch_masks.sum((1, 2))
+        kept_sequences = (minibatch_masks.sum(2) > 0).sum(1)
+        counts = parallel.all_reduce_stack([kept_tokens, kept_sequences], device).tolist()
         for minibatch in range(args.num_minibatches):
             minibatch_rows_taken = slice(minibatch * minibatch_rows, (minibatch + 1) * minibatch_rows)
             minibatch_batch = rollout.take_rows(batch, permutation[minibatch_rows_taken])
             ptx_batches = [ptx_sampler() for _ in range(grad_accum_steps)] if use_ptx else []
-            # the step's global counts (loss denominators): one all-reduce per step
-            ptx_tokens = sum((ptx_batch[2].sum() for ptx_batch in ptx_batches), torch.zeros((), device=device))
-            minibatch_loss_mask = minibatch_batch["loss_mask"]
-            counts = parallel.all_reduce_dict(
-                {
-                    "ptx_tokens": ptx_tokens,
-                    "loss_tokens": minibatch_loss_mask.sum(),
-                    "loss_sequences": (minibatch_loss_mask.sum(1) > 0).sum(),
-                },
-                device,
-            )
-            if counts["loss_tokens"] == 0:  # every response dropped: no step, explicitly rather than a NaN
+            loss_tokens, loss_sequences = counts[0][minibatch], counts[1][minibatch]
+            if loss_tokens == 0:  # every response dropped: no step, explicitly rather than a NaN
                 continue
-            ptx_token_count = torch.tensor(counts["ptx_tokens"], dtype=torch.float32, device=device)
-            loss_token_count = torch.tensor(counts["loss_tokens"], dtype=torch.float32, device=device)
+            ptx_tokens = sum((ptx_batch[2].sum() for ptx_batch in ptx_batches), torch.zeros((), device=device))
+            ptx_token_count = parallel.all_reduce_stack([ptx_tokens], device)[0].float()  # left on device
+            loss_token_count = torch.tensor(loss_tokens, dtype=torch.float32, device=device)
             weights, denom = loss_weights(
-                minibatch_loss_mask, args.loss_agg, counts["loss_sequences"], loss_token_count, args.max_new_tokens
+                minibatch_batch["loss_mask"], args.loss_agg, loss_sequences, loss_token_count, args.max_new_tokens
             )
             minibatch_batch["weights"] = weights
             step_sums = {}  # this step's sums, kept if it steps

@@ -416,11 +416,9 @@ def ppo_update(
                 advantages = masked_whiten(minibatch_batch["advantages"], minibatch_mask, mean=mean, var=variance)
                 minibatch_batch["advantages"] = advantages
             ptx_batches = [ptx_sampler() for _ in range(grad_accum_steps)] if use_ptx else []
-            # the step's global token counts (loss denominators): one all-reduce per step
+            # the step's global token counts (loss denominators): one all-reduce per step, left on device
             ptx_tokens = sum((ptx_batch[2].sum() for ptx_batch in ptx_batches), torch.zeros((), device=device))
-            counts = parallel.all_reduce_dict({"tokens": minibatch_mask.sum(), "ptx_tokens": ptx_tokens}, device)
-            token_count = torch.tensor(counts["tokens"], dtype=torch.float32, device=device)
-            ptx_token_count = torch.tensor(counts["ptx_tokens"], dtype=torch.float32, device=device)
+            token_count, ptx_token_count = parallel.all_reduce_stack([minibatch_mask.sum(), ptx_tokens], device).float()
             step_sums = {"model": {}, "critic": {}}  # this step's sums per model, kept if that model steps
             for micro in range(grad_accum_steps):
                 rows = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
