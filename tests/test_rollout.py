@@ -2,7 +2,8 @@
 normalisation, the KL estimators k1/k2/k3 and the TIS weights against their formulas on random ragged batches (padding
 holding extreme log-probs), and steps 1-3 of an iteration on tiny models: padding never changes a log-prob or a value,
 KL exactly 0 for policy == reference, the score on the EOS, the sampler-vs-trainer log-prob check (raised on every
-rank), the metrics reduced from this rank's sums, older flag spellings, and the FLOPs of an iteration by hand."""
+rank), the metrics reduced from this rank's sums, older flag spellings, the FLOPs of an iteration by hand, and the bf16
+sampler copy of the actor refreshed in place."""
 
 import dataclasses
 import math
@@ -339,3 +340,125 @@ def test_iteration_flops_against_a_hand_count():
     critic_free = rollout.iteration_flops(models, seq_len, sequences, epochs)
     want = sequences * seq_len * ((3 * actor_per_token + rm_per_token) / 3 + epochs * actor_per_token)
     assert reward_model.flops_per_token(seq_len) == rm_per_token and critic_free == pytest.approx(want, rel=1e-12)
+
+
+# -----------------------------------------------------------------------------
+# the bf16 sampler (Models.with_sampler, refresh_sampler)
+
+
+def assert_sampler_is_the_actor_in_bf16(sampler, actor_state: dict) -> None:
+    """Every matrix of the sampler is exactly the actor's (adapters merged) cast to bf16; norms and biases are the
+    actor's fp32 tensors (parallel.store_low_precision keeps them in fp32)."""
+    sampler_state = sampler.state_dict()
+    assert set(sampler_state) == set(actor_state)
+    for name, want in actor_state.items():
+        got = sampler_state[name]
+        if want.is_floating_point() and want.dim() >= 2:
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16)), name
+        else:
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def move(parameters, seed: int) -> None:
+    """A stand-in for an optimizer step: every parameter moved in place by a small random amount."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in parameters:
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=g))
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_bf16_sampler_is_the_actor_in_bf16_and_refreshes_in_place(task_tok, lora):
+    """Under bf16 the rollouts come from a frozen bf16 copy of the actor (DESIGN §7): its matrices are the actor's
+    (with LoRA: the merged weights, no adapter left in the copy) cast to bf16. After the actor moves,
+    refresh_sampler copies it in place: every sampler tensor keeps its storage (static KV caches and CUDA graphs
+    keep their addresses) and holds the new weights cast to bf16 exactly, while the actor's fp32 master weights
+    (and its adapters) are left as they were. fp32 and --fsdp build no sampler."""
+    from lora import BaseView, add_lora, lora_layers, merged_state_dict
+
+    actor = tiny_gpt(task_tok, 0)
+    if lora:
+        add_lora(actor, rank=2, alpha=4.0, targets=["c_attn", "c_proj", "c_fc", "wte"])
+        move([p for name, p in actor.named_parameters() if "lora_" in name], seed=1)  # B A != 0: merging matters
+    reference = BaseView(actor) if lora else tiny_gpt(task_tok, 1)
+    plain = Models(actor, reference, [])
+    assert plain.with_sampler(torch.float32, fsdp=False).sampler is None
+    assert plain.with_sampler(torch.bfloat16, fsdp=True).sampler is None
+    models = plain.with_sampler(torch.bfloat16, fsdp=False)
+    sampler = models.sampler
+    assert models.actor is actor and sampler is not actor and not lora_layers(sampler)
+    assert sampler.lm_head.weight is sampler.transformer.wte.weight  # still one tied matrix
+    assert not any(p.requires_grad for p in sampler.parameters()) and not sampler.training
+    assert_sampler_is_the_actor_in_bf16(sampler, merged_state_dict(actor))
+    addresses = {name: tensor.data_ptr() for name, tensor in sampler.state_dict().items()}
+    trained = [p for p in actor.parameters() if p.requires_grad]
+    move(trained, seed=2)
+    actor_before = {name: tensor.clone() for name, tensor in actor.state_dict().items()}
+    moved = merged_state_dict(actor)
+    stale = sampler.state_dict()["transformer.h.0.attn.c_attn.weight"]
+    assert not torch.equal(stale, moved["transformer.h.0.attn.c_attn.weight"].to(torch.bfloat16))
+    rollout.refresh_sampler(models)
+    assert_sampler_is_the_actor_in_bf16(sampler, moved)
+    assert {name: tensor.data_ptr() for name, tensor in sampler.state_dict().items()} == addresses
+    actor_after = actor.state_dict()
+    assert all(torch.equal(actor_after[name], tensor) for name, tensor in actor_before.items())
+    assert all(p.dtype == torch.float32 for p in trained) and bool(lora_layers(actor)) == lora
+    rollout.refresh_sampler(plain)  # no sampler: nothing to do
+
+
+# -----------------------------------------------------------------------------
+# host syncs: on a GPU each one stalls the stream, so none may be per row or per micro-batch
+
+HOST_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "__format__")
+
+
+def count_host_syncs(monkeypatch, run) -> int:
+    """The calls of Tensor methods that read a value on the host (a host sync on a GPU) while run() runs."""
+    calls = [0]
+
+    def counting(original):
+        def counted(self, *args, **kwargs):
+            calls[0] += 1
+            return original(self, *args, **kwargs)
+
+        return counted
+
+    with monkeypatch.context() as patch:
+        for name in HOST_SYNCS:
+            patch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
+        run()
+    return calls[0]
+
+
+@pytest.mark.parametrize("stage", ["ppo", "grpo"])
+def test_host_syncs_do_not_grow_with_the_batch(tmp_path, task_dir, tiny_ckpts, monkeypatch, stage):
+    """Two iterations read values on the host the same number of times at 8 and 16 responses an iteration and at 1
+    and 2 micro-batches a step: the sample records, the scores and the metrics come back in one read each, the
+    token counts stay on device, one read a step for the grad norms (b681921 made 146 an iteration at 64 responses,
+    128 of them one per row). max_new_tokens 8: the decode's every-8-steps EOS check never runs, so the count is
+    exact."""
+    sft_ckpt, rm_ckpt = tiny_ckpts
+    counts = {}
+    for responses, micro_batch_size in ((8, 8), (16, 16), (16, 8)):
+        flags = dict(
+            out_dir=str(tmp_path / f"{stage}_{responses}_{micro_batch_size}"),
+            task_dir=task_dir,
+            sft_ckpt=sft_ckpt,
+            rm_ckpt=rm_ckpt,
+            rollout_batch_size=responses,
+            num_minibatches=1,
+            micro_batch_size=micro_batch_size,
+            max_new_tokens=8,
+            warmup_steps=1,
+            log_every=1,
+            sample_every=100,
+            max_steps=2,
+        )
+        if stage == "ppo":
+            args = train_ppo.Args(**flags, critic_warmup_steps=0)
+            counts[responses, micro_batch_size] = count_host_syncs(monkeypatch, lambda: train_ppo.main(args))
+        else:
+            args = train_grpo.Args(**flags, group_size=4)
+            counts[responses, micro_batch_size] = count_host_syncs(monkeypatch, lambda: train_grpo.main(args))
+    assert len(set(counts.values())) == 1, counts
+    assert counts[8, 8] <= 50, counts  # 2 iterations: about 20 each (measured 33 and 34)
