@@ -146,9 +146,13 @@ def given_flags(argv: list[str], cls) -> frozenset[str]:
 
 def none_spelled_lower(argv: list[str], cls) -> list[str]:
     """argv with `none` as the value of an Optional flag spelled as tyro reads it, `None` (--cliprange none reads like
-    --rm-ckpt none)."""
+    --rm-ckpt none); not where `none` is one of the flag's own choices (--reward-norm none is the choice)."""
     hints = typing.get_type_hints(cls)
-    optional = {f.name for f in fields(cls) if type(None) in typing.get_args(hints[f.name])}
+    optional = set()
+    for f in fields(cls):
+        choices = [value for arg in typing.get_args(hints[f.name]) for value in typing.get_args(arg)]
+        if type(None) in typing.get_args(hints[f.name]) and "none" not in choices:
+            optional.add(f.name)
     spelled = list(argv)
     for i, token in enumerate(argv):
         name, is_pair, value = token[2:].partition("=")

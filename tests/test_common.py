@@ -1,5 +1,6 @@
 """common.py: exact_div, the LR schedule (and its re-timing on a longer budget), the logger (samples.jsonl, console
-keys, resume), the NaN-guarded optimizer step over one and two models, throughput, peak FLOPs; and common.run_main's
+keys, resume), the NaN-guarded optimizer step over one and two models, throughput, peak FLOPs, StopSignal's
+SIGINT/SIGTERM handlers, the --*-every rule and `none` for an Optional flag; and common.run_main's
 contract across every stage (DESIGN §8): a user mistake ends with one line on stderr, exit code 2, no traceback and no
 checkpoint written; --help lists a stage's own flags first."""
 
@@ -9,7 +10,10 @@ import math
 import os
 import re
 import shlex
+import signal
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -179,6 +183,110 @@ def test_logger_resume_keeps_the_checkpoint_step_and_hides_later_ones(tmp_path):
     events = EventAccumulator(out)
     events.Reload()
     assert [(event.step, event.value) for event in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+# -----------------------------------------------------------------------------
+# stopping on a signal (DESIGN §8): common.StopSignal's handlers
+
+
+def stop_handlers() -> dict:
+    return {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+
+def test_stop_signal_installs_its_handlers_and_close_puts_the_old_ones_back():
+    """StopSignal() takes over SIGINT and SIGTERM (a stage must not die mid-step on Ctrl-C or a preemption), and
+    close() puts back exactly the handlers from before (a stage's main() called twice in one process, as the tests
+    do, must leave none of its own behind)."""
+    before = stop_handlers()
+    stop = common.StopSignal()
+    try:
+        assert stop_handlers() == {signum: stop._handle for signum in before}
+        assert set(stop.previous) == set(before) and stop.requested(torch.device("cpu")) == 0
+    finally:
+        stop.close()
+    after = stop_handlers()
+    assert all(after[signum] is before[signum] for signum in before), (before, after)
+    assert stop.previous == {}
+    stop.close()  # a second close changes nothing
+    assert stop_handlers() == before
+
+
+def test_stop_signal_outside_the_main_thread_installs_nothing():
+    """Python delivers signals to the main thread only, and signal.signal raises ValueError in any other: a stage's
+    main() run from a thread must neither crash nor touch the process's handlers, and its close() is harmless."""
+    before, seen = stop_handlers(), {}
+
+    def build_and_close():
+        try:
+            stop = common.StopSignal()
+            seen["previous"] = dict(stop.previous)
+            seen["during"] = stop_handlers()
+            stop.close()
+            seen["requested"] = stop.requested(torch.device("cpu"))
+        except Exception as e:  # a ValueError from signal.signal: the test fails on it below
+            seen["error"] = e
+
+    thread = threading.Thread(target=build_and_close)
+    thread.start()
+    thread.join()
+    assert "error" not in seen, seen.get("error")
+    assert seen["previous"] == {} and seen["during"] == before and seen["requested"] == 0
+    assert stop_handlers() == before
+
+
+def test_stop_signal_records_a_sigterm(capsys):
+    """A SIGTERM delivered to the process reaches StopSignal's handler: requested() then returns its number (what a
+    stage reads at the end of each step to save and exit 128 + 15), and one line says the run stops after this
+    step. The handlers are restored whatever happens (a second signal would os._exit the test process)."""
+    before = stop_handlers()
+    stop = common.StopSignal()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.time() + 5.0
+        while stop.signum == 0 and time.time() < deadline:  # the handler runs between bytecodes of the main thread
+            time.sleep(0.01)
+        assert stop.requested(torch.device("cpu")) == signal.SIGTERM
+    finally:
+        stop.close()
+    assert stop_handlers() == before
+    assert capsys.readouterr().out == "SIGTERM: stopping after this step to save it (again: stop at once)\n"
+
+
+# -----------------------------------------------------------------------------
+# the --*-every rule and `none` on the command line
+
+
+def test_every_zero_means_never():
+    """--log-every/--save-every/--sample-every 0 is off (the stages add `or step == max_steps` themselves): every()
+    is never true for interval 0, and true exactly on the multiples of a positive interval."""
+    assert not any(common.every(step, 0) for step in range(0, 50))
+    assert [step for step in range(1, 13) if common.every(step, 4)] == [4, 8, 12]
+    assert all(common.every(step, 1) for step in range(1, 10))
+
+
+def test_an_optional_flag_given_as_none_parses_to_none(monkeypatch):
+    """`--cliprange none` reads like `--rm-ckpt none`: for an Optional field, `none` (as a separate value or after
+    =) parses to None, as tyro's own `None` does; a flag that is not Optional keeps the string (--rm-ckpt none is the
+    list ["none"]), and every flag spelled counts as given (the --resume rule)."""
+    argv = ["train_ppo.py", "--cliprange", "none", "--max-steps=none", "--reward-clip", "None", "--rm-ckpt", "none"]
+    monkeypatch.setattr(sys, "argv", argv)
+    args = common.cli(train_ppo.Args)
+    assert (args.cliprange, args.max_steps, args.reward_clip) == (None, None, None)
+    assert args.rm_ckpt == ["none"] and args.cliprange_value == 0.2  # untouched flags keep their defaults
+    assert args.given == {"cliprange", "max_steps", "reward_clip", "rm_ckpt"}
+    monkeypatch.setattr(sys, "argv", ["train_ppo.py", "--cliprange", "0.1", "--export-hf", "none"])
+    args = common.cli(train_ppo.Args)
+    assert args.cliprange == 0.1 and args.export_hf is None and args.given == {"cliprange", "export_hf"}
+
+
+def test_none_as_a_literal_choice_is_kept(monkeypatch):
+    """train_grpo.py's --reward-norm and --adv-whiten are Optional (None: the estimator's recipe) over Literals that
+    include "none" (no normalisation, no whitening): `--reward-norm none` must mean the choice "none", not None,
+    which resolve_args would replace by REINFORCE++'s "norm"."""
+    argv = ["train_grpo.py", "--estimator", "reinforce_pp", "--reward-norm", "none", "--adv-whiten", "none"]
+    monkeypatch.setattr(sys, "argv", argv)
+    resolved = train_grpo.resolve_args(common.cli(train_grpo.Args))
+    assert (resolved.reward_norm, resolved.adv_whiten) == ("none", "none")
 
 
 # -----------------------------------------------------------------------------
