@@ -353,17 +353,16 @@ def kl_optimal_rows(name: str, samples: dict, betas: list, builtin: bool, missin
         return torch.tensor([float(values[i]) for i in order], dtype=torch.float64).view(num_prompts, -1)
 
     ended = [bool(e) for e in samples["ended"]]
-    score = [s if e else missing_eos_penalty for s, e in zip(samples["score"], ended)]
-    values = {"score": grid(score)}
-    signals = {}
+    num_samples = len(order) // num_prompts
+    values, signals = {}, {}
     if builtin:
         gold = [gold_reward(p, r, e) for p, r, e in zip(samples["prompt"], samples["response"], ended)]
         values["gold"] = grid(gold)
         values["valid_frac"] = grid([is_valid(r, e) for r, e in zip(samples["response"], ended)])
         signals["gold"] = values["gold"]
-    if not math.isnan(samples["score"][0]):
+    if not math.isnan(samples["score"][0]):  # NaN: no RM (--rm none), no score to tilt by or report
+        values["score"] = grid([s if e else missing_eos_penalty for s, e in zip(samples["score"], ended)])
         signals["rm"] = values["score"]
-    num_samples = values["score"].size(1)
     rows = {}
     for signal, rewards in signals.items():
         for beta in betas:
@@ -658,7 +657,6 @@ def main(args: Args) -> dict:
     # 1. prompts, reference and reward models
     rows = read_jsonl(args.prompts or task["eval_prompts"], "prompts", "--prompts")
     prompts = [r["prompt"] for r in rows][: args.num_samples]
-    builtin = all(is_task_prompt(prompt) for prompt in prompts)  # the gold reward knows the built-in task's prompts
     names = args.names or [os.path.basename(os.path.dirname(p)) or f"policy{i}" for i, p in enumerate(args.policy)]
     if len(names) != len(args.policy):
         raise UserError(f"--names: {len(names)} names for {len(args.policy)} policies")
@@ -675,7 +673,10 @@ def main(args: Args) -> dict:
             f"eval: {len(prompts) - len(fitting)} of {len(prompts)} prompts leave no room for a response in the "
             f"context of {context}: skipped"
         )
+    if not fitting:
+        raise UserError(f"--prompts: no prompt leaves room for a response in the context of {context}")
     prompts = fitting
+    builtin = all(is_task_prompt(prompt) for prompt in prompts)  # the gold reward knows the built-in task's prompts
     if args.kl_optimal:  # the limit: the reference's samples, tilted by each reward signal
         samples = reference_samples(ref, ref_tok, prompts, args, device, rms)
         results = kl_optimal_rows(names[0], samples, args.kl_optimal, builtin, args.missing_eos_penalty)

@@ -1,7 +1,8 @@
 """eval.py: metrics and their standard errors on hand-made samples with known answers, KL of a policy against itself,
-seeds pooled, the JSON layout, a temperature that cannot be measured, best-of-N (the pick, the KL bound, its rows),
+seeds pooled, the JSON layout, a temperature that cannot be measured, a prompt too long for the
+context skipped without changing the others, best-of-N (the pick, the KL bound, its rows),
 --reward-fn, --pairs on user data; the reward signal (DESIGN §5d): the KL-optimal tilt's estimates on a toy with an
-exact optimum, the --kl-optimal rows and their sample cache, --pairs over an RM ensemble."""
+exact optimum, the --kl-optimal rows and their sample cache (gold alone too), --pairs over an RM ensemble."""
 
 import json
 import math
@@ -363,3 +364,99 @@ def test_eval_pairs_reports_each_member_and_the_aggregate(task_dir, tiny_rms):
     # the second member's head is the first's negated: its accuracy is the first's complement, the mean is a tie
     assert res["rm_member1"]["accuracy"] + res["rm_member2"]["accuracy"] == pytest.approx(1.0, abs=1e-9)
     assert res["rm"]["accuracy"] == pytest.approx(0.5, abs=0.01)
+
+
+def test_kl_optimal_on_gold_alone_creates_its_sample_cache_and_reuses_it(
+    tmp_path, task_dir, tiny_policy, monkeypatch, capsys
+):
+    """--kl-optimal with --rm none: only the gold-tilted rows, from the reference's --seeds samples per prompt, which
+    --sample-cache keeps (samples, no RM scores); a second call with the same settings reads them back and samples
+    nothing (sample_policy raises if called) and gives the very same rows; another --seeds is another key: sampled
+    afresh."""
+    cache = tmp_path / "samples.pt"
+    args = ev.Args(
+        policy=[tiny_policy],
+        names=["sft"],
+        ref=tiny_policy,
+        rm=["none"],
+        kl_optimal=[0.1, 1e4],
+        sample_cache=str(cache),
+        num_samples=4,
+        seeds=4,
+        max_new_tokens=8,
+        task_dir=task_dir,
+    )
+    rows = ev.main(args)
+    assert set(rows) == {"sft_opt_gold_b0.1", "sft_opt_gold_b10000"}
+    kept = torch.load(cache, weights_only=False)
+    assert kept["rm_scores"] == {} and len(kept["samples"]["response"]) == 4 * 4
+    assert kept["key"]["seeds"] == 4 and kept["key"]["ref"] == checkpoints.file_sha256(tiny_policy)
+    written = cache.read_bytes()
+    real_sample_policy = ev.sample_policy
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("sampled again")
+
+    monkeypatch.setattr(ev, "sample_policy", no_sampling)
+    capsys.readouterr()
+    again = ev.main(args)
+    assert "eval: 16 reference samples from " in capsys.readouterr().out
+    assert json.dumps(again, sort_keys=True) == json.dumps(rows, sort_keys=True)  # NaN-safe: the same rows
+    assert cache.read_bytes() == written  # nothing new to keep
+    calls = []
+    monkeypatch.setattr(ev, "sample_policy", lambda *a, **k: calls.append(1) or real_sample_policy(*a, **k))
+    ev.main(replace(args, seeds=2))
+    assert calls == [1] and torch.load(cache, weights_only=False)["key"]["seeds"] == 2
+
+
+def test_kl_optimal_rows_without_a_reward_model_have_no_score():
+    """Without an RM (--rm none) there is no score to tilt or report: as in the policy rows ("score is null without
+    an RM", DESIGN §4), the gold-tilted rows' score and score_se are None (null in the JSON), whatever the samples'
+    EOS; gold and kl are still numbers."""
+    prompt = "Review of The Silent River (music, ending):"
+    samples = {
+        "prompt": [prompt] * 4,
+        "response": [" the music was very wonderful.", " music", " i loved the ending.", " the"],
+        "ended": [True, False, True, False],
+        "score": [float("nan")] * 4,  # reference_samples' scores without an RM
+        "prompt_index": [0, 0, 0, 0],
+        "seed": [0, 1, 2, 3],
+    }
+    rows = ev.kl_optimal_rows("sft", samples, [1.0], builtin=True, missing_eos_penalty=-1.0)
+    (row,) = rows.values()
+    assert list(rows) == ["sft_opt_gold_b1"] and math.isfinite(row["gold"]) and math.isfinite(row["kl"])
+    assert row["score"] is None and row["score_se"] is None, (row["score"], row["score_se"])
+
+
+def test_a_prompt_with_no_room_for_a_response_is_skipped_and_changes_no_other_response(
+    tmp_path, task_dir, tiny_policy, monkeypatch, capsys
+):
+    """eval.py answers only the prompts with room for a response in the smallest context (DESIGN §4): a prompt file
+    holding one prompt longer than the policy's 128-token context drops that prompt (and says so) before sampling,
+    so every other prompt gets exactly the responses it gets from the same file without it, in the same batches,
+    and the results are the same numbers."""
+    short = [f"Tell me about river {i} and its music." for i in range(6)]
+    long_prompt = " ".join(short * 20)
+    with_long = tmp_path / "with_long.jsonl"
+    with_long.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in short[:2] + [long_prompt] + short[2:]))
+    without = tmp_path / "without.jsonl"
+    without.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in short))
+    real_sample_policy, sampled = ev.sample_policy, []
+
+    def recording(model, tok, prompts, *args, **kwargs):
+        samples = real_sample_policy(model, tok, prompts, *args, **kwargs)
+        sampled.append((list(prompts), samples["response"], samples["logprob_sum"]))
+        return samples
+
+    monkeypatch.setattr(ev, "sample_policy", recording)
+    settings = dict(policy=[tiny_policy], names=["p"], ref=tiny_policy, rm=["none"], max_new_tokens=8, batch_size=4)
+    capsys.readouterr()
+    results = ev.main(ev.Args(**settings, prompts=str(with_long), num_samples=7, task_dir=task_dir))
+    assert "eval: 1 of 7 prompts leave no room for a response in the context of 128: skipped" in capsys.readouterr().out
+    first, sampled[:] = list(sampled), []
+    baseline = ev.main(ev.Args(**settings, prompts=str(without), num_samples=6, task_dir=task_dir))
+    assert len(first) == len(sampled) == 2  # the reference, then the policy
+    assert all(prompts == short for prompts, _, _ in first)
+    assert first == sampled  # the same responses and log-probs, prompt by prompt
+    assert results["p"]["num_samples"] == 6
+    assert json.dumps(results, sort_keys=True) == json.dumps(baseline, sort_keys=True)
