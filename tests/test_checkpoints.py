@@ -2,16 +2,19 @@
 rules (DESIGN §8): a changed flag that changes the math is refused with one line naming each flag (the estimator, beta,
 lr, a LoRA alpha), a longer budget continues and re-times the LR schedule, --resume with --overwrite is refused, a
 changed input or another world size is refused, --resume alone continues the saved run (its estimator, its model
-shape); the policy kinds every stage starts from (checkpoints.POLICY_KINDS) and the retired flags of an older
+shape), and from the command line a given flag counts whatever its value; a fresh run's removal of a dead run's
+logs; the policy kinds every stage starts from (checkpoints.POLICY_KINDS) and the retired flags of an older
 train_ppo.py (train_ppo.RETIRED): an old critic-free ppo checkpoint is a policy everywhere but is not resumed by
 train_ppo.py."""
 
 import os
 import shutil
+import sys
+from dataclasses import asdict
 
 import pytest
 import torch
-from conftest import TINY_RL
+from conftest import TINY_RL, exits_2_with_one_line, read_scalars
 
 import checkpoints
 import common
@@ -59,6 +62,32 @@ def test_prepare_out_dir(tmp_path):
     assert len(os.listdir(out)) == 4
     checkpoints.prepare_out_dir(out, resume=False, overwrite=True)
     assert os.listdir(out) == ["notes.txt"]
+
+
+def test_a_fresh_run_removes_the_logs_of_an_earlier_run_that_saved_no_checkpoint(tmp_path, capsys):
+    """A run that died before its first save leaves event files and samples.jsonl but no ckpt.pt. A fresh run there
+    (no --resume) removes them and says so, so TensorBoard never shows the dead run's steps beside the new run's;
+    other files stay. --resume leaves the logs alone (the resumed run purges past its checkpoint itself)."""
+    out = str(tmp_path / "run")
+    dead = common.Logger(out, master=True)
+    for step in range(1, 6):
+        dead.log(step, {"train/loss": 99.0}, console=False)
+    dead.samples(3, [{"text": "old"}])
+    dead.close()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    logs = sorted(name for name in os.listdir(out) if name != "notes.txt")
+    assert len(logs) == 2 and logs[0].startswith("events.out.tfevents.") and logs[1] == "samples.jsonl"
+    checkpoints.prepare_out_dir(out, resume=True, overwrite=False)
+    assert sorted(os.listdir(out)) == sorted(logs + ["notes.txt"])
+    capsys.readouterr()
+    checkpoints.prepare_out_dir(out, resume=False, overwrite=False)
+    assert os.listdir(out) == ["notes.txt"]
+    assert capsys.readouterr().out == f"{out}: removed 2 log file(s) of an earlier run that saved no checkpoint\n"
+    fresh = common.Logger(out, master=True)
+    fresh.log(1, {"train/loss": 1.0}, console=False)
+    fresh.close()
+    assert read_scalars(out) == {"train/loss": [1.0]}  # the new run's step alone
+    assert open(os.path.join(out, "samples.jsonl")).read() == ""
 
 
 def test_overwrite_removes_the_temp_file_of_a_killed_save(tmp_path):
@@ -122,6 +151,68 @@ def test_a_retired_flag_at_another_value_is_not_resumed(tmp_path, name):
 
 # -----------------------------------------------------------------------------
 # --resume continues the run it finds: a changed flag that changes the math is refused (DESIGN §8)
+
+
+SAVED_SFT = dict(n_layer=1, n_head=2, n_embd=32, lr=1e-3, batch_size=8, micro_batch_size=4, log_every=1, max_steps=4)
+
+
+@pytest.fixture
+def saved_sft_run(tmp_path) -> str:
+    """An out dir whose ckpt.pt is an SFT run's as resume_args reads it (kind, args; no weights needed), saved with
+    a 1-layer shape, lr 1e-3 (the default is 2e-3) and --log-every 1."""
+    out = tmp_path / "sft"
+    saved = asdict(train_sft.Args(out_dir=str(out), **SAVED_SFT))
+    checkpoints.save_checkpoint({"kind": "sft", "model": {}, "args": saved, "step": 2}, str(out / "ckpt.pt"))
+    return str(out)
+
+
+def resume_from_the_command_line(monkeypatch, out: str, *flags: str) -> train_sft.Args:
+    """`python train_sft.py --resume --out-dir out <flags>` as the script parses it (common.cli records the given
+    flags), through checkpoints.resume_args."""
+    monkeypatch.setattr(sys, "argv", ["train_sft.py", "--resume", "--out-dir", out, *flags])
+    return checkpoints.resume_args(common.cli(train_sft.Args), "sft")
+
+
+def test_resume_takes_the_saved_value_of_every_flag_the_command_line_does_not_give(saved_sft_run, monkeypatch, capsys):
+    """`--resume` alone on the command line continues the saved run: every flag it does not give takes the
+    checkpoint's value (shape, lr, sizes), and the start-up line lists those that differ from the defaults."""
+    args = resume_from_the_command_line(monkeypatch, saved_sft_run)
+    assert {name: getattr(args, name) for name in SAVED_SFT} == SAVED_SFT
+    printed = capsys.readouterr().out
+    assert "resume: the checkpoint's settings where no flag says otherwise: " in printed
+    assert "--n-layer 1" in printed and "--lr 0.001" in printed
+
+
+def test_resume_accepts_a_given_flag_at_its_saved_value(saved_sft_run, monkeypatch, capsys):
+    """A flag the command line gives with the value the run was saved with (here lr and the shape, spelled
+    differently: --lr=0.001) is no change: accepted, nothing reported as changed; a given bookkeeping flag that
+    differs (--log-every) applies and is printed."""
+    args = resume_from_the_command_line(monkeypatch, saved_sft_run, "--lr=0.001", "--n-layer", "1", "--log-every", "5")
+    assert (args.lr, args.n_layer, args.n_embd, args.log_every) == (1e-3, 1, 32, 5)
+    printed = capsys.readouterr().out
+    assert "resume: changed since the last sitting: --log-every 1 -> 5" in printed and "--lr 0.001 ->" not in printed
+
+
+def test_resume_refuses_a_given_flag_that_changes_the_math_even_at_its_default(saved_sft_run, monkeypatch):
+    """A flag the command line gives counts as given whatever its value: --lr 0.002 is the dataclass default, yet it
+    differs from the saved 0.001, so it is refused (from Python, where nothing records what was given, a field at its
+    default would silently take the saved value); each such flag is named with its saved and its new value, in one
+    line."""
+    with pytest.raises(UserError) as error:
+        resume_from_the_command_line(monkeypatch, saved_sft_run, "--lr", "0.002", "--n-layer", "2")
+    message = str(error.value)
+    assert "--n-layer 1 -> 2, --lr 0.001 -> 0.002: these change what the run computes" in message
+    assert "\n" not in message
+    python_args = train_sft.Args(out_dir=saved_sft_run, resume=True, lr=2e-3)  # the same, from Python: inherited
+    assert checkpoints.resume_args(python_args, "sft").lr == 1e-3
+
+
+def test_resume_refusal_is_one_line_from_the_script(saved_sft_run, monkeypatch, capsys):
+    """The same refusal through train_sft.py's own __main__ (common.cli, then run_main): exit 2, one line naming the
+    flag, before anything is built (the checkpoint here holds no weights at all)."""
+    flags = ["--resume", "--out-dir", saved_sft_run, "--n-embd", "64"]
+    err = exits_2_with_one_line("train_sft.py", flags, capsys, monkeypatch)
+    assert "--n-embd 32 -> 64: these change what the run computes" in err
 
 
 # 2 iterations of 8 responses, 8 tokens at most

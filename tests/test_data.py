@@ -1,7 +1,9 @@
-"""data.py: tokenizers (the task's BPE, GPT-2's, a Hugging Face one), JSONL validation, batching and encoding; the
-Anthropic-HH and UltraFeedback converters; conversational data (DESIGN §3): chat-template rendering, every assistant
-turn learned, the end-of-turn token as the stop and score token, HH's layout without a template, and every stage on
-messages data with a tiny Hugging Face Llama whose tokenizer has a chat template. (task.py: test_task.py.)"""
+"""data.py: tokenizers (the task's BPE, GPT-2's, a Hugging Face one), the task's BPE exported for transformers, JSONL
+validation (TRL's prompt-completion and implicit-prompt layouts too), batching and encoding; the Anthropic-HH and
+UltraFeedback converters; conversational data (DESIGN §3): chat-template rendering, every assistant turn learned (as the
+whole conversation renders it, earlier <think> reasoning stripped), the end-of-turn token as the stop and score token,
+HH's layout without a template, and every stage on messages data with a tiny Hugging Face Llama whose tokenizer has a
+chat template. (task.py: test_task.py.)"""
 
 import base64
 import hashlib
@@ -86,6 +88,26 @@ def test_task_tokenizer_matches_trainer(files, tok):
     assert words <= set(task.GRAMMAR_WORDS)
     text = PROMPT + " the music was very wonderful. i loved the ending."
     assert tok.encode(text) == [rank_of[w.encode()] for w in pat.findall(text)]
+
+
+def test_the_task_tokenizer_exports_as_a_hugging_face_tokenizer(tmp_path, files, tok):
+    """--export-hf writes the built-in task's BPE (tiktoken ranks, GPT-2's split pattern) as GPT-2's vocab.json and
+    merges.txt: transformers' AutoTokenizer loads the folder, encodes the task's prompts and full reviews to the very
+    ids of the task's own tokenizer, decodes them back to the text, and has the same EOS and vocabulary size, so an
+    exported policy is usable with its tokenizer outside this repo."""
+    from transformers import AutoTokenizer
+
+    assert "written as GPT-2's byte-level BPE files" in data.export_tokenizer(tok, str(tmp_path))
+    hf_tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    prompts = [row["prompt"] for row in data.read_jsonl(files["eval_prompts"], "prompts")[:16]]
+    reviews = [row["prompt"] + row["response"] for row in data.read_jsonl(files["sft"], "sft")[:16]]
+    texts = prompts + reviews + ["Hello, wörld! 123  spaces\n\nand lines ✓"]
+    for text in texts:
+        ids = tok.encode(text)
+        assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids, text
+        assert hf_tok.decode(ids) == text == tok.decode(ids)
+    assert hf_tok.eos_token_id == tok.eos_id and len(hf_tok) == tok.vocab_size
+    assert hf_tok.decode(tok.encode(prompts[0]) + [tok.eos_id]) == prompts[0] + data.EOT
 
 
 def test_train_bpe_deterministic():
@@ -418,6 +440,67 @@ def test_the_template_renders_prompts_replies_and_every_assistant_turn(chat_llam
     assert encoded == ids and loss_mask[0] == 0 and sum(loss_mask) == len(targets)
 
 
+# Qwen3-like: an assistant turn's <think>...</think> reasoning is rendered in the final turn only, dropped from the
+# earlier ones
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} "
+    "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1].strip() }}"
+    "{% else %}{{ m['content'] }}{% endif %}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def think_tokenizer(tmp_path_factory) -> str:
+    """A word-level tokenizer folder (split on whitespace only, so <think> and </think> are words) with
+    THINK_TEMPLATE as its chat template; <|im_end|> closes a turn."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = str(tmp_path_factory.mktemp("think_tokenizer"))
+    vocab = {word: i for i, word in enumerate(SPECIAL + ["<think>", "</think>"] + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    hf_tok.chat_template = THINK_TEMPLATE
+    hf_tok.save_pretrained(path)
+    return path
+
+
+def test_a_template_that_strips_earlier_reasoning_learns_each_turn_as_the_whole_conversation_renders_it(
+    think_tokenizer,
+):
+    """Qwen3's template drops <think>...</think> from every assistant turn but the last, so a conversation renders
+    its earlier turns otherwise than they were written. The target spans are read from the rendering of the whole
+    conversation: the earlier turn is learned as it appears there (its answer alone, without the dropped reasoning),
+    the final turn with its reasoning, each through its own <|im_end|>, and no token outside those spans (headers,
+    user turns) is a target."""
+    tok = data.load_tokenizer(f"hf:{think_tokenizer}")
+    assert tok.chat and tok.eos_id == IM_END
+    conversation = [
+        user("w1"),
+        assistant("<think> w2 w3 </think> w4"),
+        user("w5"),
+        assistant("<think> w6 </think> w7 w8"),
+    ]
+    ids, mask = tok.conversation(conversation)
+    assert ids == tok.render(conversation, False)
+    assert tok.encode("w2")[0] not in ids and ids.count(tok.encode("<think>")[0]) == 1  # the earlier reasoning dropped
+    targets = [token for token, learned in zip(ids, mask) if learned]
+    assert targets == tok.encode("w4") + [IM_END] + tok.encode("<think> w6 </think> w7 w8") + [IM_END]
+    first = ids.index(tok.encode("w4")[0])
+    assert mask[first - 1] == 0 and mask[first : first + 2] == [1, 1] and mask[first + 2] == 0  # w4, <|im_end|>
+    assert ids[-1] == IM_END and mask[-1] == 1
+    examples, _ = data.encode_sft(tok, [{"messages": conversation}], 128, mask_prompt=True)
+    assert examples[0] == (ids, mask)
+
+
 def test_without_a_template_conversations_take_hh_layout(task_dir):
     tok = data.load_tokenizer(task.build_task(task_dir, 1337)["tokenizer"])
     assert not tok.chat
@@ -455,6 +538,103 @@ def test_malformed_messages_are_file_line_errors(tmp_path, kind, record, message
     path.write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
     with pytest.raises(UserError, match=rf"data\.jsonl:2: .*{message}"):
         data.read_jsonl(str(path), kind)
+
+
+def test_trl_prompt_completion_and_implicit_prompt_records_load(tmp_path, tok):
+    """TRL's other layouts (DESIGN §3) load to this repo's records: prompt-completion SFT with strings becomes
+    {"prompt", "response"}, with messages a conversation that learns the completion only (learn_from: an earlier
+    assistant turn inside the prompt is context, not a target); implicit-prompt preferences take the chosen and
+    rejected conversations' shared head as the prompt, the rest as the replies."""
+    sft = write_jsonl(
+        tmp_path / "sft.jsonl",
+        [
+            {"prompt": "Review of", "completion": " the music was good."},
+            {"prompt": [user("a"), assistant("b"), user("c")], "completion": [assistant("d")]},
+        ],
+    )
+    rows = data.read_jsonl(sft, "sft")
+    assert rows[0] == {"prompt": "Review of", "response": " the music was good."}
+    assert rows[1] == {"messages": [user("a"), assistant("b"), user("c"), assistant("d")], "learn_from": 3}
+    assert data.sft_prompt(rows[1]) == [user("a"), assistant("b"), user("c")]
+    examples, _ = data.encode_sft(tok, rows[1:], block_size=128, mask_prompt=True)
+    ids, mask = examples[0]
+    assert tok.decode([token for token, learned in zip(ids, mask) if learned]) == " d"  # b is not learned
+    assert ids[-1] == tok.eos_id and mask[-1] == 1
+    pairs = write_jsonl(
+        tmp_path / "pairs.jsonl",
+        [
+            {"chosen": [user("q"), assistant("yes")], "rejected": [user("q"), assistant("no")]},
+            {
+                "chosen": [user("q"), assistant("hi"), user("r"), assistant("good"), assistant("more")],
+                "rejected": [user("q"), assistant("hi"), user("r"), assistant("bad")],
+            },
+        ],
+    )
+    rows = data.read_jsonl(pairs, "pairs")
+    assert rows[0] == {"prompt": [user("q")], "chosen": [assistant("yes")], "rejected": [assistant("no")]}
+    assert rows[1] == {
+        "prompt": [user("q"), assistant("hi"), user("r")],
+        "chosen": [assistant("good"), assistant("more")],
+        "rejected": [assistant("bad")],
+    }
+
+
+@pytest.mark.parametrize(
+    "kind, record, message",
+    [
+        (
+            "sft",
+            {"prompt": "a", "completion": 3},
+            "fields 'prompt' and 'completion' must be both strings or both lists",
+        ),
+        ("sft", {"prompt": [user("a")], "completion": "b"}, "must be both strings or both lists of messages"),
+        ("sft", {"prompt": "", "completion": "b"}, "field 'prompt' is empty"),
+        ("sft", {"prompt": [user("a")], "completion": [user("b")]}, "field 'completion' turn 1: a reply holds"),
+        ("sft", {"prompt": [{"role": "user"}], "completion": [assistant("b")]}, "field 'prompt' turn 1: missing"),
+        (
+            "pairs",
+            {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": [user("a")]},
+            "missing field 'prompt': an implicit prompt needs 'chosen' and 'rejected' as lists of messages, not str",
+        ),
+        ("pairs", {"chosen": [user("a"), assistant("b")], "rejected": [user("c"), assistant("d")]}, "share no leading"),
+        (
+            "pairs",
+            {"chosen": [user("a"), assistant("b"), user("x")], "rejected": [user("a"), assistant("c")]},
+            "field 'chosen after the shared prompt' turn 2: a reply holds assistant turns only, not 'user'",
+        ),
+        (
+            "pairs",
+            {"chosen": [user("a"), assistant("b")], "rejected": [user("a"), assistant("b")]},
+            "field 'chosen after the shared prompt' must be a non-empty list",
+        ),
+        ("pairs", {"chosen": [user("a"), {"role": "assistant", "content": 1}], "rejected": [user("a")]}, "'content'"),
+    ],
+    ids=[
+        "types",
+        "mixed",
+        "empty_prompt",
+        "user_completion",
+        "no_role",
+        "strings",
+        "no_shared_turn",
+        "user_after_prompt",
+        "identical",
+        "content_type",
+    ],
+)
+def test_malformed_trl_records_are_file_line_field_errors(tmp_path, kind, record, message):
+    """A bad record in a TRL layout, on line 3 after a good one and a blank line, is one line `path:3: ...` naming
+    the field that is wrong."""
+    good = {
+        "sft": {"prompt": [user("a")], "completion": [assistant("b")]},
+        "pairs": {"chosen": [user("a"), assistant("b")], "rejected": [user("a"), assistant("c")]},
+    }[kind]
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps(record) + "\n")
+    with pytest.raises(UserError) as error:
+        data.read_jsonl(str(path), kind)
+    text = str(error.value)
+    assert text.startswith(f"{path}:3: ") and message in text and "\n" not in text, text
 
 
 @pytest.mark.slow

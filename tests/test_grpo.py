@@ -3,7 +3,8 @@ resolution, every pure function against naive loops on random ragged batches (gr
 aggregation over micro-batches, the clipped loss with clip-higher and dual-clip, the KL in the loss with k3 and k2,
 padding with extreme log-probs), dynamic sampling's batch, dropped responses that never move the whitening, the first
 minibatch's ratio; the flags no run can mean (a KL estimator where it works against the KL included); smoke runs of
-main() for each estimator (no critic, no KL controller, no collapse detector) and kill-and-resume."""
+main() for each estimator (no critic, no KL controller, no collapse detector), train/episodes (dynamic sampling's extra
+rounds included) and kill-and-resume."""
 
 import dataclasses
 import math
@@ -527,6 +528,28 @@ def test_grpo_smoke(tmp_path, task_dir, trained_sft, estimator, flags):
         assert scalars["rollout/sample_rounds"] == want_rounds or min(zero_std) < 1.0
     train_grpo.main(train_grpo.Args(**{**args.__dict__, "max_steps": 4, "resume": True}))
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 4
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [dict(), dict(group_size=2, dynamic_sampling=True, max_sample_rounds=3)],
+    ids=["grpo", "dynamic"],
+)
+def test_grpo_logs_episodes_as_the_responses_sampled(tmp_path, task_dir, tiny_ckpts, flags):
+    """train/episodes counts the responses sampled so far: iterations x --rollout-batch-size at every logged step,
+    continued (not restarted) by a resume; under --dynamic-sampling each extra round of an iteration adds another
+    rollout batch (rollout/sample_rounds: the tiny random policy seldom ends a response, so its groups tie and ask
+    for more)."""
+    settings = dict(out_dir=str(tmp_path), task_dir=task_dir, sft_ckpt=tiny_ckpts[0], rm_ckpt=tiny_ckpts[1])
+    sizes = dict(rollout_batch_size=8, num_minibatches=2, micro_batch_size=4, max_new_tokens=8, warmup_steps=1)
+    args = train_grpo.Args(**settings, **sizes, **flags, max_steps=2)
+    train_grpo.main(args)
+    train_grpo.main(dataclasses.replace(args, max_steps=3, resume=True))
+    scalars = read_scalars(str(tmp_path))
+    rounds = scalars.get("rollout/sample_rounds", [1.0] * 3)
+    assert len(rounds) == 3 and (not flags or max(rounds) > 1), rounds
+    want = [8.0 * sum(rounds[: step + 1]) for step in range(3)]
+    assert scalars["train/episodes"] == want and (flags or want == [8.0, 16.0, 24.0])
 
 
 # -----------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """hf.py (any Hugging Face causal LM behind GPT's interface) and GPT's reward-model export, against transformers itself;
 the --init grammar; BOS per tokenizer; offline loads as one line; and the whole SFT -> RM -> PPO chain on a tiny random
-Llama (`--init hf:<dir>`) and on a tiny random GPT-2 folder (native GPT), exported and reloaded by transformers.
-Tiny random Llama and GPT-2 folders written by conftest (weights widened to std 0.3 so greedy paths are varied and
-peaked), a word-level tokenizer beside them, no network. Greedy comparisons stop at the first step whose top-two logit
-gap is ≤ 1e-4 (DESIGN §9): Llama's RMSNorm and rotary tables run in fp32 even in a float64 model."""
+Llama (`--init hf:<dir>`) and on a tiny random GPT-2 folder (native GPT), exported and reloaded by transformers. Tiny
+random Llama and GPT-2 folders written by conftest (weights widened to std 0.3 so greedy paths are varied and peaked), a
+word-level tokenizer beside them, no network. Greedy comparisons stop at the first step whose top-two logit gap is ≤
+1e-4 (DESIGN §9): Llama's RMSNorm and rotary tables run in fp32 even in a float64 model. Under torch.compile the
+adapter's training forward is one graph (Llama, Qwen2, LoRA) and a compiled PPO run a bounded number."""
 
 import json
 import os
@@ -13,7 +14,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from conftest import HF_EOS, HF_PAD, HF_V, ROOT, offline, run_chain
+from conftest import HF_EOS, HF_PAD, HF_V, ROOT, checkpoint_dict, offline, run_chain, write_tokenizer
 
 import checkpoints
 import common
@@ -515,3 +516,121 @@ def test_gpt2_chain_then_export(tmp_path, gpt2_dir, user_data):
         ours = rm(idx, mask)[1][torch.arange(len(seqs)), lengths - 1]
         theirs = hf_rm(input_ids=idx, attention_mask=mask.long()).logits.squeeze(-1)
     assert (ours - theirs).abs().max() <= 1e-4 and ours.abs().max() > 1e-3
+
+
+# -----------------------------------------------------------------------------
+# torch.compile: the adapter's training forward in one graph
+
+
+def tiny_config(arch: str):
+    """A 1-layer, 32-wide Llama or Qwen2 config (grouped-query attention, no BOS) on the tiny vocabulary."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    config = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    config |= dict(num_key_value_heads=2, vocab_size=V, max_position_embeddings=64, bos_token_id=None)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch](**config, eos_token_id=EOS, pad_token_id=PAD)
+
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_adapter_training_forward_compiles_without_a_graph_break(arch):
+    """The forward the RL stages compile (parallel.compile_forward) and call through model.response_forward: a
+    left-padded prompt and a right-padded response with their attention mask, position ids from the mask, logits of
+    the response positions only (logits_to_keep), scaled by the temperature; the critic's trunk-only scores; and a
+    LoRA policy (every projection and the embedding adapted). torch._dynamo.explain finds one graph and no graph
+    break in each: a break would split the compiled forward and run the pieces between graphs eagerly."""
+    from transformers import AutoModelForCausalLM
+
+    from lora import add_lora
+    from model import response_forward
+
+    g = torch.Generator().manual_seed(0)
+    query, response = torch.randint(3, 83, (3, 5), generator=g), torch.randint(3, 83, (3, 4), generator=g)
+    query_mask, response_mask = torch.ones(3, 5), torch.ones(3, 4)
+    query_mask[0, :2] = query_mask[1, :1] = 0  # left padding of the prompts
+    response_mask[2, 2:] = 0  # a response that ended early
+    for role in ("policy", "critic", "lora"):
+        torch.manual_seed(0)
+        hf_model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+        model = HFCausalLM(hf_model, lm_head=role != "critic", score_head=role == "critic").eval()
+        if role == "lora":
+            add_lora(model, rank=2, alpha=4.0, targets=ALL_PROJECTIONS)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(response_forward)(model, query, query_mask, response, response_mask, 0.7)
+        reasons = [str(reason.reason)[:300] for reason in explained.break_reasons]
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), (arch, role, reasons)
+        logits, scores = response_forward(model, query, query_mask, response, response_mask, 0.7)
+        assert (logits is None) == (role == "critic") and (scores is None) == (role != "critic")
+        assert (logits if logits is not None else scores).shape[:2] == (3, 4)  # the response positions only
+    torch._dynamo.reset()
+
+
+# measured on a compiled 1-layer Llama PPO run (torch 2.13, transformers 5.24): 5 frames, 6 graphs (the actor, its
+# reference and the critic with dynamic shapes, each call signature once, and the decode step), no graph break
+HF_PPO_FRAMES, HF_PPO_GRAPHS, MARGIN = 5, 6, 2
+
+
+@pytest.mark.slow
+def test_a_compiled_hf_ppo_run_compiles_a_bounded_number_of_graphs(tmp_path, user_data, monkeypatch):
+    """train_ppo.py --compile on with a Hugging Face policy (tiny Llama, --sft-ckpt an adapter checkpoint): the
+    actor, reference and critic forwards (dynamic shapes) and the HF decode step (static cache, fullgraph) are all
+    compiled (here with backend="eager": dynamo's graph capture without inductor); over two iterations dynamo
+    compiles at most a few frames and graphs, never breaks a graph, and the second iteration compiles nothing new.
+    A graph break or a recompile per length would multiply these counts."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    import train_ppo
+
+    folder = str(tmp_path / "llama")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(folder)
+    write_tokenizer(folder)
+    model, tok, _ = load_init(f"hf:{folder}")
+    sft = str(tmp_path / "sft.pt")
+    checkpoints.save_checkpoint(checkpoint_dict("sft", model, tok), sft)
+    (tmp_path / "reward.py").write_text("def length(prompt, response, ended):\n    return len(response) / 10\n")
+    real_compile, compiled, per_iteration = torch.compile, [], []
+
+    def eager_compile(model=None, **settings):
+        settings.pop("mode", None)  # a mode is inductor's
+        compiled.append(settings)
+        return real_compile(model, backend="eager", **settings)
+
+    real_rollout = train_ppo.ppo_rollout
+
+    def counting_rollout(*args, **kwargs):
+        per_iteration.append((counters["frames"]["total"], counters["stats"]["unique_graphs"]))
+        return real_rollout(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    monkeypatch.setattr(train_ppo, "ppo_rollout", counting_rollout)
+    torch._dynamo.reset()
+    counters.clear()
+    train_ppo.main(
+        train_ppo.Args(
+            out_dir=str(tmp_path / "ppo"),
+            task_dir=str(tmp_path / "data"),
+            sft_ckpt=sft,
+            rm_ckpt=["none"],
+            reward_fn=f"{tmp_path}/reward.py:length",
+            prompts=user_data["prompts"],
+            compile="on",
+            device="cpu",
+            max_steps=2,
+            rollout_batch_size=8,
+            num_minibatches=2,
+            micro_batch_size=4,
+            max_new_tokens=8,
+            critic_warmup_steps=0,
+            warmup_steps=1,
+        )
+    )
+    frames, graphs = counters["frames"]["total"], counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert compiled == [{"dynamic": True}] * 3 + [{"fullgraph": True}]  # actor, reference, critic; the decode step
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert 0 < frames <= HF_PPO_FRAMES + MARGIN and 0 < graphs <= HF_PPO_GRAPHS + MARGIN, (frames, graphs)
+    assert per_iteration[1] == (frames, graphs)  # the second iteration compiled nothing new

@@ -1,14 +1,17 @@
 """train_online.py: iterated RLHF rounds with tiny flags (every stage a subprocess), resumable, every round kept, a
-rerun's changed argument refused; the labelers: people's labels.jsonl, the task's simulated human, a judge of yours."""
+rerun's changed argument refused; --overwrite; the labelers: people's labels.jsonl (a bad line is one error naming it),
+the task's simulated human, a judge of yours."""
 
 import json
 import os
 import random
+import sys
 
 import pytest
 import torch
 
 import checkpoints
+import common
 import train_online
 
 TINY_PPO = (
@@ -133,3 +136,81 @@ def test_a_judge_of_yours_draws_the_labels(tmp_path):
     args = train_online.Args(labeler=f"{tmp_path}/judge.py:prefer")
     labelled = train_online.label_pairs(rows, args, str(tmp_path / "labels.jsonl"), seed=0)
     assert [pair["chosen"] for pair in labelled] == ["x", "y"]
+
+
+# -----------------------------------------------------------------------------
+# people's labels and the run's arguments: user mistakes in one line
+
+TO_LABEL = [{"prompt": f"p{i}", "response_a": f" a{i}", "response_b": f" b{i}"} for i in range(3)]
+
+
+def labelled_lines(*a_wins) -> list:
+    return [json.dumps(row | {"a_wins": wins}) for row, wins in zip(TO_LABEL, a_wins)]
+
+
+def good_but(lineno: int, text: str) -> list:
+    """labels.jsonl done right (a, b, a) but for the line at lineno (1-based), which reads text."""
+    lines = labelled_lines(True, False, True)
+    return lines[: lineno - 1] + [text] + lines[lineno:]
+
+
+@pytest.mark.parametrize(
+    "lines, where, message",
+    [
+        (good_but(2, "{not json"), 2, "bad JSON"),
+        (good_but(2, json.dumps(TO_LABEL[1])), 2, 'needs "a_wins": true or false'),
+        (good_but(3, json.dumps(TO_LABEL[2] | {"a_wins": "yes"})), 3, 'needs "a_wins": true or false'),
+        (good_but(2, json.dumps(TO_LABEL[1] | {"a_wins": 1})), 2, 'needs "a_wins"'),  # an int is not a label
+        (good_but(1, "[true]"), 1, 'needs "a_wins"'),
+        (good_but(2, json.dumps(TO_LABEL[2] | {"a_wins": True})), 2, "not the pair on line 2 of to_label.jsonl"),
+        (labelled_lines(True, False), None, "2 labelled pairs for 3 in to_label.jsonl: label them all"),
+    ],
+    ids=["json", "missing", "string", "int", "not_an_object", "moved", "unlabelled"],
+)
+def test_bad_human_labels_are_one_line_naming_the_file_and_line(tmp_path, lines, where, message):
+    """--labeler human reads round<r>/labels.jsonl line by line against to_label.jsonl: bad JSON, a missing or
+    non-boolean "a_wins", a pair moved to another line, or pairs left unlabelled are each one UserError naming the
+    file and the line (or the counts), never a traceback or a silently misread label."""
+    path = tmp_path / "labels.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(train_online.UserError) as error:
+        train_online.label_pairs(TO_LABEL, train_online.Args(labeler="human"), str(path), seed=0)
+    text = str(error.value)
+    prefix = f"{path}:{where}: " if where else f"{path}: "
+    assert text.startswith(prefix) and message in text and "\n" not in text, text
+
+
+def test_good_human_labels_pick_the_chosen_response(tmp_path):
+    """The same file done right (a blank line is fine): each pair's chosen response is the one "a_wins" says; before
+    labels.jsonl exists the round waits (None)."""
+    path = tmp_path / "labels.jsonl"
+    args = train_online.Args(labeler="human")
+    assert train_online.label_pairs(TO_LABEL, args, str(path), seed=0) is None
+    lines = labelled_lines(True, False, True)
+    path.write_text(lines[0] + "\n\n" + "\n".join(lines[1:]) + "\n")
+    labelled = train_online.label_pairs(TO_LABEL, args, str(path), seed=0)
+    assert [(pair["chosen"], pair["rejected"]) for pair in labelled] == [(" a0", " b0"), (" b1", " a1"), (" a2", " b2")]
+
+
+def test_a_changed_argument_of_a_kept_run_is_refused_unless_overwrite(tmp_path, monkeypatch):
+    """args.json keeps a run's arguments: a rerun that changes one (given on the command line, even at its default
+    value) is refused in one line naming it with its saved and new value, more --rounds is allowed, and --overwrite
+    starts over (the old rounds removed, the new value saved)."""
+    out = str(tmp_path / "online")
+    first = train_online.saved_args(train_online.Args(out_dir=out, pairs_per_round=24, rounds=1))
+    assert json.load(open(os.path.join(out, "args.json")))["pairs_per_round"] == 24 and first.pairs_per_round == 24
+    os.makedirs(os.path.join(out, "round1"))
+    again = train_online.saved_args(train_online.Args(out_dir=out, rounds=2))  # the default 6000: not given
+    assert (again.pairs_per_round, again.rounds) == (24, 2)
+    with pytest.raises(train_online.UserError) as error:
+        train_online.saved_args(train_online.Args(out_dir=out, pairs_per_round=12))
+    assert "args.json: --pairs-per-round 24 -> 12: this run was started otherwise (--overwrite starts over)" in str(
+        error.value
+    )
+    argv = ["train_online.py", "--out-dir", out, "--pairs-per-round", "6000"]  # given at its default: still a change
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(train_online.UserError, match=r"--pairs-per-round 24 -> 6000: this run was started otherwise"):
+        train_online.saved_args(common.cli(train_online.Args))
+    fresh = train_online.saved_args(train_online.Args(out_dir=out, pairs_per_round=12, overwrite=True))
+    assert fresh.pairs_per_round == 12 and sorted(os.listdir(out)) == ["args.json"]
+    assert json.load(open(os.path.join(out, "args.json")))["pairs_per_round"] == 12

@@ -1,9 +1,11 @@
 """The commands a reader runs first: every per-stage command of the README, in order, with tiny flags, from a scratch
-working directory; and `make demo TINY=1`, the whole chain."""
+working directory (and, fast, that each one's tiny flags parse for its stage); and `make demo TINY=1`, the whole
+chain."""
 
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import sys
 
@@ -52,6 +54,46 @@ README_TINY = {
     "--num-samples 8 --eval-samples 8 --max-new-tokens 16 --log-every 1",
     "eval.py": "--num-samples 16 --max-new-tokens 24",
 }
+
+
+def test_every_readme_command_has_tiny_flags_its_stage_parses(monkeypatch):
+    """The fast half of test_readme_commands: each per-stage README command (train_grpo.py's included) maps to one
+    script of README_TINY, and the command's own flags with the tiny ones appended parse as that stage parses its
+    command line (a tiny flag the stage does not have, such as PPO's --critic-warmup-steps for train_grpo.py, would
+    only fail in the slow run). The tiny flags really shrink the run (--max-steps, and eval's --num-samples)."""
+    import tyro
+
+    import common
+    import eval as ev
+    import train_dpo
+    import train_grpo
+    import train_ppo
+    import train_rm
+    import train_sft
+
+    stages = {
+        "train_sft.py": train_sft.Args,
+        "train_rm.py": train_rm.Args,
+        "train_ppo.py": train_ppo.Args,
+        "train_grpo.py": train_grpo.Args,
+        "train_dpo.py": train_dpo.Args,
+        "eval.py": ev.Args,
+    }
+    assert set(README_TINY) == set(stages)
+    scripts = []
+    for cmd in readme_commands():
+        words = shlex.split(cmd)
+        (script,) = [word for word in words if word in README_TINY]  # exactly one script, named as a word
+        scripts.append(script)
+        argv = words[words.index(script) + 1 :] + shlex.split(README_TINY[script])
+        if script == "eval.py":  # eval.py parses with tyro itself
+            args = tyro.cli(stages[script], args=argv)
+            assert args.num_samples <= 16, cmd
+        else:
+            monkeypatch.setattr(sys, "argv", [script, *argv])
+            args = common.cli(stages[script])
+            assert args.max_steps is not None and args.max_steps <= 4, cmd
+    assert "train_grpo.py" in scripts and set(scripts) == set(stages)
 
 
 @pytest.mark.slow

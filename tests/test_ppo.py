@@ -1,17 +1,22 @@
 """train_ppo.py, PPO-max: every pure function against naive loops on random ragged batches (length-1 and full-length
-rows), the loss denominator under accumulation, the KL controller and the collapse detector; the rollout's rewards
-and the first minibatch's ratio, a NaN step, TIS weights of 1; its defaults and the flags no run can mean; smoke runs
-of main() (gold reward, an RM, an ensemble with its own reference, LoRA's shared bases in test_lora.py), the critic's
-fresh head, a DPO policy as its start, --reward-fn from a file, 2 torchrun ranks, and kill-and-resume."""
+rows), the loss denominator under accumulation, the KL controller and the collapse detector; the rollout's rewards and
+the first minibatch's ratio, a NaN step, TIS weights of 1; its defaults and the flags no run can mean; smoke runs of
+main() (gold reward, an RM, an ensemble with its own reference, LoRA's shared bases in test_lora.py), the critic's fresh
+head, a DPO policy as its start, --reward-fn from a file, 2 torchrun ranks, train/episodes, kill-and-resume, and
+SIGTERM's save, exit 143 and exact resume."""
 
 import json
 import math
 import os
+import shlex
+import signal
+import subprocess
 import sys
 
 import pytest
 import torch
 from conftest import (
+    ENV,
     ROOT,
     TINY_PPO,
     assert_same_weights,
@@ -750,3 +755,63 @@ def test_ppo_nan_step_is_skipped_and_the_run_finishes(tmp_path, task_dir, tiny_c
     monkeypatch.setattr(train_ppo, "ppo_policy_loss", always)
     with pytest.raises(RuntimeError, match="10 non-finite steps in a row"):
         train_ppo.main(train_ppo.Args(**{**args.__dict__, "out_dir": str(tmp_path / "all"), "max_steps": 20}))
+
+
+# a run long enough that a SIGTERM sent after its first logged iteration lands mid-run; no --save-every: the only
+# checkpoint before the end is the one the signal asks for
+TERM_FLAGS = (
+    "--max-steps 8 --rollout-batch-size 8 --num-minibatches 2 --micro-batch-size 4 --ptx-batch-size 4 "
+    "--max-new-tokens 8 --critic-warmup-steps 1 --warmup-steps 1 --log-every 1 --sample-every 1"
+)
+
+
+@pytest.mark.slow
+def test_ppo_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, task_dir, tiny_ckpts):
+    """SIGTERM (a cluster's preemption, DESIGN §8) sent to train_ppo.py after its first logged iteration: it finishes
+    that iteration, saves it, prints one line that says to continue with --resume and exits 128 + 15; the rerun with
+    --resume finishes, and its final actor and critic are bit-for-bit those of an uninterrupted run with the same
+    flags (CPU, one thread: the stop is at an iteration boundary, like a --save-every checkpoint)."""
+    sft, rm = tiny_ckpts
+    base = f"{sys.executable} train_ppo.py --task-dir {task_dir} --sft-ckpt {sft} --rm-ckpt {rm} {TERM_FLAGS}"
+    r = run(f"{base} --out-dir {tmp_path}/full")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "stopped"
+    env = {**ENV, "PYTHONUNBUFFERED": "1"}
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen(
+            shlex.split(f"{base} --out-dir {out}"), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 00001/"):  # the first logged iteration
+                proc.send_signal(signal.SIGTERM)
+                break
+        lines += proc.stdout.readlines()
+        code = proc.wait(timeout=300)
+    printed = "".join(lines)
+    assert code == 128 + signal.SIGTERM, printed[-2000:] + (tmp_path / "stderr.txt").read_text()[-2000:]
+    told = [line for line in lines if "--resume" in line]
+    assert told == [f"stopped by SIGTERM with {out}/ckpt.pt saved: continue with --resume\n"], printed[-2000:]
+    stopped_at = torch.load(out / "ckpt.pt", weights_only=False)["step"]
+    assert 1 <= stopped_at < 8
+    r = run(f"{base} --out-dir {out} --resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {out}/ckpt.pt at step {stopped_at}" in r.stdout
+    full, resumed = (torch.load(path, weights_only=False) for path in (tmp_path / "full" / "ckpt.pt", out / "ckpt.pt"))
+    assert full["step"] == resumed["step"] == 8
+    for key in ("model", "critic"):
+        differ = [name for name, tensor in full[key].items() if not torch.equal(tensor, resumed[key][name])]
+        largest = max((full[key][n] - resumed[key][n]).abs().max().item() for n in full[key])
+        assert not differ, (key, differ, largest)
+
+
+def test_ppo_logs_episodes_as_iterations_times_the_rollout_batch(tmp_path, task_dir, tiny_ckpts):
+    """train/episodes, the responses sampled so far (the x-axis against which --total-episodes budgets a run), is
+    iterations x --rollout-batch-size at every logged step, and a resumed run continues the count from its
+    checkpoint (data_state) instead of restarting it."""
+    args = tiny_args(str(tmp_path), task_dir, tiny_ckpts, max_steps=2, rollout_batch_size=8)
+    train_ppo.main(args)
+    train_ppo.main(train_ppo.Args(**{**args.__dict__, "max_steps": 3, "resume": True}))
+    assert read_scalars(str(tmp_path))["train/episodes"] == [8.0, 16.0, 24.0]
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["data_state"]["episodes"] == 24
