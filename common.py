@@ -503,6 +503,13 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def step_lr(trained: Trained, step: int) -> float:
+    """The learning rate of a trained model's schedule at this step, set on its optimizer; returns it."""
+    lr = trained.schedule.at(step)
+    set_lr(trained.optimizer, lr)
+    return lr
+
+
 class Throughput:
     """perf/tokens_per_sec and perf/mfu over the training time since the last read; time inside
     `with throughput.paused():` (evaluation, saving) is left out."""

@@ -632,6 +632,27 @@ def rollout_metrics(sums: dict, device) -> tuple[dict, dict]:
 # the update's plumbing
 
 
+def concat_experience(parts: list[dict], pad_id: int) -> dict:
+    """Experience dicts of different widths -> one: prompts left-padded (query with pad_id, query_mask with 0; position
+    ids follow the attention mask, so more left padding changes nothing), responses right-padded with pad_id, every
+    other (B, T) tensor right-padded with 0, (B,) tensors concatenated."""
+    merged = {}
+    for key in parts[0]:
+        tensors = [part[key] for part in parts]
+        if tensors[0].dim() == 1:
+            merged[key] = torch.cat(tensors)
+            continue
+        width = max(tensor.size(1) for tensor in tensors)
+        value = pad_id if key in ("query", "response") else 0
+        padded = []
+        for tensor in tensors:
+            extra = width - tensor.size(1)
+            left = extra if key in ("query", "query_mask") else 0
+            padded.append(torch.nn.functional.pad(tensor, (left, extra - left), value=value))
+        merged[key] = torch.cat(padded)
+    return merged
+
+
 def take_rows(batch: dict, index, width: Optional[int] = None) -> dict:
     """The rows `index` of every tensor of an experience dict; width: response-shaped tensors (B, T) trimmed to their
     first `width` columns (a micro-batch's longest response), the prompts kept whole."""
@@ -720,6 +741,23 @@ def update_kl(actor, experience: dict, micro_batch_size: int, temperature: float
     return sums["kl"] / sums["sequences"]
 
 
+def perf_metrics(
+    models: Models, experience: dict, epochs: int, times: tuple, peak: float, world_size: int, critic=None
+):
+    """perf/: one iteration's rollout and update seconds, tokens per second and MFU (iteration_flops against the
+    peak of every rank); times: the iteration's start, the update's start and the end."""
+    t_rollout, t_update, t_end = times
+    sequence_len = experience["query"].size(1) + experience["mask"].size(1)
+    sequences = experience["mask"].size(0) * world_size
+    flops = iteration_flops(models, sequence_len, sequences, epochs, critic=critic)
+    return {
+        "perf/rollout_s": t_update - t_rollout,
+        "perf/update_s": t_end - t_update,
+        "perf/tokens_per_sec": sequences * sequence_len / (t_end - t_rollout),
+        "perf/mfu": flops / (t_end - t_rollout) / (peak * world_size),
+    }
+
+
 def iteration_flops(models: Models, sequence_len: int, sequences: int, epochs: int, critic=None) -> float:
     """Training-equivalent FLOPs of one iteration for perf/mfu (flops_per_token counts a forward and a backward, a
     forward is a third of it): generation, policy and reference log-probs (three actor-sized forwards), each RM's
@@ -735,6 +773,26 @@ def iteration_flops(models: Models, sequence_len: int, sequences: int, epochs: i
     rollout_flops = (3 * actor_flops + critic_flops + reward_flops) / 3
     update_flops = epochs * (actor_flops + critic_flops)
     return sequences * sequence_len * (rollout_flops + update_flops)
+
+
+def loop_state(prompt_stream: PromptStream, ptx_sampler: PtxSampler, guard, updates: int, episodes: int) -> dict:
+    """The data_state both RL stages save: the prompt and ptx orders, the optimizer steps taken, the responses
+    sampled and the steps skipped."""
+    prompts, ptx = prompt_stream.order.state_dict(), ptx_sampler.order.state_dict()
+    return dict(prompts=prompts, ptx=ptx, updates=updates, episodes=episodes, skipped=guard.skipped)
+
+
+def resume_loop(run, hashes: dict, sampler, prompt_stream: PromptStream, ptx_sampler: PtxSampler, guard, args):
+    """--resume of an RL stage: its checkpoint (checked against the inputs' hashes; the stage reads its own state
+    from it), with the prompt and ptx orders and the skipped steps restored in place; returns the checkpoint and the
+    step, optimizer steps and episodes to continue from."""
+    ckpt = run.resume({key: (HASH_FLAGS[key], digest) for key, digest in hashes.items()}, sampler)
+    data_state = ckpt["data_state"]
+    prompt_stream.order = Order(**data_state["prompts"])
+    ptx_sampler.order = Order(**data_state["ptx"])
+    guard.skipped = data_state["skipped"]
+    episodes = data_state.get("episodes", ckpt["step"] * args.rollout_batch_size)  # older checkpoints lack it
+    return ckpt, ckpt["step"], data_state["updates"], episodes
 
 
 def log_samples(logger: common.Logger, samples: list[dict], step: int) -> None:

@@ -326,27 +326,6 @@ def grpo_rollout(
     return experience, metrics, samples
 
 
-def concat_experience(parts: list[dict], pad_id: int) -> dict:
-    """Experience dicts of different widths -> one: prompts left-padded (query with pad_id, query_mask with 0; position
-    ids follow the attention mask, so more left padding changes nothing), responses right-padded with pad_id, every
-    other (B, T) tensor right-padded with 0, (B,) tensors concatenated."""
-    merged = {}
-    for key in parts[0]:
-        tensors = [part[key] for part in parts]
-        if tensors[0].dim() == 1:
-            merged[key] = torch.cat(tensors)
-            continue
-        width = max(tensor.size(1) for tensor in tensors)
-        value = pad_id if key in ("query", "response") else 0
-        padded = []
-        for tensor in tensors:
-            extra = width - tensor.size(1)
-            left = extra if key in ("query", "query_mask") else 0
-            padded.append(torch.nn.functional.pad(tensor, (left, extra - left), value=value))
-        merged[key] = torch.cat(padded)
-    return merged
-
-
 def keep_informative_groups(rounds: list[dict], group_size: int, rows: int, pad_id: int) -> dict:
     """Dynamic sampling (DAPO) over the experiences of one iteration's rollout rounds: the first rows / group_size
     informative groups, in round order; when there are fewer, the first round's other groups fill the batch. The
@@ -362,7 +341,7 @@ def keep_informative_groups(rounds: list[dict], group_size: int, rows: int, pad_
     first_flags = informative_groups(rounds[0]["scores"], group_size).repeat_interleave(group_size)
     filling = (~first_flags).nonzero().squeeze(1)[: rows - kept]
     parts.append({key: value[filling] for key, value in rounds[0].items()})
-    experience = {key: value[:rows] for key, value in concat_experience(parts, pad_id).items()}
+    experience = {key: value[:rows] for key, value in rollout.concat_experience(parts, pad_id).items()}
     device = experience["mask"].device
     experience["informative"] = torch.cat([torch.ones(kept, device=device), torch.zeros(rows - kept, device=device)])
     return experience
@@ -436,7 +415,7 @@ def grpo_update(
     has no token left for the policy loss (--mask-truncated, --dynamic-sampling's filling) takes no step; a step whose
     global grad norm is not finite is skipped (guard.skipped). ptx_sampler() -> (inputs, targets, mask) of one
     micro-batch of pre-training text (None: no ptx loss). Returns (metrics: global means keyed by DESIGN §6 tags over
-    the steps taken; diagnostics: {"updates": steps taken, "skipped": steps skipped, "first": with diagnose,
+    the steps taken, and policy/update_kl, how far the update moved the policy (rollout.update_kl); diagnostics: {"updates": steps taken, "skipped": steps skipped, "first": with diagnose,
     ratio_err, approx_kl and clipfrac of the first micro-batch, which must read 0, 0, 0})."""
     mask = experience["mask"]
     device = mask.device
@@ -509,6 +488,7 @@ def grpo_update(
                 losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums.items())
                 print0(f"step {step}: the policy's sums when its grad norm was not finite: {losses}")
     metrics |= update_metrics(totals, updates, guard, device)
+    metrics["policy/update_kl"] = rollout.update_kl(actor_forward, experience, micro_batch_size, args.temperature, amp)
     return metrics, {"updates": updates, "skipped": guard.skipped - skipped_before, "first": first}
 
 
@@ -600,15 +580,10 @@ def main(args: Args) -> None:
     episodes = 0  # responses sampled
     hashes = rollout.input_hashes(args)
     if args.resume:
-        ckpt = run.resume({key: (rollout.HASH_FLAGS[key], digest) for key, digest in hashes.items()}, sampler)
+        ckpt, step, updates, episodes = rollout.resume_loop(
+            run, hashes, sampler, prompt_stream, ptx_sampler, guard, args
+        )
         reward_moments.load_state_dict(ckpt["reward_moments"])
-        data_state = ckpt["data_state"]
-        prompt_stream.order = Order(**data_state["prompts"])
-        ptx_sampler.order = Order(**data_state["ptx"])
-        updates = data_state["updates"]
-        episodes = data_state.get("episodes", ckpt["step"] * args.rollout_batch_size)
-        guard.skipped = data_state["skipped"]
-        step = ckpt["step"]
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     forward = models.compiled(args.compile, d.device)
     replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
@@ -617,7 +592,7 @@ def main(args: Args) -> None:
     peak = common.peak_flops(d.device, args.peak_flops)
     shared = dict(micro_batch_size=sizes.micro_batch_size, generator=sampler, dtype=dtype)
     scoring = dict(reward_fn=reward_fn, gold_fn=gold_fn, reward_moments=reward_moments)
-    ptx_sampler_or_none = ptx_sampler if sizes.ptx_micro_batch_size else None
+    updating = dict(ptx_sampler=ptx_sampler if sizes.ptx_micro_batch_size else None, **shared)
 
     def draw() -> tuple[dict, dict, list]:  # one rollout round on this rank's share of the next prompts
         return grpo_rollout(forward, tok, prompt_stream.next(), args, **scoring, **shared)
@@ -635,17 +610,10 @@ def main(args: Args) -> None:
             experience, sampling_metrics = dynamic_sampling(experience, draw, args, sizes.prompts_per_rank, tok.pad_id)
             metrics |= sampling_metrics
         t_update = time.time()
-        lr = actor.schedule.at(step)
-        common.set_lr(actor.optimizer, lr)
-        updated, diagnostics = grpo_update(
-            actor, guard, experience, args, ptx_sampler=ptx_sampler_or_none, step=step, diagnose=not first, **shared
-        )
+        lr = common.step_lr(actor, step)
+        updated, diagnostics = grpo_update(actor, guard, experience, args, step=step, diagnose=not first, **updating)
         first = first or diagnostics["first"]
         rollout.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
-        amp = parallel.autocast(d.device, dtype)
-        updated["policy/update_kl"] = rollout.update_kl(
-            actor.forward, experience, sizes.micro_batch_size, args.temperature, amp
-        )
         step += 1
         updates += diagnostics["updates"]
         episodes += args.rollout_batch_size * int(metrics.get("rollout/sample_rounds", 1))
@@ -653,19 +621,15 @@ def main(args: Args) -> None:
         t_end = time.time()
 
         # 7. monitoring
-        sequence_len = experience["query"].size(1) + experience["mask"].size(1)
-        sequences = experience["mask"].size(0) * d.world_size
-        flops = rollout.iteration_flops(models, sequence_len, sequences, args.ppo_epochs)
+        metrics |= rollout.perf_metrics(
+            models, experience, args.ppo_epochs, (t_rollout, t_update, t_end), peak, d.world_size
+        )
         metrics |= updated | {
             "train/lr": lr,
             "train/kl_coef": args.kl_coef,
             "train/updates": updates,
             "train/episodes": episodes,
             "train/skipped_steps": guard.skipped,
-            "perf/rollout_s": t_update - t_rollout,
-            "perf/update_s": t_end - t_update,
-            "perf/tokens_per_sec": sequences * sequence_len / (t_end - t_rollout),
-            "perf/mfu": flops / (t_end - t_rollout) / (peak * d.world_size),
         }
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
             logprob_error = metrics["rollout/logprob_err"]
@@ -674,13 +638,7 @@ def main(args: Args) -> None:
         if common.every(step, args.sample_every) or step == max_steps:
             rollout.log_samples(logger, records, step)
         if common.every(step, args.save_every) or step == max_steps or stopping:
-            data_state = dict(
-                prompts=prompt_stream.order.state_dict(),
-                ptx=ptx_sampler.order.state_dict(),
-                updates=updates,
-                episodes=episodes,
-                skipped=guard.skipped,
-            )
+            data_state = rollout.loop_state(prompt_stream, ptx_sampler, guard, updates, episodes)
             run.save(step, data_state, sampler, reward_moments=reward_moments.state_dict(), **hashes)
         if stopping:
             logger.close()

@@ -380,7 +380,7 @@ def ppo_update(
     (inputs, targets, mask) of one micro-batch of pre-training text (None: no ptx loss). A model whose global grad
     norm is not finite skips that step (the other still steps); the step counts once in guard.skipped. Returns
     (metrics: global means keyed by DESIGN §6 tags over the steps each model took, policy/* only when the actor
-    trained; diagnostics: {"updates": steps every model took, "skipped": steps some model skipped, "first": with
+    trained, and policy/update_kl, how far the update moved the policy (rollout.update_kl); diagnostics: {"updates": steps every model took, "skipped": steps some model skipped, "first": with
     diagnose, ratio_err, approx_kl and clipfrac of the first micro-batch, which must read 0, 0, 0})."""
     mask = experience["mask"]
     device = mask.device
@@ -451,6 +451,7 @@ def ppo_update(
                     print0(f"step {step}: the {entry.name}'s sums when its grad norm was not finite: {losses}")
             updates += len(stepped) == len(stepping)
     metrics |= update_metrics(totals, steps, guard, device)
+    metrics["policy/update_kl"] = rollout.update_kl(actor_forward, experience, micro_batch_size, args.temperature, amp)
     return metrics, {"updates": updates, "skipped": guard.skipped - skipped_before, "first": first}
 
 
@@ -567,17 +568,12 @@ def main(args: Args) -> None:
     episodes = 0  # responses sampled
     hashes = rollout.input_hashes(args)
     if args.resume:
-        ckpt = run.resume({key: (rollout.HASH_FLAGS[key], digest) for key, digest in hashes.items()}, sampler)
+        ckpt, step, updates, episodes = rollout.resume_loop(
+            run, hashes, sampler, prompt_stream, ptx_sampler, guard, args
+        )
         reward_moments.load_state_dict(ckpt["reward_moments"])
         kl_controller.load_state_dict(ckpt["kl_ctl"])
-        data_state = ckpt["data_state"]
-        detector.load_state_dict(data_state["collapse"])
-        prompt_stream.order = Order(**data_state["prompts"])
-        ptx_sampler.order = Order(**data_state["ptx"])
-        updates = data_state["updates"]
-        episodes = data_state.get("episodes", ckpt["step"] * args.rollout_batch_size)
-        guard.skipped = data_state["skipped"]
-        step = ckpt["step"]
+        detector.load_state_dict(ckpt["data_state"]["collapse"])
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     forward = models.compiled(args.compile, d.device)
     critic_forward = (
@@ -590,7 +586,7 @@ def main(args: Args) -> None:
     peak = common.peak_flops(d.device, args.peak_flops)
     shared = dict(micro_batch_size=sizes.micro_batch_size, generator=sampler, dtype=dtype)
     scoring = dict(reward_fn=reward_fn, gold_fn=gold_fn, reward_moments=reward_moments)
-    ptx_sampler_or_none = ptx_sampler if sizes.ptx_micro_batch_size else None
+    updating = dict(ptx_sampler=ptx_sampler if sizes.ptx_micro_batch_size else None, **shared)
 
     # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
     first = {}  # the first minibatch of this process's first update
@@ -606,29 +602,13 @@ def main(args: Args) -> None:
         )
         kl_controller.update(metrics["objective/kl"], args.rollout_batch_size)
         t_update = time.time()
-        lr = actor.schedule.at(step)
-        critic_lr = critic.schedule.at(step)
-        common.set_lr(actor.optimizer, lr)
-        common.set_lr(critic.optimizer, critic_lr)
+        lr, critic_lr = common.step_lr(actor, step), common.step_lr(critic, step)
         train_actor = step >= args.critic_warmup_steps
         updated, diagnostics = ppo_update(
-            actor,
-            critic,
-            guard,
-            experience,
-            args,
-            train_actor=train_actor,
-            ptx_sampler=ptx_sampler_or_none,
-            step=step,
-            diagnose=not first,
-            **shared,
+            actor, critic, guard, experience, args, train_actor=train_actor, step=step, diagnose=not first, **updating
         )
         first = first or diagnostics["first"]
         rollout.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
-        amp = parallel.autocast(d.device, dtype)
-        updated["policy/update_kl"] = rollout.update_kl(
-            actor.forward, experience, sizes.micro_batch_size, args.temperature, amp
-        )
         step += 1
         updates += diagnostics["updates"]
         episodes += args.rollout_batch_size * int(metrics.get("rollout/sample_rounds", 1))
@@ -639,9 +619,8 @@ def main(args: Args) -> None:
         alarm = step > args.critic_warmup_steps and detector.update(
             metrics["objective/kl"], metrics["rollout/response_len"], metrics["rollout/perplexity"]
         )
-        sequence_len = experience["query"].size(1) + experience["mask"].size(1)
-        sequences = experience["mask"].size(0) * d.world_size
-        flops = rollout.iteration_flops(models, sequence_len, sequences, args.ppo_epochs, critic=critic_model)
+        times = (t_rollout, t_update, t_end)
+        metrics |= rollout.perf_metrics(models, experience, args.ppo_epochs, times, peak, d.world_size, critic_model)
         metrics |= updated | {
             "train/lr": lr,
             "train/critic_lr": critic_lr,
@@ -650,10 +629,6 @@ def main(args: Args) -> None:
             "train/episodes": episodes,
             "train/skipped_steps": guard.skipped,
             "collapse/alarm": float(alarm),
-            "perf/rollout_s": t_update - t_rollout,
-            "perf/update_s": t_end - t_update,
-            "perf/tokens_per_sec": sequences * sequence_len / (t_end - t_rollout),
-            "perf/mfu": flops / (t_end - t_rollout) / (peak * d.world_size),
         }
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
             logprob_error = metrics["rollout/logprob_err"]
@@ -665,14 +640,8 @@ def main(args: Args) -> None:
             print0(f"collapse alarm at step {step}: stopping (the last checkpoint saved before it is kept)")
             break
         if common.every(step, args.save_every) or step == max_steps or stopping:
-            data_state = dict(
-                prompts=prompt_stream.order.state_dict(),
-                ptx=ptx_sampler.order.state_dict(),
-                collapse=detector.state_dict(),
-                updates=updates,
-                episodes=episodes,
-                skipped=guard.skipped,
-            )
+            data_state = rollout.loop_state(prompt_stream, ptx_sampler, guard, updates, episodes)
+            data_state["collapse"] = detector.state_dict()
             ppo_state = dict(reward_moments=reward_moments.state_dict(), kl_ctl=kl_controller.state_dict())
             run.save(step, data_state, sampler, **ppo_state, **hashes)
         if stopping:
