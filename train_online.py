@@ -2,10 +2,14 @@
 (DESIGN §5d), and a reward model trained on the policy's own samples is a better one where the policy now lives.
 
 Round 0 is the start: the SFT policy and its reward model(s). Each round r >= 1 then runs, in order:
-  1. RL (--rl-stage ppo: train_ppo.py, grpo: train_grpo.py), a fresh run from round r-1's policy (round 1: the SFT
-     policy) against round r-1's reward model(s), the reference still the SFT policy (--ref-ckpt); PPO's critic
-     starts from that reward model, and the optimizers, LR schedule, reward moments and KL controller start fresh;
-  2. pairs sampled from the new policy on training prompts, two responses a prompt;
+  1. RL (--rl-stage ppo: train_ppo.py, grpo: train_grpo.py) at the round's beta (--rl-betas), a fresh run from round
+     r-1's policy (round 1: the SFT policy) against round r-1's reward model(s), the reference still the SFT policy
+     (--ref-ckpt); PPO's critic starts from that reward model, and the optimizers, LR schedule, reward moments and KL
+     controller start fresh;
+  2. pairs on training prompts: two responses a prompt from the new policy (where the policy went), and
+     --tilted-frac of them from the SFT policy tilted by round r-1's reward model(s) at each --tilt-betas (where the
+     KL-optimal limit lives, which a policy trained against the next reward model heads for; eval.py --kl-optimal
+     samples and scores them, and prints that reward model's limit on those prompts);
   3. labelled by the annotator: the built-in task's simulated human (task.annotate: Bradley-Terry on the gold reward,
      as noisy as the offline labels), a judge of yours (--labeler module:function, fn(prompt, response_a,
      response_b) -> P(a is better), from which the label is drawn), or people (--labeler human); identical pairs and
@@ -27,6 +31,7 @@ python train_online.py --labeler human                   # people: each round st
 """
 
 import json
+import math
 import os
 import random
 import shlex
@@ -46,6 +51,7 @@ import hf
 from common import UserError, print0, write_atomic
 from data import encode_prompts, prompt_text, read_jsonl
 from generate import sample
+from model import aggregate_rm_scores
 from task import annotate, build_task
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -62,7 +68,16 @@ class Args:
     rounds: int = 3
     """rounds of RL, sampling, labelling and reward-model training (a rerun may raise it)"""
     pairs_per_round: int = 6000
-    """on-policy pairs sampled a round (two responses a training prompt), before the drops"""
+    """pairs sampled a round, before the drops: on-policy (two responses a training prompt) and --tilted-frac of them
+    from the tilted SFT policy"""
+    tilted_frac: float = 0.5
+    """the share of a round's pairs drawn where the KL-optimal limit lives rather than where the policy went: the
+    SFT policy's samples tilted by the round's reward model(s), pi ∝ sft exp(score / beta), at each --tilt-betas"""
+    tilt_betas: list[float] = field(default_factory=lambda: [0.5, 0.3, 0.2])
+    """the betas of the tilted pairs (one pair per beta from each prompt's --tilt-samples; on make demo's RM 1.4,
+    2.2 and 2.9 nats from the SFT policy)"""
+    tilt_samples: int = 16
+    """SFT samples a prompt the tilted pairs are drawn from (their KL is at most log of it)"""
     ensemble: int = 1
     """reward models trained a round, seeds 1..K (an ensemble when K > 1, combined by --rm-agg)"""
     rm_agg: Literal["mean", "min", "uwo"] = "mean"
@@ -74,10 +89,11 @@ class Args:
     module:function or path/to/file.py:function, fn(prompt, response_a, response_b) -> P(a is better)"""
     rl_stage: Literal["ppo", "grpo"] = "ppo"
     """each round's RL: train_ppo.py (PPO-max) or train_grpo.py (the critic-free family)"""
-    rl_flags: str = "--kl-coef 0.15"
-    """flags of every round's RL stage (its defaults otherwise: 12,800 episodes). β 0.15: after 3 rounds on the
-    built-in task gold 0.86 at 7-8 nats, against 0.74 at 3.5 with β 0.3 (docs/results.md). A value that starts with
-    -- goes after an = sign: --rl-flags="--kl-coef 0.3" (likewise --rm-flags and --eval-flags)"""
+    rl_betas: list[float] = field(default_factory=lambda: [0.3, 0.3, 0.1])
+    """each round's --kl-coef of its RL stage, the last one repeating for later rounds"""
+    rl_flags: str = ""
+    """more flags of every round's RL stage (its defaults otherwise: 12,800 episodes). A value that starts with --
+    goes after an = sign: --rl-flags="--total-episodes 6400" (likewise --rm-flags and --eval-flags)"""
     rm_flags: str = ""
     """train_rm.py flags of every round's reward models (its defaults otherwise: one epoch over all labels so far)"""
     eval_flags: str = ""
@@ -210,6 +226,70 @@ def sample_pairs(policy_path: str, prompts: list, args: Args, seed: int) -> tupl
     return pairs, dropped
 
 
+def tilted_pairs(cache: str, prompts: list, rms: list[str], args: Args, seed: int) -> tuple[list[dict], dict]:
+    """Pairs where the limit lives: from eval.py --kl-optimal's sample cache (the SFT policy's --tilt-samples
+    responses to each prompt, scored by every reward model in rms), for each prompt and each --tilt-betas beta two
+    responses drawn without replacement with weights softmax(score / beta) over the responses that ended; a prompt
+    with fewer than two distinct ones gives none (counted as identical or not ended)."""
+    stored = torch.load(cache, weights_only=False)
+    samples = stored["samples"]
+    members = torch.tensor([stored["rm_scores"][checkpoints.file_sha256(path)] for path in rms])
+    scores = aggregate_rm_scores(members, args.rm_agg, args.rm_uwo_coef)
+    by_prompt = {}  # eval.py's prompt_index -> the prompt's samples
+    for i, index in enumerate(samples["prompt_index"]):
+        by_prompt.setdefault(index, []).append(i)
+    kept = prompts  # the prompts eval.py answered: all of them, unless some were too long for the context
+    if len(by_prompt) < len(prompts):
+        if not all(isinstance(prompt, str) for prompt in prompts):  # a conversation's rendering is not known here
+            raise UserError(f"{cache}: eval.py skipped prompts too long for the context; shorten them in --prompts")
+        remaining = iter(prompts)  # in order, as eval.py kept them
+        kept = [next(p for p in remaining if p == samples["prompt"][rows[0]]) for _, rows in sorted(by_prompt.items())]
+    generator = torch.Generator().manual_seed(seed)
+    pairs, dropped = [], {"identical": 0, "not_ended": 0}
+    for index, rows in sorted(by_prompt.items()):
+        prompt = kept[index]
+        ended = [i for i in rows if samples["ended"][i]]
+        for beta in args.tilt_betas:
+            if len(ended) < 2:
+                dropped["not_ended"] += 1
+                continue
+            weights = torch.softmax(scores[ended].double() / beta, 0)
+            a, b = (ended[k] for k in torch.multinomial(weights, 2, generator=generator).tolist())
+            if samples["response"][a] == samples["response"][b]:
+                dropped["identical"] += 1
+                continue
+            pair = {"prompt": prompt, "response_a": samples["response"][a], "response_b": samples["response"][b]}
+            if isinstance(prompt, list):  # a conversation: the judge reads it rendered
+                pair["prompt_text"] = samples["prompt"][a]
+            pairs.append(pair)
+    return pairs, dropped
+
+
+def round_pairs(args: Args, prompts: list, r: int, folder: str, policy: str, rms: list, eval_base: list):
+    """Round r's pairs to label and the counts dropped: --pairs-per-round of them, the prompts taken in turn round
+    after round; 1 - --tilted-frac of them from the round's policy (sample_pairs), the rest from the SFT policy's
+    --tilt-samples samples on prompts of their own, tilted by the round's reward model(s) rms (eval.py
+    --kl-optimal samples and scores them into folder/tilt.pt, then tilted_pairs)."""
+    seed = args.seed * 1000 + r
+    tilted = round(args.pairs_per_round * args.tilted_frac)
+    tilt_prompts = math.ceil(tilted / len(args.tilt_betas))  # a pair per beta from each prompt
+    count = args.pairs_per_round - tilted + tilt_prompts
+    start = (r - 1) * count % len(prompts)
+    round_prompts = [prompts[(start + i) % len(prompts)] for i in range(count)]
+    to_label, dropped = sample_pairs(policy, round_prompts[tilt_prompts:], args, seed)
+    if not tilted:
+        return to_label, dropped
+    prompts_path, cache = os.path.join(folder, "tilt_prompts.jsonl"), os.path.join(folder, "tilt.pt")
+    write_jsonl(prompts_path, [{"prompt": prompt} for prompt in round_prompts[:tilt_prompts]])
+    flags = eval_base + ["--policy", args.sft_ckpt, "--names", "sft", "--rm", *rms, "--prompts", prompts_path]
+    flags += ["--num-samples", str(tilt_prompts), "--seeds", str(args.tilt_samples), "--seed", str(seed)]
+    flags += ["--temperature", str(args.temperature), "--max-new-tokens", str(args.max_new_tokens)]
+    flags += ["--kl-optimal", *map(str, args.tilt_betas), "--sample-cache", cache]
+    run_stage("eval.py", flags + ["--json", os.path.join(folder, "tilt_limit.json")], "", f"{folder}/tilt.log")
+    more, more_dropped = tilted_pairs(cache, round_prompts[:tilt_prompts], rms, args, seed)
+    return more + to_label, {key: dropped[key] + more_dropped[key] for key in dropped}
+
+
 def write_jsonl(path: str, rows: list[dict]) -> None:
     write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
@@ -315,13 +395,16 @@ def main(args: Args) -> None:
     started = time.time()
     if args.rounds < 1 or args.pairs_per_round < 2 or args.ensemble < 1:
         raise UserError("--rounds, --ensemble >= 1 and --pairs-per-round >= 2")
+    if not 0 <= args.tilted_frac <= 1 or args.tilt_samples < 2 or not args.tilt_betas or min(args.tilt_betas) <= 0:
+        raise UserError("--tilted-frac in [0, 1], --tilt-samples >= 2 and --tilt-betas > 0")
+    if not args.rl_betas or "--kl-coef" in args.rl_flags:
+        raise UserError("each round's --kl-coef is --rl-betas (one value or more), not in --rl-flags")
     args = saved_args(args)
     Child.install()
     task = build_task(args.task_dir, args.task_seed) if args.data is None or args.prompts is None else None
     offline = read_jsonl(args.data or task["pairs"], "pairs", "--data")
     eval_pairs, offline = held_out_pairs(args, task, offline)
     prompts = [row["prompt"] for row in read_jsonl(args.prompts or task["prompts"], "prompts", "--prompts")]
-    per_round = args.pairs_per_round
     rm_base = ["--task-dir", args.task_dir, "--task-seed", str(args.task_seed), "--init", args.sft_ckpt]
     rm_base += ["--eval-data", eval_pairs]
     results_path = os.path.join(args.out_dir, "results.json")
@@ -346,6 +429,7 @@ def main(args: Args) -> None:
         if not stage_done(rl_dir):
             flags = ["--sft-ckpt", policy, "--ref-ckpt", args.sft_ckpt, "--rm-ckpt", *rms, "--rm-agg", args.rm_agg]
             flags += ["--rm-uwo-coef", str(args.rm_uwo_coef), "--task-dir", args.task_dir, "--out-dir", rl_dir]
+            flags += ["--kl-coef", str(args.rl_betas[min(r, len(args.rl_betas)) - 1])]
             run_stage(f"train_{args.rl_stage}.py", flags, args.rl_flags, rl_dir + ".log", rl_dir)
         rl_ckpt = os.path.join(rl_dir, "ckpt.pt")
         rl_run = torch.load(rl_ckpt, map_location="cpu", weights_only=False, mmap=True)
@@ -358,9 +442,7 @@ def main(args: Args) -> None:
                 to_label = [json.loads(line) for line in open(export)]
                 dropped = json.load(open(os.path.join(folder, "dropped.json")))
             else:
-                start = (r - 1) * per_round % len(prompts)
-                round_prompts = [prompts[(start + i) % len(prompts)] for i in range(per_round)]
-                to_label, dropped = sample_pairs(rl_ckpt, round_prompts, args, seed=args.seed * 1000 + r)
+                to_label, dropped = round_pairs(args, prompts, r, folder, rl_ckpt, rms, eval_base)
                 write_atomic(os.path.join(folder, "dropped.json"), json.dumps(dropped))
                 write_jsonl(export, to_label)
             labels_path = os.path.join(folder, "labels.jsonl")
@@ -372,9 +454,9 @@ def main(args: Args) -> None:
                 )
                 return
             write_jsonl(pairs_path, labelled)
-            stats = {"sampled": per_round, "kept": len(labelled), "dropped": dropped}
+            stats = {"sampled": len(to_label) + sum(dropped.values()), "kept": len(labelled), "dropped": dropped}
             write_atomic(os.path.join(folder, "pairs_stats.json"), json.dumps(stats, indent=2))
-            print0(f"round {r}: {len(labelled)} of {per_round} pairs labelled ({dropped} dropped)")
+            print0(f"round {r}: {len(labelled)} of {stats['sampled']} pairs labelled ({dropped} dropped)")
         new_pairs = [json.loads(line) for line in open(pairs_path)]  # written above (maybe none kept)
         # 4. the next reward model(s), from the SFT checkpoint on every label so far
         all_pairs = os.path.join(folder, "pairs_all.jsonl")

@@ -214,3 +214,48 @@ def test_a_changed_argument_of_a_kept_run_is_refused_unless_overwrite(tmp_path, 
     fresh = train_online.saved_args(train_online.Args(out_dir=out, pairs_per_round=12, overwrite=True))
     assert fresh.pairs_per_round == 12 and sorted(os.listdir(out)) == ["args.json"]
     assert json.load(open(os.path.join(out, "args.json")))["pairs_per_round"] == 12
+
+
+def test_tilted_pairs_follow_the_tilt_and_skip_what_never_ended(tmp_path, tiny_ckpts):
+    """The pairs drawn where the limit lives: from eval.py's sample cache, for each prompt and beta two distinct
+    responses drawn with weights softmax(score / beta) over the ended ones. At a tiny beta the two best-scored ended
+    responses are the pair (a response without EOS never is, however high its score); a prompt with one ended
+    response gives no pair and counts as not ended; two equal texts count as identical. A prompt twice in a round
+    (training prompts repeat) is two prompts."""
+    rm = tiny_ckpts[1]
+    prompts = ["p0", "p1", "p0"]
+    responses = ["a", "b", "c", "top", "x", "y", "z", "w", "same", "same", "q", "r"]
+    ended = [True, True, True, False, True, False, False, False, True, True, False, False]
+    scores = [0.1, 0.9, 0.5, 9.0, 0.0, 1.0, 2.0, 3.0, 0.2, 0.3, 0.0, 0.0]
+    samples = {
+        "prompt": [p for p in prompts for _ in range(4)],
+        "response": responses,
+        "ended": ended,
+        "prompt_index": [i for i in range(3) for _ in range(4)],
+        "seed": [0, 1, 2, 3] * 3,
+    }
+    cache = str(tmp_path / "tilt.pt")
+    torch.save({"samples": samples, "rm_scores": {checkpoints.file_sha256(rm): scores}}, cache)
+    args = train_online.Args(tilt_betas=[1e-3, 1e-3])
+    pairs, dropped = train_online.tilted_pairs(cache, prompts, [rm], args, seed=0)
+    assert [(pair["prompt"], {pair["response_a"], pair["response_b"]}) for pair in pairs] == [("p0", {"b", "c"})] * 2
+    assert dropped == {"not_ended": 2, "identical": 2}
+    weights = torch.softmax(torch.tensor([0.1, 0.9, 0.5]) / 0.5, 0)  # at beta 0.5: b first in about 48% of draws
+    args = train_online.Args(tilt_betas=[0.5] * 400)
+    pairs, _ = train_online.tilted_pairs(cache, prompts, [rm], args, seed=1)
+    first = [pair["response_a"] for pair in pairs if pair["prompt"] == "p0"]
+    assert first.count("b") / len(first) == pytest.approx(weights[1].item(), abs=0.08)
+
+
+def test_with_data_of_your_own_the_held_out_pairs_are_left_out_of_every_round(tmp_path):
+    """--data alone: its last 5% are the held-out pairs every round's RMs are evaluated on (written to
+    --out-dir/eval_pairs.jsonl and passed as --eval-data), and the rest are the offline pairs they train on (b681921
+    let train_rm hold out the last 5% of pairs_all.jsonl instead: the newest on-policy pairs, counted as trained on);
+    --eval-data given is used as it is."""
+    offline = [{"prompt": f"p{i}", "chosen": "a", "rejected": "b"} for i in range(100)]
+    args = train_online.Args(out_dir=str(tmp_path), data="mine.jsonl")
+    path, train = train_online.held_out_pairs(args, None, offline)
+    held_out = [json.loads(line) for line in open(path)]
+    assert held_out == offline[95:] and train == offline[:95]
+    args = train_online.Args(out_dir=str(tmp_path), data="mine.jsonl", eval_data="theirs.jsonl")
+    assert train_online.held_out_pairs(args, None, offline) == ("theirs.jsonl", offline)
