@@ -460,3 +460,49 @@ def test_a_prompt_with_no_room_for_a_response_is_skipped_and_changes_no_other_re
     assert first == sampled  # the same responses and log-probs, prompt by prompt
     assert results["p"]["num_samples"] == 6
     assert json.dumps(results, sort_keys=True) == json.dumps(baseline, sort_keys=True)
+
+
+def test_kl_optimal_warnings_name_the_check_that_failed():
+    """Each row's warning says which check failed: kl within 1 nat of log M, the mean ess under 4, or a tenth of the
+    prompts at ess under 2 (a mean over prompts hides prompts where one sample dominates); none when all pass."""
+    num_prompts, num_samples = 10, 16
+    scores = [0.0] * (num_prompts * num_samples)
+    scores[0] = scores[num_samples] = 50.0  # prompts 0 and 1: one sample dominates at beta 1; the others stay flat
+    samples = {
+        "prompt": ["p"] * len(scores),
+        "response": ["r"] * len(scores),
+        "ended": [True] * len(scores),
+        "score": scores,
+        "prompt_index": [i // num_samples for i in range(len(scores))],
+        "seed": [i % num_samples for i in range(len(scores))],
+    }
+    rows = ev.kl_optimal_rows("sft", samples, [1e4, 1.0], builtin=False, missing_eos_penalty=-1.0)
+    assert rows["sft_opt_rm_b10000"]["warning"] is None
+    warning = rows["sft_opt_rm_b1"]["warning"]  # two prompts of ten at ess 1: the mean ess is still 13
+    assert "a tenth of the prompts at ess under 2" in warning and "kl" not in warning.split("ess")[0], warning
+    samples["score"] = [50.0 * (i % num_samples == 0) for i in range(len(scores))]  # every prompt dominated
+    warning = ev.kl_optimal_rows("sft", samples, [1.0], builtin=False, missing_eos_penalty=-1.0)["sft_opt_rm_b1"]
+    assert "within 1 nat of its ceiling" in warning["warning"] and "ess 1.0 under 4" in warning["warning"]
+
+
+def test_kl_optimal_takes_the_reference_alone(tmp_path, tiny_ckpts):
+    """--kl-optimal with a second --policy is refused in one line rather than ignoring it."""
+    sft = tiny_ckpts[0]
+    with pytest.raises(common.UserError, match="pass one --policy"):
+        ev.main(ev.Args(policy=[sft, sft], ref=sft, rm="none", kl_optimal=[0.1], task_dir=str(tmp_path)))
+
+
+def test_an_rm_member_with_a_smaller_context_reads_the_pairs_through_its_own(tmp_path, task_dir, tiny_ckpts):
+    """eval.py --pairs with an ensemble encodes the pairs for each member with its own tokenizer and context (b681921
+    used the first member's context for all): a member with a 40-token context drops the records too long for it,
+    counted, and every member scores the same kept records: each member's accuracy is its own on those records."""
+    rm = torch.load(tiny_ckpts[1], weights_only=False)
+    torch.manual_seed(3)
+    short = GPT(GPTConfig(**(rm["model_config"] | {"block_size": 40})))
+    path = str(tmp_path / "short_rm.pt")
+    checkpoints.save_checkpoint(rm | {"model": short.state_dict(), "model_config": short.config.__dict__}, path)
+    both = ev.main(ev.Args(pairs=True, rm=[tiny_ckpts[1], path], task_dir=task_dir, batch_size=64))
+    alone = ev.main(ev.Args(pairs=True, rm=[path], task_dir=task_dir, batch_size=64))
+    total = len(open(build_task(task_dir, 1337)["pairs_eval"]).readlines())
+    assert 0 < both["rm"]["pairs"] == alone["rm"]["pairs"] < total  # the records that fit the 40-token member
+    assert both["rm_member2"]["accuracy"] == pytest.approx(alone["rm"]["accuracy"], abs=1e-9)
