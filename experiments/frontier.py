@@ -282,8 +282,9 @@ def table(rows: dict[str, dict[float, list[dict]]], args: Args) -> str:
 def plot(rows: dict[str, dict[float, list[dict]]], sft_gold: Optional[float], path: str) -> None:
     """Gold against sqrt(KL) (Gao et al. 2022's d: where the methods live, 0-5 nats, gets most of the width; the
     ticks read in nats), one line per method (points = strengths, seeds averaged; error bars = gold's SE), the two
-    limits as lines: gold's (what any method can reach at that KL) and the RM's (a perfect optimiser of this RM),
-    their estimates past log M (flagged by eval.py) left out."""
+    limits as lines beside them: gold's (what any method can reach at that KL) and the RM's (a perfect optimiser of
+    this RM), their estimates past log M (flagged by eval.py) left out. Left: the methods on the learned RM; right:
+    the runs trained on gold itself (the *_oracle methods), against gold's limit: the optimiser's own gap."""
     import math
 
     import matplotlib
@@ -291,7 +292,7 @@ def plot(rows: dict[str, dict[float, list[dict]]], sft_gold: Optional[float], pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7.5, 4.8), dpi=110)
+    figure, panels = plt.subplots(1, 2, figsize=(12, 4.8), dpi=110, sharey=True)
     for name, by_strength in rows.items():
         kls, golds, errors = [], [], []
         for runs in by_strength.values():
@@ -307,20 +308,24 @@ def plot(rows: dict[str, dict[float, list[dict]]], sft_gold: Optional[float], pa
             style = dict(color="black", linewidth=2.2 if name == "limit_gold" else 1.4)
             style["linestyle"] = "-" if name == "limit_gold" else "--"
             label = "limit: tilted by gold" if name == "limit_gold" else "limit: tilted by the RM (a perfect optimiser)"
-            axes.plot(x, y, label=label, zorder=1, **style)
+            for panel in panels if name == "limit_gold" else panels[:1]:
+                panel.plot(x, y, label=label, zorder=1, **style)
             continue
-        style = "--" if "oracle" in name else "-"
+        panel = panels[1] if "oracle" in name else panels[0]
         yerr = [errors[i] for i in order]
-        axes.errorbar(x, y, yerr=yerr, fmt="o" + style, markersize=4, capsize=2, label=name, zorder=2)
-    if sft_gold is not None:
-        axes.axhline(sft_gold, color="grey", linewidth=0.8, linestyle=":", label="sft")
+        panel.errorbar(x, y, yerr=yerr, fmt="o-", markersize=4, capsize=2, label=name, zorder=2)
     ticks = [0, 0.5, 1, 2, 4, 8, 16]
-    axes.set_xticks([math.sqrt(t) for t in ticks], [f"{t:g}" for t in ticks])
-    axes.set_xlabel("KL to the SFT policy (nats per response; the axis is its square root)")
-    axes.set_ylabel("gold reward (held-out prompts)")
-    axes.set_title("Gold vs KL on the built-in task, equal episodes, and the KL-optimal limits")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=7, ncol=2)
+    titles = ("Trained on the learned RM", "Trained on gold itself (--reward-fn task:gold_reward)")
+    for panel, title in zip(panels, titles):
+        if sft_gold is not None:
+            panel.axhline(sft_gold, color="grey", linewidth=0.8, linestyle=":", label="sft")
+        panel.set_xticks([math.sqrt(t) for t in ticks], [f"{t:g}" for t in ticks])
+        panel.set_xlabel("KL to the SFT policy (nats per response; the axis is its square root)")
+        panel.set_title(title, fontsize=10)
+        panel.grid(alpha=0.3)
+        panel.legend(fontsize=7, ncol=2)
+    panels[0].set_ylabel("gold reward (held-out prompts)")
+    figure.suptitle("Gold vs KL on the built-in task, equal episodes, beside the KL-optimal limits", fontsize=11)
     figure.tight_layout()
     figure.savefig(path)
 
