@@ -8,7 +8,7 @@
 #   make frontier        gold vs KL for PPO-max, GRPO, Dr. GRPO, RLOO, REINFORCE++, the gold-reward oracle, DPO and
 #                        best-of-N (about 1 h; needs `make demo`; resumes; out/frontier/frontier.md and .png)
 #   make online          iterated RLHF: rounds of PPO, on-policy pairs labelled by the task's simulated human and a
-#                        new reward model (needs `make demo`; 23 min on 2 cores; resumes; out/online/results.json)
+#                        new reward model (needs `make demo`; 15 min on 2 cores; resumes; out/online/results.json)
 PYTHON ?= python3
 VENV   := .venv
 PY     ?= $(VENV)/bin/python

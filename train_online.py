@@ -90,7 +90,9 @@ class Args:
     rl_stage: Literal["ppo", "grpo"] = "ppo"
     """each round's RL: train_ppo.py (PPO-max) or train_grpo.py (the critic-free family)"""
     rl_betas: list[float] = field(default_factory=lambda: [0.3, 0.3, 0.1])
-    """each round's --kl-coef of its RL stage, the last one repeating for later rounds"""
+    """each round's --kl-coef of its RL stage, the last one repeating for later rounds. On the built-in task, 3
+    rounds: gold 0.64 / 0.72 / 0.87 at 2.2 / 2.9 / 8.5 nats (docs/results.md); β 0.15 throughout went to 3.4 nats
+    in round 1 already"""
     rl_flags: str = ""
     """more flags of every round's RL stage (its defaults otherwise: 12,800 episodes). A value that starts with --
     goes after an = sign: --rl-flags="--total-episodes 6400" (likewise --rm-flags and --eval-flags)"""
