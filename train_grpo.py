@@ -415,8 +415,9 @@ def grpo_update(
     has no token left for the policy loss (--mask-truncated, --dynamic-sampling's filling) takes no step; a step whose
     global grad norm is not finite is skipped (guard.skipped). ptx_sampler() -> (inputs, targets, mask) of one
     micro-batch of pre-training text (None: no ptx loss). Returns (metrics: global means keyed by DESIGN §6 tags over
-    the steps taken, and policy/update_kl, how far the update moved the policy (rollout.update_kl); diagnostics: {"updates": steps taken, "skipped": steps skipped, "first": with diagnose,
-    ratio_err, approx_kl and clipfrac of the first micro-batch, which must read 0, 0, 0})."""
+    the steps taken, and policy/update_kl, how far the update moved the policy (rollout.update_kl); diagnostics:
+    {"updates": steps taken, "skipped": steps skipped, "first": with diagnose, ratio_err, approx_kl and clipfrac of
+    the first micro-batch, which must read 0, 0, 0})."""
     mask = experience["mask"]
     device = mask.device
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")

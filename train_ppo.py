@@ -380,8 +380,9 @@ def ppo_update(
     (inputs, targets, mask) of one micro-batch of pre-training text (None: no ptx loss). A model whose global grad
     norm is not finite skips that step (the other still steps); the step counts once in guard.skipped. Returns
     (metrics: global means keyed by DESIGN §6 tags over the steps each model took, policy/* only when the actor
-    trained, and policy/update_kl, how far the update moved the policy (rollout.update_kl); diagnostics: {"updates": steps every model took, "skipped": steps some model skipped, "first": with
-    diagnose, ratio_err, approx_kl and clipfrac of the first micro-batch, which must read 0, 0, 0})."""
+    trained, and policy/update_kl, how far the update moved the policy (rollout.update_kl); diagnostics:
+    {"updates": steps every model took, "skipped": steps some model skipped, "first": with diagnose, ratio_err,
+    approx_kl and clipfrac of the first micro-batch, which must read 0, 0, 0})."""
     mask = experience["mask"]
     device = mask.device
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")
