@@ -12,9 +12,9 @@
 #   bash bench/gpu_check.sh scale        # on the pipeline's checkpoints: PPO with LoRA, then bf16 FSDP2 on
 #                                        # one rank (the multi-rank paths are tested on CPU)
 #   bash bench/gpu_check.sh bench        # benchmark only
-#   bash bench/gpu_check.sh fast         # at most about 5 minutes: versions, then eager against compiled
-#                                        # decode (tokens/s, HBM bandwidth) at GPT-2-small and Llama-1B shapes, the
-#                                        # PPO update's MFU and the compiles at Llama-1B shape; a timeout per section
+#   bash bench/gpu_check.sh fast         # at most 5 minutes (300 s of section timeouts): versions, then eager
+#                                        # against compiled decode (tokens/s, HBM bandwidth) at GPT-2-small and
+#                                        # Llama-1B shapes, the PPO update's MFU and the compiles at Llama-1B shape
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -48,11 +48,11 @@ PY
       --n-positions 1024"
   # decode: bf16 weights (the rollout's sampler copy: the bytes a decode must read), and Llama's fp32 weights under
   # autocast (the rollout before the bf16 copy)
-  section decode-gpt2 50 $PY bench/decode.py --device cuda --dtype bfloat16 --weights bf16 $GPT2 --batch 64 \
+  section decode-gpt2 40 $PY bench/decode.py --device cuda --dtype bfloat16 --weights bf16 $GPT2 --batch 64 \
       --prompt-len 64 --resp-len 128 --threads 8
-  section decode-llama1b 70 $PY bench/decode.py --device cuda --dtype bfloat16 --weights bf16 $LLAMA1B --batch 64 \
+  section decode-llama1b 60 $PY bench/decode.py --device cuda --dtype bfloat16 --weights bf16 $LLAMA1B --batch 64 \
       --prompt-len 128 --resp-len 256 --threads 8
-  section decode-llama1b-fp32-weights 60 $PY bench/decode.py --device cuda --dtype bfloat16 --weights fp32 \
+  section decode-llama1b-fp32-weights 40 $PY bench/decode.py --device cuda --dtype bfloat16 --weights fp32 \
       $LLAMA1B --batch 64 --prompt-len 128 --resp-len 256 --reps 2 --threads 8
   # the update's MFU ([result] update ... % of peak), eager then compiled (training forward and decode step); the
   # reference and RM stored in bf16 and the rollouts from a bf16 copy of the actor, as the stages under bf16: the
