@@ -7,7 +7,7 @@ DPO's --beta, best-of-N's N) and the middle strength that gets a second seed. Ru
 runs are skipped, so the script resumes. At the end it writes <out_dir>/frontier.md (the table) and frontier.png
 (gold against KL, one line per method) and prints the table.
 
-python experiments/frontier.py                  # after `make demo` (uses out/sft and out/rm); about 90 min on 2 cores
+python experiments/frontier.py                  # after `make demo` (uses out/sft and out/rm); about 45 min on 2 cores
 python experiments/frontier.py --only ppo_max grpo --jobs 1
 python experiments/frontier.py --table-only     # redraw the table and the plot from finished runs
 """
@@ -27,6 +27,7 @@ from ablation import first_alarm, read_scalars, spread
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORACLE = ["--rm-ckpt", "none", "--reward-fn", "task:gold_reward"]
 LIMIT_BETAS = (1.0, 0.5, 0.3, 0.2, 0.15, 0.1, 0.075, 0.05, 0.03)
+GOLD_FLOOR = -0.2  # the plot's floor: a collapsed run (gold down to -1) would squeeze the frontier into a strip
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,7 @@ def plot(rows: dict[str, dict[float, list[dict]]], sft_gold: Optional[float], pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, panels = plt.subplots(1, 2, figsize=(12, 4.8), dpi=110, sharey=True)
+    figure, panels = plt.subplots(1, 2, figsize=(12, 5.4), dpi=110, sharey=True)
     for name, by_strength in rows.items():
         kls, golds, errors = [], [], []
         for runs in by_strength.values():
@@ -313,7 +314,18 @@ def plot(rows: dict[str, dict[float, list[dict]]], sft_gold: Optional[float], pa
             continue
         panel = panels[1] if "oracle" in name else panels[0]
         yerr = [errors[i] for i in order]
-        panel.errorbar(x, y, yerr=yerr, fmt="o-", markersize=4, capsize=2, label=name, zorder=2)
+        shown = [max(gold, GOLD_FLOOR) for gold in y]
+        panel.errorbar(x, shown, yerr=yerr, fmt="o-", markersize=4, capsize=2, label=name, zorder=2)
+        for x_point, gold in zip(x, y):
+            if gold < GOLD_FLOOR:  # a collapsed run: drawn on the floor, its gold written above it
+                panel.annotate(
+                    f"{gold:.2f}",
+                    (x_point, GOLD_FLOOR),
+                    xytext=(0, 5),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=7,
+                )
     ticks = [0, 0.5, 1, 2, 4, 8, 16]
     titles = ("Trained on the learned RM", "Trained on gold itself (--reward-fn task:gold_reward)")
     for panel, title in zip(panels, titles):
@@ -323,7 +335,8 @@ def plot(rows: dict[str, dict[float, list[dict]]], sft_gold: Optional[float], pa
         panel.set_xlabel("KL to the SFT policy (nats per response; the axis is its square root)")
         panel.set_title(title, fontsize=10)
         panel.grid(alpha=0.3)
-        panel.legend(fontsize=7, ncol=2)
+        panel.set_ylim(GOLD_FLOOR - 0.05, 1.0)
+        panel.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     panels[0].set_ylabel("gold reward (held-out prompts)")
     figure.suptitle("Gold vs KL on the built-in task, equal episodes, beside the KL-optimal limits", fontsize=11)
     figure.tight_layout()
