@@ -459,6 +459,23 @@ def gpt2_dir(tmp_path_factory) -> str:
     return path
 
 
+# the keys every stage's checkpoint holds (checkpoints.Run); each stage's tests add their own
+RUN_KEYS = {
+    "kind",
+    "model",
+    "model_config",
+    "tokenizer",
+    "args",
+    "step",
+    "optimizer",
+    "scheduler",
+    "rng",
+    "data_state",
+    "world_size",
+    "seconds",
+}
+
+
 def write_jsonl(path, rows: list) -> str:
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 from conftest import (
+    RUN_KEYS,
     TINY_RL,
     assert_same_weights,
     boost_eos,
@@ -408,19 +409,7 @@ def test_a_kl_estimator_where_it_works_against_the_kl_is_refused(tmp_path, flags
 # -----------------------------------------------------------------------------
 # smoke runs of main()
 
-CKPT_KEYS = {
-    "kind",
-    "model",
-    "model_config",
-    "tokenizer",
-    "args",
-    "step",
-    "optimizer",
-    "scheduler",
-    "rng",
-    "data_state",
-    "world_size",
-    "seconds",
+CKPT_KEYS = RUN_KEYS | {
     "reward_moments",
     "sft_hash",
     "rm_hashes",

@@ -1,4 +1,4 @@
-"""LoRA adapters, the base views PPO and DPO build on them, and activation checkpointing (issue #16); LoRA through
+"""LoRA adapters, the base views PPO and DPO build on them, and activation checkpointing; LoRA through
 the stages: SFT's merged checkpoint and resume, PPO's shared bases, the whole SFT -> RM -> PPO chain on a Hugging
 Face Llama, and a resume refused after the base folder changed."""
 

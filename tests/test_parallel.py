@@ -1,4 +1,4 @@
-"""parallel.py and the GPU code path on CPU (issue #16): all_reduce_dict over 2 gloo ranks; the RL updates of both
+"""parallel.py and the GPU code path on CPU: all_reduce_dict over 2 gloo ranks; the RL updates of both
 stages (train_ppo.ppo_update, train_grpo.grpo_update) over 2 ranks under DDP and FSDP2 equal one rank on the same
 global batch, and reward moments merge across ranks; --fsdp under torchrun (the same weights as one process, an
 exact resume after SIGKILL, full-weight checkpoints any later stage loads, every stage sharded); every stage under

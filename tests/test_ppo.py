@@ -18,6 +18,7 @@ import torch
 from conftest import (
     ENV,
     ROOT,
+    RUN_KEYS,
     TINY_PPO,
     assert_same_weights,
     boost_eos,
@@ -77,19 +78,7 @@ PPO_TAGS = [
 ]
 # logged only for iterations where the actor trains (not during the critic warm-up)
 ACTOR_TAGS = {"policy/loss", "policy/approx_kl", "policy/clipfrac", "policy/ratio_mean", "ptx/loss", "train/grad_norm"}
-CKPT_KEYS = {
-    "kind",
-    "model",
-    "model_config",
-    "tokenizer",
-    "args",
-    "step",
-    "optimizer",
-    "scheduler",
-    "rng",
-    "data_state",
-    "world_size",
-    "seconds",
+CKPT_KEYS = RUN_KEYS | {
     "critic",
     "critic_optimizer",
     "critic_scheduler",

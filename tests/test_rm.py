@@ -13,7 +13,16 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, assert_same_weights, exits_2_with_one_line, kill_and_resume, read_events, read_scalars, run
+from conftest import (
+    ROOT,
+    RUN_KEYS,
+    assert_same_weights,
+    exits_2_with_one_line,
+    kill_and_resume,
+    read_events,
+    read_scalars,
+    run,
+)
 
 import data
 import hf
@@ -39,19 +48,7 @@ RM_TAGS = [
     "perf/tokens_per_sec",
     "perf/mfu",
 ]
-CKPT_KEYS = {
-    "kind",
-    "model",
-    "model_config",
-    "tokenizer",
-    "args",
-    "step",
-    "optimizer",
-    "scheduler",
-    "rng",
-    "data_state",
-    "world_size",
-    "seconds",
+CKPT_KEYS = RUN_KEYS | {
     "score_offset",
 }
 TINY = dict(

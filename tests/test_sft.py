@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_same_weights, exits_2_with_one_line, kill_and_resume, read_scalars, run
+from conftest import RUN_KEYS, assert_same_weights, exits_2_with_one_line, kill_and_resume, read_scalars, run
 
 import train_sft
 from model import GPT
@@ -34,20 +34,7 @@ TINY_FLAGS = (
     "--n-layer 1 --n-head 2 --n-embd 32 --batch-size 8 --micro-batch-size 4 --max-steps 4 --eval-every 4 "
     "--num-samples 8 --eval-samples 8 --warmup-steps 1 --log-every 2 --max-new-tokens 32"
 )
-CKPT_KEYS = {
-    "kind",
-    "model",
-    "model_config",
-    "tokenizer",
-    "args",
-    "step",
-    "optimizer",
-    "scheduler",
-    "rng",
-    "data_state",
-    "world_size",
-    "seconds",
-}
+CKPT_KEYS = RUN_KEYS
 
 
 def test_sft_smoke(tmp_path, task_dir):
