@@ -143,9 +143,8 @@ def resume_args(
     path = os.path.join(args.out_dir, "ckpt.pt")
     given = getattr(args, "given", None)  # the flags a command line gave (common.cli); None when called from Python
     saved = load_checkpoint(path, kind=kind, flag="--resume", mmap=True).get("args", {})
-    field_names = {f.name for f in fields(args)}
-    for name, (value, why) in (retired or {}).items():  # a flag the stage has (again) is compared as any other
-        if name in saved and name not in field_names and saved[name] != value:
+    for name, (value, why) in (retired or {}).items():
+        if name in saved and saved[name] != value:
             raise UserError(f"--resume {path}: it ran with --{name.replace('_', '-')} {saved[name]}: {why}")
     defaults = type(args)()
     names = [f.name for f in fields(args) if f.name in saved and f.name not in NOT_COMPARED]

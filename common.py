@@ -498,15 +498,11 @@ class LRSchedule:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
 def step_lr(trained: Trained, step: int) -> float:
     """The learning rate of a trained model's schedule at this step, set on its optimizer; returns it."""
     lr = trained.schedule.at(step)
-    set_lr(trained.optimizer, lr)
+    for group in trained.optimizer.param_groups:
+        group["lr"] = lr
     return lr
 
 

@@ -529,6 +529,11 @@ def _check_fields(obj: dict, kind: str) -> str | None:
     return None
 
 
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    """One JSON object a line, written atomically (common.write_atomic)."""
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
+
+
 def read_jsonl(path: str, kind: str, flag: str | None = None) -> list[dict]:
     """Read and validate a UTF-8 JSONL file of kind "sft", "text", "prompts", "pairs", "hh" (Anthropic-HH) or
     "ultrafeedback" (UltraFeedback-binarized); a missing
@@ -631,7 +636,7 @@ def convert(src: str, dst: str, kind: str, messages: bool = False) -> tuple[int,
     if not rows:
         raise UserError(f"{src}: no usable record (every one lacks a shared prompt or has an empty or tied answer)")
     try:
-        write_atomic(dst, "".join(json.dumps(r) + "\n" for r in rows))
+        write_jsonl(dst, rows)
     except OSError as e:
         raise UserError(f"{dst}: cannot write ({e.strerror or type(e).__name__})") from None
     return len(rows), skipped
@@ -793,7 +798,7 @@ def to_conversations(src: str, dst: str) -> int:
     first = read_jsonl(src, "prompts")[0]
     kind = "sft" if "response" in first else "pairs" if "chosen" in first or "responses" in first else "prompts"
     rows = [as_conversation(row) for row in read_jsonl(src, kind)]
-    write_atomic(dst, "".join(json.dumps(row) + "\n" for row in rows))
+    write_jsonl(dst, rows)
     return len(rows)
 
 

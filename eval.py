@@ -643,8 +643,7 @@ def main(args: Args) -> dict:
         if args.device == "auto"
         else args.device
     )
-    builtin = args.prompts is None
-    needs_task = args.pairs_data is None if args.pairs else builtin  # the built-in task's files are built on demand
+    needs_task = args.pairs_data is None if args.pairs else args.prompts is None  # the built-in task's, on demand
     task = build_task(args.task_dir, args.task_seed) if needs_task else None
     results = {}
     if args.pairs:

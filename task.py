@@ -18,7 +18,7 @@ from collections import Counter
 import regex
 
 from common import write_atomic
-from data import GPT2_PAT, bpe_tokenizer, train_bpe
+from data import GPT2_PAT, bpe_tokenizer, train_bpe, write_jsonl
 
 TITLE_ADJS = (
     "Silent",
@@ -299,7 +299,7 @@ def build_task(data_dir: str, task_seed: int = 1337, tiny: bool = False) -> dict
     for name, rng in zip(TASK_FILES, streams):
         records[name] = _task_records(name, rng, sizes[name], train_titles, eval_titles)
         if not os.path.exists(paths[name]):
-            write_atomic(paths[name], "".join(json.dumps(r) + "\n" for r in records[name]))
+            write_jsonl(paths[name], records[name])
     if not os.path.exists(paths["tokenizer"]):
         pat = regex.compile(GPT2_PAT)
         word_counts = Counter(w for r in records["pretrain"] for w in pat.findall(r["text"]))

@@ -453,7 +453,8 @@ def grpo_update(
         minibatch_masks = batch["loss_mask"][permutation].view(args.num_minibatches, minibatch_rows, -1)
         kept_tokens = minibatch_masks.sum((1, 2))
         kept_sequences = (minibatch_masks.sum(2) > 0).sum(1)
-        counts = parallel.all_reduce_stack([kept_tokens, kept_sequences], device).tolist()
+        counts_on_device = parallel.all_reduce_stack([kept_tokens, kept_sequences], device)
+        counts = counts_on_device.tolist()
         for minibatch in range(args.num_minibatches):
             minibatch_rows_taken = slice(minibatch * minibatch_rows, (minibatch + 1) * minibatch_rows)
             minibatch_batch = rollout.take_rows(batch, permutation[minibatch_rows_taken])
@@ -461,9 +462,10 @@ def grpo_update(
             loss_tokens, loss_sequences = counts[0][minibatch], counts[1][minibatch]
             if loss_tokens == 0:  # every response dropped: no step, explicitly rather than a NaN
                 continue
-            ptx_tokens = sum((ptx_batch[2].sum() for ptx_batch in ptx_batches), torch.zeros((), device=device))
-            ptx_token_count = parallel.all_reduce_stack([ptx_tokens], device)[0].float()  # left on device
-            loss_token_count = torch.tensor(loss_tokens, dtype=torch.float32, device=device)
+            if use_ptx:
+                ptx_tokens = sum(ptx_batch[2].sum() for ptx_batch in ptx_batches)
+                ptx_token_count = parallel.all_reduce_sum(ptx_tokens.double()).float()  # left on device
+            loss_token_count = counts_on_device[0, minibatch].float()
             weights, denom = loss_weights(
                 minibatch_batch["loss_mask"], args.loss_agg, loss_sequences, loss_token_count, args.max_new_tokens
             )

@@ -49,7 +49,7 @@ import checkpoints
 import common
 import hf
 from common import UserError, print0, write_atomic
-from data import encode_prompts, prompt_text, read_jsonl
+from data import encode_prompts, prompt_text, read_jsonl, write_jsonl
 from generate import sample
 from model import aggregate_rm_scores
 from task import annotate, build_task
@@ -290,10 +290,6 @@ def round_pairs(args: Args, prompts: list, r: int, folder: str, policy: str, rms
     run_stage("eval.py", flags + ["--json", os.path.join(folder, "tilt_limit.json")], "", f"{folder}/tilt.log")
     more, more_dropped = tilted_pairs(cache, round_prompts[:tilt_prompts], rms, args, seed)
     return more + to_label, {key: dropped[key] + more_dropped[key] for key in dropped}
-
-
-def write_jsonl(path: str, rows: list[dict]) -> None:
-    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def read_human_labels(path: str, to_label: list[dict]) -> list[bool]:

@@ -340,7 +340,7 @@ def actor_backward(actor, batch: dict, args: Args, token_count, sync: bool, amp)
     # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
     (loss * world_size()).backward()
     tokens = mask.sum()
-    sums = {key: value.detach() for key, value in sums.items()} | {"tokens": tokens}
+    sums["tokens"] = tokens
     for key in ("approx_kl", "clipfrac", "ratio_mean"):
         sums[key] = rollout.token_sum(stats[key], tokens)
     return sums, logprobs

@@ -357,8 +357,7 @@ def main(args: Args) -> None:
         if order.pos + args.batch_size > order.n:  # the epoch's remainder is dropped
             order.pos = order.n
         batch = [train[i] for i in order.take(args.batch_size)]
-        lr = trained.schedule.at(step)
-        common.set_lr(optimizer, lr)
+        lr = common.step_lr(trained, step)
         # losses are divided by global counts of the step (pairs weigh 1 per record; LM: best-response tokens)
         pair_denom = float(len(batch))
         lm_denom = float(sum(len(seqs[best]) - n_prompt for seqs, n_prompt, _, best, _ in batch))

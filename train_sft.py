@@ -220,8 +220,7 @@ def main(args: Args) -> None:
         if order.pos + args.batch_size > order.n:  # the epoch's remainder is dropped
             order.pos = order.n
         batch = [train[i] for i in order.take(args.batch_size)]
-        lr = trained.schedule.at(step)
-        common.set_lr(optimizer, lr)
+        lr = common.step_lr(trained, step)
         # the loss is divided by the global count of target tokens of the step (same gradient on any world size)
         target_tokens = sum(sum(loss_mask[1:]) for _, loss_mask in batch)
         my_batch = batch[d.rank * per_rank : (d.rank + 1) * per_rank]
