@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from common import CommonArgs, LRSchedule, Trained, UserError, is_master, print0
-from data import export_tokenizer
 from lora import lora_layers, merge_lora, merged_state_dict
 from parallel import Dist
+from tokenizer import export_tokenizer
 
 
 def file_sha256(path: str) -> str:
@@ -353,7 +353,7 @@ class Run:
     kind: str  # sft | rm | dpo | ppo
     args: CommonArgs  # the resolved args, saved as they are
     d: Dist
-    tokenizer: object  # data.Tokenizer: its state() rebuilds it
+    tokenizer: object  # tokenizer.Tokenizer: its state() rebuilds it
     trained: list[Trained]
     started: float
     earlier_seconds: float = 0.0

@@ -22,9 +22,9 @@ from torch import Tensor
 
 from checkpoints import load_checkpoint
 from common import UserError
-from data import Tokenizer, hub_error, load_tokenizer
 from generate import cache_dtype, decode_compile_mode, static_layout
 from model import GPT, GPTConfig, strip_wrapper_prefixes
+from tokenizer import Tokenizer, hub_error, load_tokenizer
 
 
 @dataclass
@@ -433,12 +433,12 @@ CHATML = (
 
 def write_tiny_chat_model(out_dir: str, tokenizer: str, n_layer: int = 2, n_embd: int = 64) -> None:
     """A Hugging Face folder to try the conversational path with (README, "Your own model in two minutes"): a randomly
-    initialised Llama of n_layer layers and width n_embd, and `tokenizer` (anything data.load_tokenizer reads, e.g.
+    initialised Llama of n_layer layers and width n_embd, and `tokenizer` (anything tokenizer.load_tokenizer reads, e.g.
     the built-in task's tokenizer.json) as a Hugging Face tokenizer with ChatML's template, <|im_end|> closing a
     turn."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from data import export_tokenizer
+    from tokenizer import export_tokenizer
 
     print(export_tokenizer(load_tokenizer(tokenizer), out_dir))
     hf_tok = AutoTokenizer.from_pretrained(out_dir)

@@ -25,11 +25,12 @@ import common
 import hf
 import parallel
 from common import UserError, exact_div, format_sample
-from data import Order, Tokenizer, encode_prompts, encode_sft, pad_right, prompt_ids, prompt_text, read_jsonl
+from data import Order, encode_prompts, encode_sft, pad_right, prompt_ids, prompt_text, read_jsonl
 from generate import Samples, sample
 from lora import BaseView, merge_lora, merged_state_dict
 from model import aggregate_rm_scores, entropy_from_logits, lm_loss, logprobs_from_logits, response_forward
 from task import build_task, gold_reward
+from tokenizer import Tokenizer
 
 
 @dataclass

@@ -18,7 +18,8 @@ from collections import Counter
 import regex
 
 from common import write_atomic
-from data import GPT2_PAT, bpe_tokenizer, train_bpe, write_jsonl
+from data import write_jsonl
+from tokenizer import GPT2_PAT, bpe_tokenizer, train_bpe
 
 TITLE_ADJS = (
     "Silent",
@@ -282,8 +283,8 @@ def build_task(data_dir: str, task_seed: int = 1337, tiny: bool = False) -> dict
     return name -> path: every stage reads the built-in task through this dict. A task of your own returns the same
     keys (README, "How to extend"): the JSONL files of TASK_FILES in the layouts of DESIGN §3 (pretrain: {"text"};
     sft, sft_eval: {"prompt", "response"}; pairs, pairs_eval, pairs_extra: {"prompt", "chosen", "rejected"};
-    prompts, eval_prompts: {"prompt"}) and "tokenizer", anything data.load_tokenizer reads ("gpt2", "hf:<path>", or a
-    tokenizer.json holding data.Tokenizer.state())."""
+    prompts, eval_prompts: {"prompt"}) and "tokenizer", anything tokenizer.load_tokenizer reads ("gpt2",
+    "hf:<path>", or a tokenizer.json holding tokenizer.Tokenizer.state())."""
     out = os.path.join(data_dir, f"v{TASK_VERSION}-seed{task_seed}" + ("-tiny" if tiny else ""))
     paths = {name: os.path.join(out, f"{name}.jsonl") for name in TASK_FILES}
     paths["tokenizer"] = os.path.join(out, "tokenizer.json")

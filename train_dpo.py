@@ -27,11 +27,12 @@ import common
 import hf
 import parallel
 from common import UserError, format_sample, print0
-from data import Order, encode_prefs, encode_prompts, load_tokenizer, pad_right, read_jsonl, read_train_eval
+from data import Order, encode_prefs, encode_prompts, pad_right, read_jsonl, read_train_eval
 from generate import sample
 from lora import BaseView
 from model import logprobs_from_logits, response_forward
 from task import build_task, gold_reward, is_valid
+from tokenizer import load_tokenizer
 
 DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5}  # --beta None resolves here (IPO's β works on per-token mean log-probs)
 

@@ -33,8 +33,9 @@ import common
 import parallel
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
-from data import Order, Tokenizer
+from data import Order
 from rollout import Models, RunningMoments, masked_mean, masked_whiten, world_size
+from tokenizer import Tokenizer
 
 # Each estimator's recipe: what a flag left at None becomes. beta in the loss (k3) and in the reward (k1, on raw
 # scores for rloo) are not on one scale. Measured on the built-in task (make demo's SFT and RM, 12,800 episodes,

@@ -29,9 +29,10 @@ import hf
 import parallel
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
-from data import Order, Tokenizer
+from data import Order
 from model import response_forward
 from rollout import Models, RunningMoments, masked_mean, masked_whiten, world_size
+from tokenizer import Tokenizer
 
 
 @common.stage_args

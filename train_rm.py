@@ -28,7 +28,6 @@ from common import UserError, print0
 from data import (
     Order,
     encode_prefs,
-    load_tokenizer,
     pad_right,
     read_jsonl,
     read_train_eval,
@@ -37,6 +36,7 @@ from data import (
 )
 from model import calibration_error, last_token_scores, lm_loss, score_sequences
 from task import PROBE_KINDS, build_task, gold_reward, is_task_prompt, probe_texts
+from tokenizer import load_tokenizer
 
 
 @common.stage_args

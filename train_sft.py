@@ -24,7 +24,6 @@ from data import (
     Order,
     encode_prompts,
     encode_sft,
-    load_tokenizer,
     pad_right,
     prompt_text,
     read_jsonl,
@@ -34,6 +33,7 @@ from data import (
 from generate import sample
 from model import lm_loss
 from task import build_task, is_valid
+from tokenizer import load_tokenizer
 
 
 @common.stage_args

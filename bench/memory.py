@@ -233,9 +233,9 @@ def probe(sft: str, rm: str, task_dir: str, out_dir: str, fsdp: bool, lora: bool
 
 def make_checkpoints(folder: str, task_dir: str) -> tuple[str, str]:
     """Random SFT and RM checkpoints of CHECK_SHAPE on the built-in task's tokenizer."""
-    from data import load_tokenizer
     from model import GPT, GPTConfig
     from task import build_task
+    from tokenizer import load_tokenizer
 
     tok = load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
     shape = CHECK_SHAPE

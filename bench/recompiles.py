@@ -22,9 +22,9 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoints  # noqa: E402
 import train_ppo  # noqa: E402
-from data import load_tokenizer  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from task import build_task  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 
 
 @dataclass

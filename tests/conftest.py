@@ -48,8 +48,8 @@ def tiny_task(tmp_path_factory):
 @pytest.fixture(scope="session")
 def task_tok(task_dir):
     """The built-in task's tokenizer."""
-    from data import load_tokenizer
     from task import build_task
+    from tokenizer import load_tokenizer
 
     return load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
 

@@ -22,6 +22,7 @@ import common
 import data
 import eval as ev
 import task
+import tokenizer
 import train_dpo
 import train_ppo
 import train_rm
@@ -41,7 +42,7 @@ def files(tiny_task):
 
 @pytest.fixture(scope="module")
 def tok(files):
-    return data.load_tokenizer(files["tokenizer"])
+    return tokenizer.load_tokenizer(files["tokenizer"])
 
 
 def _roundtrip(tok, texts):
@@ -62,9 +63,9 @@ def test_task_tokenizer(files, tok):
     assert tok.pad_id != tok.eos_id and tok.eos_id == tok.vocab_size - 1 and tok.pad_id == tok.vocab_size
     rows = data.read_jsonl(files["sft"], "sft")[:50]
     _roundtrip(tok, [r["prompt"] + r["response"] for r in rows] + ["Hello, wörld! <|endoftext|> 123"])
-    assert tok.eos_id not in tok.encode(data.EOT)  # never parsed as a special token
+    assert tok.eos_id not in tok.encode(tokenizer.EOT)  # never parsed as a special token
     # state survives JSON and rebuilds the same tokenizer
-    tok2 = data.Tokenizer.from_state(json.loads(json.dumps(tok.state())))
+    tok2 = tokenizer.Tokenizer.from_state(json.loads(json.dumps(tok.state())))
     assert tok2.state() == tok.state()
     assert (tok2.eos_id, tok2.pad_id, tok2.vocab_size) == (tok.eos_id, tok.pad_id, tok.vocab_size)
     # no BOS: bos=True changes nothing and the state is what it always was
@@ -72,7 +73,7 @@ def test_task_tokenizer(files, tok):
     assert tok2.encode(rows[0]["prompt"] + rows[0]["response"]) == tok.encode(rows[0]["prompt"] + rows[0]["response"])
     bad = dict(tok.state(), vocab_size=tok.vocab_size + 1)
     with pytest.raises(UserError, match="changed"):
-        data.Tokenizer.from_state(bad)
+        tokenizer.Tokenizer.from_state(bad)
 
 
 def test_task_tokenizer_matches_trainer(files, tok):
@@ -83,7 +84,7 @@ def test_task_tokenizer_matches_trainer(files, tok):
     for w in task.GRAMMAR_WORDS:
         assert tok.encode(w) == [rank_of[w.encode()]], w
     # the task text holds no other pre-tokenized word, and sentences encode word by word
-    pat = regex.compile(data.GPT2_PAT)
+    pat = regex.compile(tokenizer.GPT2_PAT)
     words = {w for r in data.read_jsonl(files["pretrain"], "text") for w in pat.findall(r["text"])}
     assert words <= set(task.GRAMMAR_WORDS)
     text = PROMPT + " the music was very wonderful. i loved the ending."
@@ -97,7 +98,7 @@ def test_the_task_tokenizer_exports_as_a_hugging_face_tokenizer(tmp_path, files,
     exported policy is usable with its tokenizer outside this repo."""
     from transformers import AutoTokenizer
 
-    assert "written as GPT-2's byte-level BPE files" in data.export_tokenizer(tok, str(tmp_path))
+    assert "written as GPT-2's byte-level BPE files" in tokenizer.export_tokenizer(tok, str(tmp_path))
     hf_tok = AutoTokenizer.from_pretrained(str(tmp_path))
     prompts = [row["prompt"] for row in data.read_jsonl(files["eval_prompts"], "prompts")[:16]]
     reviews = [row["prompt"] + row["response"] for row in data.read_jsonl(files["sft"], "sft")[:16]]
@@ -107,13 +108,13 @@ def test_the_task_tokenizer_exports_as_a_hugging_face_tokenizer(tmp_path, files,
         assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids, text
         assert hf_tok.decode(ids) == text == tok.decode(ids)
     assert hf_tok.eos_token_id == tok.eos_id and len(hf_tok) == tok.vocab_size
-    assert hf_tok.decode(tok.encode(prompts[0]) + [tok.eos_id]) == prompts[0] + data.EOT
+    assert hf_tok.decode(tok.encode(prompts[0]) + [tok.eos_id]) == prompts[0] + tokenizer.EOT
 
 
 def test_train_bpe_deterministic():
     counts = {" banana": 5, " band": 3, " bandana": 2, " can": 7}
-    a = data.train_bpe(counts, list(counts))
-    b = data.train_bpe(dict(reversed(list(counts.items()))), list(reversed(list(counts))))
+    a = tokenizer.train_bpe(counts, list(counts))
+    b = tokenizer.train_bpe(dict(reversed(list(counts.items()))), list(reversed(list(counts))))
     assert a == b and len(set(a)) == len(a)
     assert all(w.encode() in a for w in counts)
 
@@ -123,13 +124,13 @@ def test_gpt2_tokenizer(monkeypatch, tmp_path):
     cache.mkdir()
     shutil.copy(os.path.join(ASSETS, "gpt2.tiktoken"), cache / hashlib.sha1(R50K_URL.encode()).hexdigest())
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
-    tok = data.load_tokenizer("gpt2")
+    tok = tokenizer.load_tokenizer("gpt2")
     assert tok.encode("Hello world") == [15496, 995]
     assert (tok.eos_id, tok.pad_id, tok.vocab_size) == (50256, 50257, 50257)
     assert tok.encode("<|endoftext|>") != [50256]
     assert tok.bos_id is None and tok.encode("Hello", bos=True) == [15496] and "bos_id" not in tok.state()
     _roundtrip(tok, ["Hello world", " the music was very wonderful.", "naïve café ✓"])
-    tok2 = data.Tokenizer.from_state(json.loads(json.dumps(tok.state())))
+    tok2 = tokenizer.Tokenizer.from_state(json.loads(json.dumps(tok.state())))
     assert tok2.encode("Hello world") == [15496, 995] and tok2.state() == tok.state()
 
 
@@ -155,23 +156,23 @@ def _save_hf_tokenizer(path, pad: bool):
 
 def test_hf_tokenizer(tmp_path):
     _save_hf_tokenizer(tmp_path / "nopad", pad=False)
-    tok = data.load_tokenizer(f"hf:{tmp_path / 'nopad'}")
+    tok = tokenizer.load_tokenizer(f"hf:{tmp_path / 'nopad'}")
     assert tok.eos_id == 0 and tok.pad_id == tok.vocab_size and tok.vocab_size > 256
     assert len(tok.encode("hello world")) == 2  # both words were merged into single tokens
     assert tok.eos_id not in tok.encode("hello <eos>")  # special tokens are not parsed from text
     _roundtrip(tok, ["hello world", "the world says hello", "naïve ✓"])
-    tok2 = data.Tokenizer.from_state(json.loads(json.dumps(tok.state())))
+    tok2 = tokenizer.Tokenizer.from_state(json.loads(json.dumps(tok.state())))
     assert tok2.encode("hello world") == tok.encode("hello world") and tok2.state() == tok.state()
     # no BOS token: bos=True changes nothing; a Hugging Face tokenizer's state records the decision
     assert tok.bos_id is None and tok.encode("hello world", bos=True) == tok.encode("hello world")
     assert tok.state()["bos_id"] is None
     _save_hf_tokenizer(tmp_path / "pad", pad=True)
-    tok = data.load_tokenizer(f"hf:{tmp_path / 'pad'}")
+    tok = tokenizer.load_tokenizer(f"hf:{tmp_path / 'pad'}")
     assert (tok.eos_id, tok.pad_id) == (0, 1) and tok.vocab_size > 256
     with pytest.raises(UserError):
-        data.load_tokenizer(f"hf:{tmp_path / 'missing'}")
+        tokenizer.load_tokenizer(f"hf:{tmp_path / 'missing'}")
     with pytest.raises(UserError, match="no such tokenizer"):
-        data.load_tokenizer(str(tmp_path / "missing.json"))
+        tokenizer.load_tokenizer(str(tmp_path / "missing.json"))
 
 
 # -----------------------------------------------------------------------------
@@ -418,9 +419,9 @@ def chat_llama(tmp_path_factory) -> str:
 
 
 def test_the_template_renders_prompts_replies_and_every_assistant_turn(chat_llama):
-    tok = data.load_tokenizer(f"hf:{chat_llama}")
+    tok = tokenizer.load_tokenizer(f"hf:{chat_llama}")
     assert tok.chat and tok.eos_id == IM_END and tok.state()["chat"] is True
-    assert data.Tokenizer.from_state(tok.state()).eos_id == IM_END
+    assert tokenizer.Tokenizer.from_state(tok.state()).eos_id == IM_END
     prompt = [user("w1 w2")]
     head = data.prompt_ids(tok, prompt)  # apply_chat_template(..., add_generation_prompt=True)
     hf_tok = tok.backend
@@ -481,7 +482,7 @@ def test_a_template_that_strips_earlier_reasoning_learns_each_turn_as_the_whole_
     conversation: the earlier turn is learned as it appears there (its answer alone, without the dropped reasoning),
     the final turn with its reasoning, each through its own <|im_end|>, and no token outside those spans (headers,
     user turns) is a target."""
-    tok = data.load_tokenizer(f"hf:{think_tokenizer}")
+    tok = tokenizer.load_tokenizer(f"hf:{think_tokenizer}")
     assert tok.chat and tok.eos_id == IM_END
     conversation = [
         user("w1"),
@@ -502,7 +503,7 @@ def test_a_template_that_strips_earlier_reasoning_learns_each_turn_as_the_whole_
 
 
 def test_without_a_template_conversations_take_hh_layout(task_dir):
-    tok = data.load_tokenizer(task.build_task(task_dir, 1337)["tokenizer"])
+    tok = tokenizer.load_tokenizer(task.build_task(task_dir, 1337)["tokenizer"])
     assert not tok.chat
     prompt = [{"role": "system", "content": "be kind"}, user("how was it?")]
     assert data.prompt_text(tok, prompt) == "\n\nSystem: be kind\n\nHuman: how was it?\n\nAssistant:"
@@ -717,7 +718,7 @@ def test_every_stage_on_messages_with_a_chat_template(tmp_path, chat_llama):
     train_ppo.main(ppo)
     sample = json.loads(open(os.path.join(out["ppo"], "samples.jsonl")).readline())
     assert sample["prompt"].startswith("<|im_start|>user ") and sample["prompt"].endswith("<|im_start|>assistant ")
-    tok = data.Tokenizer.from_state(torch.load(ckpt["ppo"], weights_only=False)["tokenizer"])
+    tok = tokenizer.Tokenizer.from_state(torch.load(ckpt["ppo"], weights_only=False)["tokenizer"])
     assert tok.chat and tok.eos_id == IM_END
     examples, _ = data.encode_prefs(tok, pairs[:1], 128)
     assert all(seq[-1] == IM_END and seq[-2] != IM_END for seq in examples[0][0])  # scored at the end-of-turn

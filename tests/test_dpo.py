@@ -19,6 +19,7 @@ import common
 import data
 import eval as ev
 import task
+import tokenizer
 import train_dpo
 from model import GPT, GPTConfig
 
@@ -173,7 +174,7 @@ def test_response_logprobs_do_not_change_with_padding():
 
 
 def test_kwise_records_expand_to_weighted_pairs(task_dir):
-    tok = data.load_tokenizer(task.build_task(task_dir, 1337)["tokenizer"])
+    tok = tokenizer.load_tokenizer(task.build_task(task_dir, 1337)["tokenizer"])
     rows = [
         {"prompt": "Review of", "chosen": " the plot", "rejected": " i hated"},
         {"prompt": "Review of The", "responses": [" a", " b b", " c c c"], "ranking": [1, 2, 0]},

@@ -19,9 +19,9 @@ from conftest import exits_2_with_one_line
 import checkpoints
 import common
 import eval as ev
-from data import load_tokenizer
 from model import GPT, GPTConfig, last_token_scores
 from task import build_task
+from tokenizer import load_tokenizer
 
 POLICY_KEYS = [
     "gold",

@@ -20,6 +20,7 @@ import checkpoints
 import common
 import data
 import hf
+import tokenizer
 from generate import generate
 from hf import HFCausalLM, load_init, model_from_checkpoint
 from model import GPT, GPTConfig, logprobs_from_logits
@@ -390,25 +391,25 @@ def test_reward_model_export(tmp_path, bias):
 
 
 def test_bos_decided_per_tokenizer(bos_tokenizer_dir, llama_dir):
-    tok = data.load_tokenizer(f"hf:{bos_tokenizer_dir}")
+    tok = tokenizer.load_tokenizer(f"hf:{bos_tokenizer_dir}")
     assert tok.bos_id == 3 and tok.state()["bos_id"] == 3
     assert tok.encode("w1 w2") == [5, 6] and tok.encode("w1 w2", bos=True) == [3, 5, 6]
-    again = data.Tokenizer.from_state(tok.state())
+    again = tokenizer.Tokenizer.from_state(tok.state())
     assert again.bos_id == 3 and again.state() == tok.state()
     # a state saved before the decision existed: no BOS, as the stages that trained on it did, and it round-trips
     old_state = {k: v for k, v in tok.state().items() if k != "bos_id"}
-    old = data.Tokenizer.from_state(old_state)
+    old = tokenizer.Tokenizer.from_state(old_state)
     assert old.bos_id is None and old.encode("w1", bos=True) == [5] and old.state() == old_state
     with pytest.raises(common.UserError, match="changed"):
-        data.Tokenizer.from_state({**tok.state(), "bos_id": 0})
+        tokenizer.Tokenizer.from_state({**tok.state(), "bos_id": 0})
     # a tokenizer without a BOS token, and GPT-2's that defines one its encode never adds: none
-    plain = data.load_tokenizer(f"hf:{llama_dir}")
+    plain = tokenizer.load_tokenizer(f"hf:{llama_dir}")
     assert plain.bos_id is None and plain.state()["bos_id"] is None
     assert plain.encode("w1", bos=True) == plain.encode("w1")
 
 
 def test_bos_once_at_the_start_of_every_sequence(bos_tokenizer_dir):
-    tok = data.load_tokenizer(f"hf:{bos_tokenizer_dir}")
+    tok = tokenizer.load_tokenizer(f"hf:{bos_tokenizer_dir}")
     prompt, response = tok.encode("w1 w2"), tok.encode("w3")
     rows = [{"prompt": "w1 w2", "response": "w3"}, {"text": "w4 w5"}]
     (sft_ids, sft_mask), (text_ids, text_mask) = data.encode_sft(tok, rows, 64, mask_prompt=True)[0]
@@ -441,7 +442,7 @@ def test_tokenizer_load_failure_names_the_flag(monkeypatch):
     def no_ranks(name):
         raise ValueError("could not fetch r50k_base\nsecond line")
 
-    monkeypatch.setattr(data.tiktoken, "get_encoding", no_ranks)
+    monkeypatch.setattr(tokenizer.tiktoken, "get_encoding", no_ranks)
     with pytest.raises(common.UserError) as e:
         load_init("gpt2", flag="--init")
     msg = str(e.value)
@@ -495,7 +496,7 @@ def test_gpt2_chain_then_export(tmp_path, gpt2_dir, user_data):
     ckpts = run_chain(tmp_path, gpt2_dir, user_data)
     policy, rm = GPT.from_checkpoint(ckpts["ppo"]).eval(), GPT.from_checkpoint(ckpts["rm"]).eval()
     assert type(policy) is GPT and type(rm) is GPT and rm.score_head.bias.item() != 0.0  # calibrated
-    tok = data.Tokenizer.from_state(ckpts["ppo"]["tokenizer"])
+    tok = tokenizer.Tokenizer.from_state(ckpts["ppo"]["tokenizer"])
     assert (tok.eos_id, tok.pad_id) == (EOS, PAD)
     hf_policy = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_policy")).eval()
     hf_rm = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf_rm")).eval()

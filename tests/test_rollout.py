@@ -271,7 +271,7 @@ def _logprob_check_worker(rank: int, port: int, tokenizer_state: dict, queue) ->
     """Rank 0's sampler disagrees with its training forward, rank 1's agrees: both must raise, none may hang."""
     import torch.distributed as dist
 
-    from data import Tokenizer
+    from tokenizer import Tokenizer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     tok = Tokenizer.from_state(tokenizer_state)

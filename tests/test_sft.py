@@ -65,8 +65,9 @@ def test_sft_smoke(tmp_path, task_dir):
 
 def test_sft_masks_prompt_on_user_data(tmp_path, task_dir):
     """From a checkpoint on user data the prompt is masked: only response tokens + EOS are targets."""
-    from data import encode_sft, load_tokenizer
+    from data import encode_sft
     from task import build_task
+    from tokenizer import load_tokenizer
 
     tok = load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
     ((ex, mask),) = encode_sft(tok, [{"prompt": "Review of", "response": " the plot"}], 64, mask_prompt=True)[0]
