@@ -9,7 +9,7 @@ import random
 import shutil
 import time
 import uuid
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 
-from common import CommonArgs, LRSchedule, Trained, UserError, is_master, print0
+from common import CommonArgs, LRSchedule, StepGuard, Trained, UserError, is_master, print0
+from data import Order
 from lora import lora_layers, merge_lora, merged_state_dict
 from parallel import Dist
 from tokenizer import export_tokenizer
@@ -121,20 +122,39 @@ BOOKKEEPING = (
 BUDGET = ("max_steps", "total_episodes", "epochs")  # the step budget: may change; the LR schedule is re-timed
 POLICY_KINDS = ("sft", "dpo", "ppo", "grpo")  # the checkpoint kinds any stage may start a policy from
 
+# flags an older version of a stage had, with the value the stage now always uses: a checkpoint of a run that set
+# another is not resumed (resume_args). Before the stage split train_ppo.py also ran the critic-free estimators.
+MOVED = "critic-free runs live in train_grpo.py now: start one there (--sft-ckpt takes this checkpoint)"
+RETIRED = {
+    "ppo": {
+        "adv_estimator": ("gae", MOVED),
+        "group_size": (1, MOVED),
+        "kl_penalty": ("reward", MOVED),
+        "kl_estimator": (
+            "k1",
+            "PPO-max's KL in the reward is k1 (k2 and k3 there work against it: docs/design.md §5d)",
+        ),
+        "loss_agg": ("token_mean", MOVED),
+        "mask_truncated": (False, MOVED),
+        "dynamic_sampling": (False, MOVED),
+        "cliprange_high": (None, MOVED),
+        "dual_clip": (None, MOVED),
+        "entropy_coef": (0.0, "the entropy bonus is no flag of train_ppo.py (README, How to extend)"),
+    },
+}
 
-def resume_args(
-    args: CommonArgs, kind: str, resolve: Optional[Callable] = None, retired: Optional[dict] = None
-) -> CommonArgs:
-    """A stage's args as its run continues (DESIGN §8), decided before anything is built. Without --resume:
+
+def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None) -> CommonArgs:
+    """A stage's args as its run continues (docs/design.md §8), decided before anything is built. Without --resume:
     resolve(args). With it, from the checkpoint of this kind in args.out_dir: a flag the command line did not give
     (args.given, set by common.cli) takes the checkpoint's value, so --resume alone continues the run as it was
     started; a flag it gave counts as given whatever its value, the default included. Called from Python (no
     args.given), a field still at its dataclass default counts as not given. A given flag that changes the run's math
     (estimator, beta, lr, model shape, LoRA, data) and differs from the saved one is refused with one line naming each
     flag, its saved and its new value; given bookkeeping flags and the step budget apply and are printed. resolve
-    fills the stage's defaults that depend on other flags, on both sides before they are compared. retired: {name:
-    (the value the stage now always uses, why)} for flags the stage no longer has: a checkpoint that saved another
-    value is refused with that reason."""
+    fills the stage's defaults that depend on other flags, on both sides before they are compared. A flag the stage
+    no longer has (RETIRED) that the checkpoint saved at another value than the one the stage now always uses is
+    refused with the reason."""
     resolve = resolve or (lambda given: given)
     if not args.resume:
         return resolve(args)
@@ -143,7 +163,7 @@ def resume_args(
     path = os.path.join(args.out_dir, "ckpt.pt")
     given = getattr(args, "given", None)  # the flags a command line gave (common.cli); None when called from Python
     saved = load_checkpoint(path, kind=kind, flag="--resume", mmap=True).get("args", {})
-    for name, (value, why) in (retired or {}).items():
+    for name, (value, why) in RETIRED.get(kind, {}).items():
         if name in saved and saved[name] != value:
             raise UserError(f"--resume {path}: it ran with --{name.replace('_', '-')} {saved[name]}: {why}")
     defaults = type(args)()
@@ -415,6 +435,78 @@ class Run:
         set_rng_state(ckpt["rng"][self.d.rank], generator)
         self.earlier_seconds = ckpt["seconds"]
         print0(f"resumed from {self.path} at step {step}")
+        return ckpt
+
+
+# -----------------------------------------------------------------------------
+# an RL stage's inputs and loop
+
+
+def load_inputs(args) -> tuple[dict, dict, list[dict]]:
+    """An RL run's inputs (args: rollout.RolloutArgs): the policy's init checkpoint, the reference's (--ref-ckpt, else
+    the same) and the RM checkpoints (none with --rm-ckpt none), checked to share one tokenizer."""
+    sft = load_checkpoint(args.sft_ckpt, kind=POLICY_KINDS, flag="--sft-ckpt")
+    ref = sft
+    if args.ref_ckpt is not None:
+        ref = load_checkpoint(args.ref_ckpt, kind=POLICY_KINDS, flag="--ref-ckpt")
+    rms = [load_checkpoint(path, kind="rm", flag="--rm-ckpt") for path in args.rm_ckpt if path != "none"]
+    others = [("--ref-ckpt", args.ref_ckpt, ref)] + [("--rm-ckpt", p, c) for p, c in zip(args.rm_ckpt, rms)]
+    for flag, path, ckpt in others:
+        if ckpt["tokenizer"] != sft["tokenizer"]:
+            raise UserError(
+                f"{flag} {path}: its tokenizer differs from --sft-ckpt {args.sft_ckpt}'s (train it from this SFT "
+                "checkpoint)"
+            )
+    return sft, ref, rms
+
+
+def input_hashes(args) -> dict:
+    """What an RL run started from, kept in its checkpoints: --resume refuses a changed input (HASH_FLAGS)."""
+    return {
+        "sft_hash": file_sha256(args.sft_ckpt),
+        "ref_hash": file_sha256(args.ref_ckpt) if args.ref_ckpt else None,
+        "rm_hashes": [file_sha256(path) for path in args.rm_ckpt if path != "none"],
+    }
+
+
+HASH_FLAGS = {"sft_hash": "--sft-ckpt", "ref_hash": "--ref-ckpt", "rm_hashes": "--rm-ckpt"}
+
+
+@dataclass
+class Loop:
+    """An RL stage's loop state, what its iteration's functions share and its checkpoint keeps: the iteration `step`,
+    the optimizer steps taken, the responses sampled, the generator of every random draw (sampling and shuffling;
+    saved with the RNG states), the prompt and ptx streams (data.PromptStream, data.PtxStream or None: no ptx loss;
+    their orders are saved), the NaN guard (its skipped steps are saved), and `first`, this process's first update's
+    diagnostics (not saved)."""
+
+    generator: torch.Generator
+    prompt_stream: object = None
+    ptx_stream: object = None
+    guard: StepGuard = field(default_factory=StepGuard)
+    step: int = 0
+    updates: int = 0
+    episodes: int = 0
+    first: dict = field(default_factory=dict)
+
+    def data_state(self) -> dict:
+        """The checkpoint's data_state: the prompt and ptx orders, the optimizer steps, episodes and skipped steps."""
+        ptx = self.ptx_stream.order.state_dict() if self.ptx_stream is not None else None
+        prompts = self.prompt_stream.order.state_dict()
+        return dict(prompts=prompts, ptx=ptx, updates=self.updates, episodes=self.episodes, skipped=self.guard.skipped)
+
+    def resume(self, run: "Run", hashes: dict) -> dict:
+        """--resume: the run's checkpoint (its inputs checked against their hashes now) restored into the trained
+        models (Run.resume) and into this loop; returns it for the stage's own keys."""
+        ckpt = run.resume({key: (HASH_FLAGS[key], digest) for key, digest in hashes.items()}, self.generator)
+        data_state = ckpt["data_state"]
+        self.prompt_stream.order = Order(**data_state["prompts"])
+        if self.ptx_stream is not None:
+            self.ptx_stream.order = Order(**data_state["ptx"])
+        self.guard.skipped = data_state["skipped"]
+        self.step = ckpt["step"]
+        self.updates = data_state["updates"]
+        self.episodes = data_state.get("episodes", self.step * run.args.rollout_batch_size)  # older checkpoints lack it
         return ckpt
 
 

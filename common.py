@@ -105,6 +105,11 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    """One JSON object a line, written atomically (write_atomic)."""
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
+
+
 def exact_div(a: int, b: int, what: str) -> int:
     """a / b when it divides exactly, else a one-line user error that says how to fix it."""
     if b <= 0 or a % b != 0:
@@ -323,6 +328,12 @@ class StepGuard:
         return metrics
 
 
+def add_all(sums: dict, values: dict) -> None:
+    """sums[key] += value for every entry, starting from 0 (running sums that stay on the device: no host sync)."""
+    for key, value in values.items():
+        sums[key] = sums[key] + value if key in sums else value
+
+
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (FSDP2's clip_grad_norm_ returns the global norm as one), any other tensor itself."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -423,6 +434,20 @@ class Logger:
             return
         with open(self.samples_path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps({"step": step, **record}) + "\n" for record in records)
+
+    def sample_table(self, step: int, records: list[dict]) -> None:
+        """An RL stage's responses (rollout.rollout's records): the first 8 as a TensorBoard text table, the first 16
+        in samples.jsonl."""
+        table = []
+        for record in records[:8]:
+            line = (
+                f"{format_sample(record['prompt'], record['response'], record['ended'])} | score {record['score']:.2f}"
+            )
+            if record["gold"] is not None:
+                line += f" | gold {record['gold']:.2f}"
+            table.append(line)
+        self.text("samples", "\n\n".join(table), step)
+        self.samples(step, records[:16])
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer is not None:
@@ -567,3 +592,36 @@ def matmul_flops(sizes: tuple = (512,), trials: int = 5, seconds: float = 0.04) 
                 iters += 1
             best = max(best, 2 * n**3 * iters / (time.perf_counter() - t0))
     return best
+
+
+def iteration_flops(models, sequence_len: int, sequences: int, epochs: int, critic=None) -> float:
+    """Training-equivalent FLOPs of one RL iteration for perf/mfu (flops_per_token counts a forward and a backward, a
+    forward is a third of it): generation, policy and reference log-probs (three actor-sized forwards), each RM's
+    score and the critic's values (a forward each), then `epochs` forward-backward passes of the actor and the critic
+    over the rollout. models: roles.Models; sequence_len = prompt + response positions; sequences summed over
+    ranks."""
+    actor_flops = models.actor.flops_per_token(sequence_len)
+    critic_flops = critic.flops_per_token(sequence_len) if critic is not None else 0
+    # an RM's forward reads its scalar head only (logits=False), like the critic's: critic-sized (without a critic,
+    # the RM's own count, its LM head included when it has one)
+    reward_flops = 0
+    for reward_model in models.reward_models:
+        reward_flops += critic_flops if critic is not None else reward_model.flops_per_token(sequence_len)
+    rollout_flops = (3 * actor_flops + critic_flops + reward_flops) / 3
+    update_flops = epochs * (actor_flops + critic_flops)
+    return sequences * sequence_len * (rollout_flops + update_flops)
+
+
+def perf_metrics(models, experience: dict, epochs: int, times: tuple, peak: float, world_size: int, critic=None):
+    """perf/ of one RL iteration: its rollout and update seconds, tokens per second and MFU (iteration_flops against
+    the peak of every rank); times: the iteration's start, the update's start and the end."""
+    t_rollout, t_update, t_end = times
+    sequence_len = experience["query"].size(1) + experience["mask"].size(1)
+    sequences = experience["mask"].size(0) * world_size
+    flops = iteration_flops(models, sequence_len, sequences, epochs, critic=critic)
+    return {
+        "perf/rollout_s": t_update - t_rollout,
+        "perf/update_s": t_end - t_update,
+        "perf/tokens_per_sec": sequences * sequence_len / (t_end - t_rollout),
+        "perf/mfu": flops / (t_end - t_rollout) / (peak * world_size),
+    }

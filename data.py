@@ -6,10 +6,12 @@ tokenizer.py; the built-in task itself (its grammar, gold reward and files) is t
 import json
 import os
 import re
+from typing import Callable, Optional
 
 import torch
 
-from common import UserError, write_atomic
+from common import UserError, write_jsonl
+from task import build_task, gold_reward
 from tokenizer import HH_ASSISTANT, HH_NAMES, Tokenizer
 
 # -----------------------------------------------------------------------------
@@ -158,11 +160,6 @@ def _check_fields(obj: dict, kind: str) -> str | None:
         if not ints or sorted(ranking) != list(range(len(resp))):
             return f"field 'ranking' must be a permutation of 0..{len(resp) - 1}"
     return None
-
-
-def write_jsonl(path: str, rows: list[dict]) -> None:
-    """One JSON object a line, written atomically (common.write_atomic)."""
-    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def read_jsonl(path: str, kind: str, flag: str | None = None) -> list[dict]:
@@ -402,6 +399,68 @@ def encode_prefs(tok, rows: list[dict], block_size: int) -> tuple[list, int]:
             continue
         examples.append((seqs, len(head), ranking_pairs(ranking), ranking[0], row))
     return examples, skipped
+
+
+# -----------------------------------------------------------------------------
+# the RL stages' prompts and pre-training text
+
+
+def load_prompts(args, tok: Tokenizer, block_size: int) -> tuple[list, int, list, Optional[Callable]]:
+    """An RL run's data (args: rollout.RolloutArgs): (--prompts that leave room for --max-new-tokens in the context,
+    how many were too long, the --ptx-data texts encoded, the gold reward on the built-in task or None). Without
+    --prompts, the built-in task's prompts and (without --ptx-data) its pre-training text."""
+    builtin = args.prompts is None
+    task = build_task(args.task_dir, args.task_seed) if builtin else None
+    rows = read_jsonl(task["prompts"] if builtin else args.prompts, "prompts", "--prompts")
+    prompts = [row["prompt"] for row in rows]
+    fitting = [prompt for prompt in prompts if len(prompt_ids(tok, prompt)) + args.max_new_tokens <= block_size]
+    if not fitting:
+        raise UserError(
+            f"every prompt is longer than the context minus --max-new-tokens ({block_size} - {args.max_new_tokens} "
+            "tokens)"
+        )
+    ptx_path = args.ptx_data or (task["pretrain"] if builtin else None)
+    ptx = []
+    if ptx_path:
+        ptx, _ = encode_sft(tok, read_jsonl(ptx_path, "text", "--ptx-data"), block_size, mask_prompt=False)
+    return fitting, len(prompts) - len(fitting), ptx, gold_reward if builtin else None
+
+
+class PromptStream:
+    """This rank's share of the next prompts of the global order (the same on every rank), each repeated group_size
+    times in a row (a group's G responses are sampled together). d: the rank and world size (parallel.Dist)."""
+
+    def __init__(self, prompts: list, order: Order, prompts_per_rank: int, group_size: int, d):
+        self.prompts = prompts
+        self.order = order
+        self.per_rank = prompts_per_rank
+        self.group_size = group_size
+        self.d = d
+
+    def next(self) -> list:
+        global_rows = self.order.take(self.per_rank * self.d.world_size)
+        rows = global_rows[self.d.rank * self.per_rank : (self.d.rank + 1) * self.per_rank]
+        return [self.prompts[row] for row in rows for _ in range(self.group_size)]
+
+
+class PtxStream:
+    """This rank's slice of the next global micro-batch of pre-training text: (inputs, targets, target mask) on the
+    device, from the global order (saved in the checkpoint). d: the rank, world size and device (parallel.Dist)."""
+
+    def __init__(self, texts: list, order: Order, micro_batch_size: int, d, pad_id: int):
+        self.texts = texts
+        self.order = order
+        self.micro_batch_size = micro_batch_size
+        self.d = d
+        self.pad_id = pad_id
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        size, rank = self.micro_batch_size, self.d.rank
+        rows = self.order.take(size * self.d.world_size)[rank * size : (rank + 1) * size]
+        ids, _ = pad_right([self.texts[row][0] for row in rows], self.pad_id)
+        loss_mask, _ = pad_right([self.texts[row][1] for row in rows], 0)
+        device = self.d.device
+        return ids[:, :-1].to(device), ids[:, 1:].to(device), loss_mask[:, 1:].float().to(device)
 
 
 def as_conversation(row: dict) -> dict:

@@ -252,7 +252,7 @@ def generate(
     model,
     idx: Tensor,
     attention_mask: Tensor | None,
-    max_new_tokens: int,
+    max_new_tokens: int | Tensor,
     eos_id: int,
     pad_id: int,
     temperature: float = 1.0,
@@ -265,7 +265,8 @@ def generate(
     """Sample responses from model (a model.GPT or an hf.HFCausalLM) to left-padded prompts idx (B, P) with
     attention_mask (B, P) (None = no padding). One prefill over the prompts, then one token a step with a KV cache.
     Each row takes at most min(max_new_tokens, block_size - its own prompt length) new tokens: another row's prompt
-    never shortens it (a row that runs out of context ends without EOS). Every prompt must leave room for a token.
+    never shortens it (a row that runs out of context ends without EOS). max_new_tokens may be a (B,) long tensor,
+    each row's own budget (0: the row takes no token). Every prompt must leave room for a token.
     Returns (response (B, Tn) long, pad_id after a row's EOS; response_mask (B, Tn) float, 1 for real tokens
     including the EOS; logprobs (B, Tn) float, 0 on padding), Tn <= max_new_tokens the number of steps run.
     logprobs are log_softmax(logits / temperature) at the sampled token: the full tempered distribution, not the
@@ -282,9 +283,11 @@ def generate(
     assert model.config.lm_head, "generate needs a model with an lm head"
     B, P = idx.size()
     real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    budget = (model.config.block_size - real.long().sum(-1)).clamp(max=max(max_new_tokens, 0))  # (B,) each row's
-    least, steps = torch.stack([budget.min(), budget.max()]).tolist()  # one host sync
-    assert P <= model.config.block_size and least > 0 or max_new_tokens <= 0, (
+    room = model.config.block_size - real.long().sum(-1)  # (B,) each row's own room in the context
+    asked = torch.as_tensor(max_new_tokens, device=idx.device).clamp(min=0)  # () or (B,)
+    budget = torch.minimum(room, asked)  # (B,) each row's new tokens
+    least, steps, most_asked = torch.stack([room.min(), budget.max(), asked.max()]).tolist()  # one host sync
+    assert P <= model.config.block_size and least > 0 or most_asked <= 0, (
         f"a prompt of {P} tokens leaves no room in the context of {model.config.block_size}: sample() skips it"
     )
     if steps <= 0:  # nothing to generate
@@ -312,18 +315,21 @@ class Samples:
 
 @torch.no_grad()
 def sample(
-    model, tok, query: Tensor, query_mask: Tensor, max_new_tokens: int, temperature: float = 1.0, **kw
+    model, tok, query: Tensor, query_mask: Tensor, max_new_tokens: int | Tensor, temperature: float = 1.0, **kw
 ) -> Samples:
     """Generate → which rows ended → text without EOS, for every stage and eval.py: generate over left-padded prompts
-    (query, query_mask (B, P)) with at most max_new_tokens new tokens a row (fewer where the context ends first for
-    that row's own prompt), EOS and padding from tok (anything with eos_id, pad_id and decode); kw goes to generate
-    (generator, top_k, ...). A prompt that leaves no room for a token gets no response and counts in `skipped`."""
+    (query, query_mask (B, P)) with at most max_new_tokens new tokens a row (an int, or (B,) per row; fewer where the
+    context ends first for that row's own prompt), EOS and padding from tok (anything with eos_id, pad_id and
+    decode); kw goes to generate (generator, top_k, ...). A prompt that leaves no room for a token gets no response
+    and counts in `skipped`."""
     fits = query_mask.sum(1) < model.config.block_size  # (B,) room for at least one token
     skipped = int((~fits).sum())  # one host sync
     kept_query, kept_mask = query, query_mask
     if skipped:  # the rest without them, their left padding trimmed to the longest kept prompt
         width = max(1, int(query_mask[fits].sum(1).max())) if skipped < len(fits) else 1
         kept_query, kept_mask = query[fits][:, -width:], query_mask[fits][:, -width:]
+        if isinstance(max_new_tokens, Tensor):  # a budget per row
+            max_new_tokens = max_new_tokens[fits]
     response, mask, logprobs = generate(
         model, kept_query, kept_mask, max_new_tokens, tok.eos_id, tok.pad_id, temperature=temperature, **kw
     )

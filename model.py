@@ -142,6 +142,11 @@ def lm_loss(logits: Tensor, targets: Tensor, mask: Tensor, denom: float | Tensor
     return (nll * mask).sum() / (mask.sum() if denom is None else denom)
 
 
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of x over the valid entries (mask 1.0 = real)."""
+    return (x * mask).sum() / mask.sum()
+
+
 def response_forward(model, query, query_mask, response, response_mask, temperature: float):
     """One training-style forward over cat(query left-padded, response right-padded). Response token t is predicted
     at position P+t-1 (DESIGN §2), so the lm head runs on the last T+1 positions only (never on the prompt).

@@ -1,6 +1,7 @@
 """Devices and parallelism, plain torch: DDP and FSDP2 set-up under torchrun (gloo on CPU, nccl on GPU), batch splits
-over ranks, dtype and autocast, torch.compile, model placement (--fsdp sharding, --lora-rank, --grad-ckpt), gradient
-accumulation without a sync, and the collectives the stages use (named sums in one all-reduce).
+over ranks (an RL rollout's too), dtype and autocast, torch.compile, model placement (--fsdp sharding, --lora-rank,
+--grad-ckpt), gradient accumulation without a sync (and an RL update's micro-batches), and the collectives the stages
+use (named sums in one all-reduce, moments over every rank).
 """
 
 import os
@@ -8,6 +9,7 @@ import time
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,41 @@ def batch_split(batch_size: int, micro_batch_size: int) -> tuple[int, int, int]:
     per_rank = exact_div(batch_size, launched_world_size(), "--batch-size over the world size")
     mbs = min(micro_batch_size, per_rank)
     return per_rank, mbs, exact_div(per_rank, mbs, "--batch-size/world_size over --micro-batch-size")
+
+
+@dataclass(frozen=True)
+class RolloutSizes:
+    """An RL run's derived sizes, per rank."""
+
+    prompts_per_rank: int  # a rank's responses per iteration / group_size: a group never straddles two ranks
+    micro_batch_size: int  # rows per forward, at most a rank's share of a minibatch
+    grad_accum_steps: int  # micro-batches per optimizer step
+    ptx_micro_batch_size: int  # pre-training texts per micro-batch (0: no ptx loss)
+
+
+def rollout_split(args, group_size: int, has_ptx: bool) -> RolloutSizes:
+    """--rollout-batch-size over the launched world size, the group, the minibatches and the micro-batch (batch_split's
+    rule: capped at a rank's share of a minibatch), each split checked with exact_div: a mistake ends here, before
+    any process group."""
+    launched = launched_world_size()
+    rows_per_rank = exact_div(args.rollout_batch_size, launched, "--rollout-batch-size over the world size")
+    prompts_per_rank = exact_div(rows_per_rank, group_size, "--rollout-batch-size/world_size over --group-size")
+    minibatch_rows = exact_div(
+        rows_per_rank, args.num_minibatches, "--rollout-batch-size/world_size over --num-minibatches"
+    )
+    micro_batch_size = min(args.micro_batch_size, minibatch_rows)
+    grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
+    ptx_micro_batch_size = 0
+    if has_ptx:  # checked only when there is a ptx loss to compute
+        ptx_micro_batch_size = exact_div(
+            args.ptx_batch_size, launched * grad_accum_steps, "--ptx-batch-size over world_size * accum steps"
+        )
+    return RolloutSizes(prompts_per_rank, micro_batch_size, grad_accum_steps, ptx_micro_batch_size)
+
+
+def world_size() -> int:
+    """The process group's size (1 without one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def setup_dist(device: str = "auto") -> Dist:
@@ -246,6 +283,35 @@ def grad_sync(model: torch.nn.Module, sync: bool):
 
 
 # -----------------------------------------------------------------------------
+# an RL update's micro-batches
+
+
+def take_rows(batch: dict, index, width: Optional[int] = None) -> dict:
+    """The rows `index` of every tensor of an experience dict; width: response-shaped tensors (B, T) trimmed to their
+    first `width` columns (a micro-batch's longest response), the prompts kept whole."""
+    taken = {}
+    for key, value in batch.items():
+        value = value[index]
+        if width is not None and value.dim() == 2 and key not in ("query", "query_mask"):
+            value = value[:, :width]
+        taken[key] = value
+    return taken
+
+
+def micro_batch_widths(lengths: list[int], order: list[int], micro_batch_size: int) -> list[int]:
+    """Each micro-batch's longest response over a shuffled rollout (lengths per row, read from the device once per
+    update; order: the epoch's permutation as a list): the width its right padding is trimmed to."""
+    return [
+        max(lengths[row] for row in order[s : s + micro_batch_size]) for s in range(0, len(order), micro_batch_size)
+    ]
+
+
+def token_sum(mean: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """A per-token mean times its token count, 0 for a micro-batch without tokens (whose mean is 0/0; no host sync)."""
+    return torch.where(tokens > 0, mean * tokens, torch.zeros_like(mean))
+
+
+# -----------------------------------------------------------------------------
 # collectives
 
 
@@ -260,6 +326,17 @@ def all_reduce_stack(values: list[torch.Tensor | float], device) -> torch.Tensor
     """Sums over ranks in one all-reduce, stacked as float64 on device and left there: no host sync."""
     stacked = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=device).detach() for value in values])
     return all_reduce_sum(stacked)
+
+
+def global_moments(x: torch.Tensor, mask: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and biased variance of x over the valid entries of every rank (one all-reduce, float64 on device: no host
+    sync), as float32 tensors; no valid entry anywhere gives mean 0 and variance 0, not a NaN."""
+    masked = x * mask
+    count, total, total_squared = all_reduce_stack([mask.sum(), masked.sum(), (masked**2).sum()], device)
+    count = count.clamp(min=1.0)
+    mean = total / count
+    variance = total_squared / count - mean**2
+    return mean.float(), variance.float()
 
 
 def all_reduce_dict(sums: dict[str, torch.Tensor | float], device) -> dict[str, float]:

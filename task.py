@@ -17,8 +17,7 @@ from collections import Counter
 
 import regex
 
-from common import write_atomic
-from data import write_jsonl
+from common import write_atomic, write_jsonl
 from tokenizer import GPT2_PAT, bpe_tokenizer, train_bpe
 
 TITLE_ADJS = (

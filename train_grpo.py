@@ -8,7 +8,8 @@ with its group's: GRPO (Shao et al. 2024) A_i = (R_i - mean_group R) / (std_grou
 mean of the group's other responses; REINFORCE++ (Hu 2025) the reward-to-go of per-token rewards, whitened over the
 rollout (with G > 1 the group mean subtracted first). Then clipped policy-gradient steps: DAPO's clip-higher, dynamic
 sampling and overlong filtering, dual-clip, three loss aggregations, the KL in the loss (k3 or k2) or in the reward
-(k1), and ptx as in PPO-max. What every RL stage does the same is rollout.py's (DESIGN §5b says more).
+(k1), and ptx as in PPO-max. What both RL stages do the same is rollout.py's (steps 1-3: generate, score, log-probs;
+docs/design.md §5b says more); this file writes the formulas it shares with train_ppo.py again (cleanrl's way).
 
 Departures from the papers: sizes and beta are tuned for the built-in task (GRPO's G = 64 and beta = 0.04 are a
 model-scale recipe); each estimator's defaults are RECIPES below.
@@ -27,14 +28,17 @@ from dataclasses import dataclass, replace
 from typing import Callable, Literal, Optional
 
 import torch
+import torch.distributed as dist
 
 import checkpoints
 import common
 import parallel
+import roles
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
-from data import Order
-from rollout import Models, RunningMoments, masked_mean, masked_whiten, world_size
+from data import Order, PromptStream, PtxStream, load_prompts
+from model import lm_loss, masked_mean
+from roles import Models
 from tokenizer import Tokenizer
 
 # Each estimator's recipe: what a flag left at None becomes. beta in the loss (k3) and in the reward (k1, on raw
@@ -54,7 +58,7 @@ RECIPES = {
         group_size=1, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="rollout", loss_agg="token_mean"
     ),
 }
-GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages from comparing a prompt's G responses: G >= 2
+GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages from comparing a prompt's G responses: G >= 2 (step 5: ADVANTAGES)
 
 
 @common.stage_args
@@ -134,12 +138,17 @@ def check_args(args: Args) -> None:
     """Settings no run can mean (on the resolved args): a one-line UserError naming the flag, before any work."""
     rollout.check_rollout_args(args)
     estimator = args.estimator
+    if estimator not in ADVANTAGES:
+        raise UserError(
+            f"--estimator {estimator}: RECIPES has it, but step 5 has no advantage for it (add its function to "
+            "ADVANTAGES in train_grpo.py)"
+        )
     if args.kl_penalty == "loss" and args.kl_estimator == "k1":
         raise UserError("--kl-estimator k1 in the loss: its expected gradient is zero; use k2 or k3")
     if args.kl_penalty == "reward" and args.kl_estimator != "k1":
         raise UserError(
             f"--kl-estimator {args.kl_estimator} in the reward: as a detached penalty its gradient works against the "
-            "KL (DESIGN §5d); the reward takes k1, or put k2/k3 in the loss with --kl-penalty loss"
+            "KL (docs/design.md §5d); the reward takes k1, or put k2/k3 in the loss with --kl-penalty loss"
         )
     if args.group_size < 1 or (estimator in GROUP_ESTIMATORS and args.group_size < 2):
         raise UserError(f"--group-size {args.group_size}: {estimator} compares responses within a group, use >= 2")
@@ -169,20 +178,94 @@ def check_args(args: Args) -> None:
 
 # -----------------------------------------------------------------------------
 # the estimators' math: pure functions, imported by tests. Tensors are (B, T) over response tokens, mask 1.0 = real
-# token; scores (N,) with rows g*G .. g*G+G-1 one prompt's group.
+# token; scores (N,) with rows g*G .. g*G+G-1 one prompt's group. The running moments, the score normalisation, the
+# k1 penalty, the whitening and the ptx loss are PPO-max's (train_ppo.py), written here again.
+
+
+class RunningMoments:
+    """Running mean and std of every score seen (parallel Welford / Chan et al.), merged across DDP ranks: the moments
+    --reward-norm normalises the scores with (REINFORCE++'s recipe, PPO-max §3.2)."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0.0, 0.0, 0.0
+
+    @staticmethod
+    def combine(triples: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+        """Fold (count, mean, M2) triples into one (Chan et al. 1979); exact, order-independent up to rounding."""
+        n, mean, m2 = 0.0, 0.0, 0.0
+        for nb, mb, m2b in triples:
+            if nb == 0:
+                continue
+            delta, tot = mb - mean, n + nb
+            mean, m2, n = mean + delta * nb / tot, m2 + m2b + delta**2 * n * nb / tot, tot
+        return n, mean, m2
+
+    def update(self, x: torch.Tensor) -> None:
+        """Add a batch: every rank's (count, mean, M2) is all-gathered and folded in rank order, so all ranks agree."""
+        x = x.detach().double().flatten()
+        local = torch.stack([torch.tensor(float(x.numel()), device=x.device), x.mean(), ((x - x.mean()) ** 2).sum()])
+        per_rank = [local]
+        if dist.is_initialized():
+            per_rank = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(per_rank, local)
+        per_rank = torch.stack(per_rank).tolist()  # one host sync
+        self.count, self.mean, self.m2 = self.combine([(self.count, self.mean, self.m2)] + per_rank)
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.count) if self.count > 0 else 1.0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
+
+
+def normalize_scores(scores, mean: float, std: float, mode: str, clip: Optional[float]) -> torch.Tensor:
+    """scores (B,) normalised with running moments, then clipped to +-clip (None: no clip). mode none | scale = s/std
+    | norm = (s - mean)/std. A std under 1e-6 (every score seen so far equal) counts as 1, never s/1e-8."""
+    scale = std + 1e-8 if std > 1e-6 else 1.0
+    if mode == "norm":
+        scores = (scores - mean) / scale
+    elif mode == "scale":
+        scores = scores / scale
+    elif mode != "none":
+        raise ValueError(f"unknown reward normalisation {mode!r}")
+    if clip is not None:
+        scores = scores.clamp(-clip, clip)
+    return scores
+
+
+def kl_estimate(logprobs, ref_logprobs, mask, estimator: str) -> torch.Tensor:
+    """Per-token estimates (B, T) of KL(pi || ref), 0 on padding, masked before any exponential (a pad may hold any
+    log-prob). With d = logp - ref_logp (http://joschu.net/blog/kl-approx.html): k1 = d; k2 = d^2 / 2; k3 = (r - 1)
+    - log r, r = ref_p / p, unbiased and >= 0. Their gradients differ (docs/design.md §5d): as a detached reward
+    penalty only k1's expected gradient is that of KL(pi || ref); in the loss, on the current log-probs, k1's expected
+    gradient is zero, k2's is that of KL(pi || ref) and k3's that of KL(ref || pi)."""
+    log_ratio = torch.where(mask.bool(), logprobs - ref_logprobs, 0.0)
+    if estimator == "k1":
+        kl = log_ratio
+    elif estimator == "k2":
+        kl = 0.5 * log_ratio**2
+    elif estimator == "k3":
+        kl = torch.expm1(-log_ratio) + log_ratio
+    else:
+        raise ValueError(f"unknown kl estimator {estimator!r}")
+    return kl * mask
 
 
 def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float) -> torch.Tensor:
-    """scores (B,), the rest (B, T) -> rewards (B, T), 0 on padding: -kl_coef * k1 per token (rollout.kl_estimate),
-    plus the score on the last valid token (the EOS)."""
-    rewards = -kl_coef * rollout.kl_estimate(logprobs, ref_logprobs, mask, "k1")
+    """scores (B,), the rest (B, T) -> rewards (B, T), 0 on padding: -kl_coef * k1 per token, plus the score on the
+    last valid token (the EOS)."""
+    rewards = -kl_coef * kl_estimate(logprobs, ref_logprobs, mask, "k1")
     last = (mask.sum(1).long() - 1).clamp(min=0)  # (B,) index of the last real token
     rewards = rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
     return rewards * mask
 
 
 def group_advantages(scores, group_size: int, estimator: str, std_norm: bool = True) -> torch.Tensor:
-    """scores (N,) = the R_i of DESIGN §5b -> advantages (N,). rloo: R_i - mean over the group's other responses
+    """scores (N,) = the R_i of docs/design.md §5b -> advantages (N,). rloo: R_i - mean over the group's other responses
     (G >= 2); grpo: (R_i - group mean) / (group std + 1e-4), unbiased std, without the division when std_norm is
     False (Dr. GRPO); reinforce_pp: R_i - group mean (REINFORCE++'s group baseline, G > 1)."""
     grouped = scores.view(-1, group_size)  # (N / G, G)
@@ -265,66 +348,110 @@ def policy_loss(
 
 def kl_loss(logprobs, ref_logprobs, mask, weights, denom, kl_coef: float, estimator: str) -> torch.Tensor:
     """--kl-penalty loss (GRPO): kl_coef * sum(k * weights) / denom (loss_weights) per token on the current log-probs
-    (B, T), differentiable in logprobs (rollout.kl_estimate: k3 is an unbiased estimate of KL(pi || ref) whose
-    on-policy gradient is that of KL(ref || pi); k2's is that of KL(pi || ref), Liu et al. 2025, DESIGN §5d)."""
+    (B, T), differentiable in logprobs (kl_estimate: k3 is an unbiased estimate of KL(pi || ref) whose on-policy
+    gradient is that of KL(ref || pi); k2's is that of KL(pi || ref), Liu et al. 2025, docs/design.md §5d)."""
     if estimator not in ("k2", "k3"):
         raise ValueError(f"kl_loss estimator {estimator!r}: k2 or k3 (k1's expected gradient is zero)")
-    return kl_coef * (rollout.kl_estimate(logprobs, ref_logprobs, mask, estimator) * weights).sum() / denom
+    return kl_coef * (kl_estimate(logprobs, ref_logprobs, mask, estimator) * weights).sum() / denom
+
+
+def whiten(advantages, mean, variance) -> torch.Tensor:
+    """(A - mean) / sqrt(variance + 1e-8), the moments over every rank's policy-loss tokens (parallel.global_moments):
+    REINFORCE++'s normalisation over the rollout."""
+    return (advantages - mean) * torch.rsqrt(variance + 1e-8)
+
+
+def ptx_loss(actor, ptx_batch: tuple, ptx_tokens) -> torch.Tensor:
+    """InstructGPT's PPO-ptx term before its coefficient: the LM loss on one micro-batch of pre-training text
+    (inputs, targets, target mask), summed over its targets and divided by the step's global ptx token count."""
+    inputs, targets, target_mask = ptx_batch
+    logits, _ = actor(inputs)
+    return lm_loss(logits, targets, target_mask, denom=ptx_tokens)
 
 
 # -----------------------------------------------------------------------------
 # one iteration: rollout (steps 1-5), DAPO's dynamic sampling, update (step 6)
 
 
-@torch.no_grad()
-def grpo_rollout(
-    models: Models,
-    tok: Tokenizer,
-    prompts: list,
-    args: Args,
-    *,
-    reward_moments: RunningMoments,
-    micro_batch_size: int,
-    generator: torch.Generator,
-    reward_fn=None,
-    gold_fn=None,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[dict, dict, list]:
-    """Steps 1-5 on this rank's prompts (a group's G copies of a prompt consecutive): rollout.rollout, then the
-    scores normalised (--reward-norm; reward_moments updated in place), the KL in the rewards (--kl-penalty reward)
-    and each estimator's advantages. Returns (experience, metrics: global means keyed by DESIGN §6 tags, samples)."""
-    shared = dict(micro_batch_size=micro_batch_size, generator=generator, reward_fn=reward_fn, gold_fn=gold_fn)
-    experience, sums, samples = rollout.rollout(models, tok, prompts, args, dtype=dtype, **shared)
+def group_baseline_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm) -> torch.Tensor:
+    """grpo, rloo: one advantage per response (group_advantages) from R_i = s_i - beta * sum_t k1, every token."""
+    args = engine.args
+    sequence_rewards = experience["rewards"].sum(1)  # (B,)
+    advantages = group_advantages(sequence_rewards, args.group_size, args.estimator, args.grpo_std_norm)
+    return advantages[:, None] * experience["mask"]
+
+
+def reinforce_pp_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm) -> torch.Tensor:
+    """REINFORCE++: the reward-to-go of the per-token rewards (whitened over the rollout in the update); with G > 1
+    the group mean as baseline, s_i - mean_group(s) in place of s_i."""
+    args = engine.args
     mask = experience["mask"]
-    logprobs, ref_logprobs = experience["logprobs"], experience["ref_logprobs"]
+    rewards = experience["rewards"]
+    if args.group_size > 1:
+        centred = group_advantages(score_norm, args.group_size, "reinforce_pp")
+        reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
+        rewards = shape_rewards(centred, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
+    return reward_to_go(rewards, mask, args.gamma)
+
+
+# step 5 of each estimator: (engine, this rank's prompts, the experience with its rewards, the normalised scores) ->
+# advantages (B, T); an estimator of RECIPES without an entry here is refused at start-up (check_args)
+ADVANTAGES = {
+    "grpo": group_baseline_advantages,
+    "rloo": group_baseline_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+}
+
+
+@torch.no_grad()
+def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningMoments) -> tuple[dict, dict, list]:
+    """Steps 1-5 on this rank's prompts (a group's G copies of a prompt consecutive): rollout.rollout (1-3: generate,
+    score, log-probs), then the scores normalised (--reward-norm; reward_moments updated in place), the KL in the
+    rewards (--kl-penalty reward) and the estimator's advantages. Returns (experience, metrics: global means keyed by
+    docs/design.md §6 tags, records: the responses as dicts for the logs)."""
+    args = engine.args
+    experience, sums, records = rollout.rollout(engine, prompts)
+    mask = experience["mask"]
     # 4. scores normalised with running moments over all history and ranks (REINFORCE++'s recipe), then the rewards:
     # the score on the EOS, -beta * k1 per token when the KL goes into the reward
     score_norm = experience["scores"]
     if args.reward_norm != "none":
         reward_moments.update(score_norm)
         mean, std = reward_moments.mean, reward_moments.std
-        score_norm = rollout.normalize_scores(score_norm, mean, std, args.reward_norm, args.reward_clip)
+        score_norm = normalize_scores(score_norm, mean, std, args.reward_norm, args.reward_clip)
     reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
-    rewards = shape_rewards(score_norm, logprobs, ref_logprobs, mask, reward_kl_coef)
-    # 5. advantages (DESIGN §5b)
-    if args.estimator in GROUP_ESTIMATORS:  # one advantage per response from R_i = s_i - beta * sum_t k1, every token
-        sequence_rewards = rewards.sum(1)  # (B,)
-        advantages = group_advantages(sequence_rewards, args.group_size, args.estimator, args.grpo_std_norm)
-        advantages = advantages[:, None] * mask
-    if args.estimator == "reinforce_pp":  # reward-to-go, whitened over the rollout in the update
-        baseline_rewards = rewards
-        if args.group_size > 1:  # the group mean as baseline: s_i - mean_group(s) replaces s_i
-            centred = group_advantages(score_norm, args.group_size, "reinforce_pp")
-            baseline_rewards = shape_rewards(centred, logprobs, ref_logprobs, mask, reward_kl_coef)
-        advantages = reward_to_go(baseline_rewards, mask, args.gamma)
-    experience |= dict(rewards=rewards, advantages=advantages)
+    rewards = shape_rewards(score_norm, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
+    experience["rewards"] = rewards
+    # 5. advantages (docs/design.md §5b)
+    experience["advantages"] = ADVANTAGES[args.estimator](engine, prompts, experience, score_norm)
     sums |= {"score_norm": score_norm.sum(), "rlhf_reward": rewards.sum()}
     metrics, totals = rollout.rollout_metrics(sums, mask.device)
     metrics["objective/score_norm"] = totals["score_norm"] / totals["sequences"]
     metrics["objective/rlhf_reward"] = totals["rlhf_reward"] / totals["sequences"]
     if args.mask_truncated:  # responses without EOS: in the group statistics, not in the policy loss
         metrics["rollout/truncated_frac"] = 1 - metrics["rollout/eos_frac"]
-    return experience, metrics, samples
+    return experience, metrics, records
+
+
+def concat_experience(parts: list[dict], pad_id: int) -> dict:
+    """Experience dicts of different widths -> one: prompts left-padded (query with pad_id, query_mask with 0; position
+    ids follow the attention mask, so more left padding changes nothing), responses right-padded with pad_id, every
+    other (B, T) tensor right-padded with 0, (B,) tensors concatenated."""
+    merged = {}
+    for key in parts[0]:
+        tensors = [part[key] for part in parts]
+        if tensors[0].dim() == 1:
+            merged[key] = torch.cat(tensors)
+            continue
+        width = max(tensor.size(1) for tensor in tensors)
+        value = pad_id if key in ("query", "response") else 0
+        padded = []
+        for tensor in tensors:
+            extra = width - tensor.size(1)
+            left = extra if key in ("query", "query_mask") else 0
+            padded.append(torch.nn.functional.pad(tensor, (left, extra - left), value=value))
+        merged[key] = torch.cat(padded)
+    return merged
 
 
 def keep_informative_groups(rounds: list[dict], group_size: int, rows: int, pad_id: int) -> dict:
@@ -342,7 +469,7 @@ def keep_informative_groups(rounds: list[dict], group_size: int, rows: int, pad_
     first_flags = informative_groups(rounds[0]["scores"], group_size).repeat_interleave(group_size)
     filling = (~first_flags).nonzero().squeeze(1)[: rows - kept]
     parts.append({key: value[filling] for key, value in rounds[0].items()})
-    experience = {key: value[:rows] for key, value in rollout.concat_experience(parts, pad_id).items()}
+    experience = {key: value[:rows] for key, value in concat_experience(parts, pad_id).items()}
     device = experience["mask"].device
     experience["informative"] = torch.cat([torch.ones(kept, device=device), torch.zeros(rows - kept, device=device)])
     return experience
@@ -350,9 +477,9 @@ def keep_informative_groups(rounds: list[dict], group_size: int, rows: int, pad_
 
 def dynamic_sampling(first: dict, draw: Callable, args: Args, prompts_per_rank: int, pad_id: int) -> tuple[dict, dict]:
     """DAPO's dynamic sampling after the iteration's first rollout round: draw() (the next round: experience, metrics,
-    samples) until
-    every rank has prompts_per_rank informative groups or --max-sample-rounds rounds are spent; returns the
-    experience keep_informative_groups builds and rollout/zero_std_frac (of the first round), rollout/sample_rounds."""
+    records) until every rank has prompts_per_rank informative groups or --max-sample-rounds rounds are spent;
+    returns the experience keep_informative_groups builds and rollout/zero_std_frac (of the first round),
+    rollout/sample_rounds."""
     device = first["mask"].device
     rounds = [first]
     group_flags = informative_groups(first["scores"], args.group_size)
@@ -369,7 +496,7 @@ def dynamic_sampling(first: dict, draw: Callable, args: Args, prompts_per_rank: 
     return keep_informative_groups(rounds, args.group_size, rows, pad_id), metrics
 
 
-def actor_backward(actor, batch: dict, args: Args, kl_coef: float, denom, sync: bool, amp):
+def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
     """Every term of the policy's loss on one micro-batch, each aggregated the same way (sum of per-token values times
     batch["weights"], over denom: loss_weights): the clipped policy loss (times the --tis-cap weights), plus beta * k
     against the reference with --kl-penalty loss; and its backward (gradients accumulate; DDP all-reduces where
@@ -386,46 +513,44 @@ def actor_backward(actor, batch: dict, args: Args, kl_coef: float, denom, sync: 
         )
         sums = {"pg_loss": loss.detach()}
         if args.kl_penalty == "loss":  # GRPO: beta * k3 (or k2) against the reference, aggregated alike
-            kl_term = kl_loss(logprobs, batch["ref_logprobs"], mask, weights, denom, kl_coef, args.kl_estimator)
+            kl_term = kl_loss(logprobs, batch["ref_logprobs"], mask, weights, denom, args.kl_coef, args.kl_estimator)
             sums["kl_loss"] = kl_term.detach()
             loss = loss + kl_term
     # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
-    (loss * world_size()).backward()
+    (loss * parallel.world_size()).backward()
     tokens = mask.sum()
     sums["tokens"] = tokens
     for key in ("approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_mean"):
-        sums[key] = rollout.token_sum(stats[key], tokens)
+        sums[key] = parallel.token_sum(stats[key], tokens)
     return sums, logprobs
 
 
-def grpo_update(
-    actor: Trained,
-    guard: common.StepGuard,
-    experience: dict,
-    args: Args,
-    *,
-    micro_batch_size: int,
-    generator: Optional[torch.Generator] = None,
-    ptx_sampler=None,
-    dtype: torch.dtype = torch.float32,
-    step: int = 0,
-    diagnose: bool = False,
-) -> tuple[dict, dict]:
+def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
+    """--ptx-coef x the ptx loss on one micro-batch of pre-training text, and its backward: never the syncing one (the
+    policy loss's comes after it)."""
+    with parallel.grad_sync(actor, False), amp:
+        loss = ptx_loss(actor, ptx_batch, ptx_tokens)
+    (args.ptx_coef * loss * parallel.world_size()).backward()
+    return {"ptx_loss": loss.detach()}
+
+
+def grpo_update(actor: Trained, experience: dict, args: Args, loop: checkpoints.Loop) -> tuple[dict, dict]:
     """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one optimizer step per
-    minibatch through the Trained entry (its training forward `forward`, compiled and/or DDP). A step whose minibatch
-    has no token left for the policy loss (--mask-truncated, --dynamic-sampling's filling) takes no step; a step whose
-    global grad norm is not finite is skipped (guard.skipped). ptx_sampler() -> (inputs, targets, mask) of one
-    micro-batch of pre-training text (None: no ptx loss). Returns (metrics: global means keyed by DESIGN §6 tags over
-    the steps taken, and policy/update_kl, how far the update moved the policy (rollout.update_kl); diagnostics:
-    {"updates": steps taken, "skipped": steps skipped, "first": with diagnose, ratio_err, approx_kl and clipfrac of
-    the first micro-batch, which must read 0, 0, 0})."""
+    minibatch through the Trained entry (its training forward `forward`, compiled and/or DDP). From the loop: the
+    generator that shuffles, the ptx stream (None: no ptx loss), the NaN guard and the iteration. A step whose
+    minibatch has no token left for the policy loss (--mask-truncated, --dynamic-sampling's filling) takes no step; a
+    step whose global grad norm is not finite is skipped (loop.guard.skipped). Returns (metrics: global means keyed
+    by docs/design.md §6 tags over the steps taken, and policy/update_kl, how far the update moved the policy;
+    diagnostics: {"updates": steps taken, "skipped": steps skipped, "first": while loop.first is empty, ratio_err,
+    approx_kl and clipfrac of the first micro-batch, which must read 0, 0, 0})."""
     mask = experience["mask"]
     device = mask.device
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")
+    micro_batch_size = min(args.micro_batch_size, minibatch_rows)  # parallel.rollout_split's rule
     grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
-    amp = parallel.autocast(device, dtype)
+    amp = parallel.autocast(device, parallel.resolve_dtype(args.dtype, device))
     actor_forward = actor.model if actor.forward is None else actor.forward
-    use_ptx = args.ptx_coef > 0 and ptx_sampler is not None
+    use_ptx = loop.ptx_stream is not None
     # the policy loss's tokens: --mask-truncated drops the responses without EOS, --dynamic-sampling the groups that
     # only fill the batch; whitening statistics come from these tokens too: a dropped response never moves the update
     loss_mask = mask
@@ -438,16 +563,16 @@ def grpo_update(
     if args.tis_cap is not None:  # truncated importance sampling: the sampler's and the trainer's numerics differ
         batch["tis"], metrics = rollout.tis_metrics(experience, loss_mask, args.tis_cap, device)
     if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (REINFORCE++)
-        mean, variance = rollout.global_moments(batch["advantages"], loss_mask, device)
-        batch["advantages"] = masked_whiten(batch["advantages"], mask, mean=mean, var=variance)
+        mean, variance = parallel.global_moments(batch["advantages"], loss_mask, device)
+        batch["advantages"] = whiten(batch["advantages"], mean, variance)
     totals = {}  # this rank's sums over the steps taken
     first = {}
     updates = 0
-    skipped_before = guard.skipped
+    skipped_before = loop.guard.skipped
     lengths = mask.sum(1).long().tolist()  # one host sync: each micro-batch trims its right padding to its longest row
     for _ in range(args.ppo_epochs):
-        permutation = torch.randperm(mask.size(0), generator=generator, device=generator.device if generator else "cpu")
-        widths = rollout.micro_batch_widths(lengths, permutation.tolist(), micro_batch_size)
+        permutation = torch.randperm(mask.size(0), generator=loop.generator, device=loop.generator.device)
+        widths = parallel.micro_batch_widths(lengths, permutation.tolist(), micro_batch_size)
         permutation = permutation.to(device)
         # every step's global counts of kept tokens and sequences (loss denominators): one all-reduce an epoch, read
         # on the host (a step with none is not taken)
@@ -458,8 +583,8 @@ def grpo_update(
         counts = counts_on_device.tolist()
         for minibatch in range(args.num_minibatches):
             minibatch_rows_taken = slice(minibatch * minibatch_rows, (minibatch + 1) * minibatch_rows)
-            minibatch_batch = rollout.take_rows(batch, permutation[minibatch_rows_taken])
-            ptx_batches = [ptx_sampler() for _ in range(grad_accum_steps)] if use_ptx else []
+            minibatch_batch = parallel.take_rows(batch, permutation[minibatch_rows_taken])
+            ptx_batches = [loop.ptx_stream.next() for _ in range(grad_accum_steps)] if use_ptx else []
             loss_tokens, loss_sequences = counts[0][minibatch], counts[1][minibatch]
             if loss_tokens == 0:  # every response dropped: no step, explicitly rather than a NaN
                 continue
@@ -474,26 +599,24 @@ def grpo_update(
             step_sums = {}  # this step's sums, kept if it steps
             for micro in range(grad_accum_steps):
                 rows = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
-                micro_batch = rollout.take_rows(minibatch_batch, rows, widths[minibatch * grad_accum_steps + micro])
+                micro_batch = parallel.take_rows(minibatch_batch, rows, widths[minibatch * grad_accum_steps + micro])
                 sync = micro == grad_accum_steps - 1
                 if use_ptx:
-                    ptx_sums = rollout.ptx_backward(
-                        actor_forward, ptx_batches[micro], args.ptx_coef, ptx_token_count, amp
-                    )
-                    rollout.add_all(step_sums, ptx_sums)
-                sums, logprobs = actor_backward(actor_forward, micro_batch, args, args.kl_coef, denom, sync, amp)
-                rollout.add_all(step_sums, sums)
-                if diagnose and not first and sums["tokens"] > 0:  # must be ratio 1, approx_kl 0, clipfrac 0
+                    ptx_sums = ptx_backward(actor_forward, ptx_batches[micro], args, ptx_token_count, amp)
+                    common.add_all(step_sums, ptx_sums)
+                sums, logprobs = actor_backward(actor_forward, micro_batch, args, denom, sync, amp)
+                common.add_all(step_sums, sums)
+                if not loop.first and not first and sums["tokens"] > 0:  # must be ratio 1, approx_kl 0, clipfrac 0
                     first = rollout.first_micro_batch(logprobs, micro_batch["logprobs"], micro_batch["loss_mask"], sums)
-            if common.guarded_step([actor], guard, step):
-                rollout.add_all(totals, step_sums)
+            if common.guarded_step([actor], loop.guard, loop.step):
+                common.add_all(totals, step_sums)
                 updates += 1
             else:  # name the bad quantity (the loss sums are this rank's)
                 losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums.items())
-                print0(f"step {step}: the policy's sums when its grad norm was not finite: {losses}")
-    metrics |= update_metrics(totals, updates, guard, device)
+                print0(f"step {loop.step}: the actor's sums when its grad norm was not finite: {losses}")
+    metrics |= update_metrics(totals, updates, loop.guard, device)
     metrics["policy/update_kl"] = rollout.update_kl(actor_forward, experience, micro_batch_size, args.temperature, amp)
-    return metrics, {"updates": updates, "skipped": guard.skipped - skipped_before, "first": first}
+    return metrics, {"updates": updates, "skipped": loop.guard.skipped - skipped_before, "first": first}
 
 
 def update_metrics(totals: dict, updates: int, guard: common.StepGuard, device) -> dict:
@@ -507,9 +630,10 @@ def update_metrics(totals: dict, updates: int, guard: common.StepGuard, device) 
     metrics["policy/loss"] = summed["pg_loss"] / updates
     for key in ("approx_kl", "clipfrac", "ratio_mean", "clipfrac_low", "clipfrac_high"):
         metrics[f"policy/{key}"] = summed[key] / summed["tokens"]
-    for key, tag in (("kl_loss", "policy/kl_loss"), ("ptx_loss", "ptx/loss")):
-        if key in summed:
-            metrics[tag] = summed[key] / updates
+    if "kl_loss" in summed:
+        metrics["policy/kl_loss"] = summed["kl_loss"] / updates
+    if "ptx_loss" in summed:
+        metrics["ptx/loss"] = summed["ptx_loss"] / updates
     return metrics
 
 
@@ -538,16 +662,17 @@ def main(args: Args) -> None:
     check_args(args)
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses to replace a run silently
     common.seed_everything(args.seed)
-    # 1. checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
-    sft, ref, rms = rollout.load_inputs(args)
+
+    # checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
+    sft, ref, rms = checkpoints.load_inputs(args)
     tok = Tokenizer.from_state(sft["tokenizer"])
     reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
-    actor_model, reference = rollout.build_policy(args, sft, ref)
-    models = Models(actor_model, reference, rollout.build_reward_models(args, rms))
-    prompts, too_long, ptx, gold_fn = rollout.load_prompts(args, tok, models.actor.config.block_size)
+    actor_model, reference = roles.build_policy(args, sft, ref)
+    models = Models(actor_model, reference, roles.build_reward_models(args, rms))
+    prompts, too_long, ptx, gold_fn = load_prompts(args, tok, models.actor.config.block_size)
 
-    # 2. sizes, distributed set-up, optimizer, state
-    sizes = rollout.batch_sizes(args, args.group_size, has_ptx=bool(ptx) and args.ptx_coef > 0)
+    # sizes, distributed set-up, placement, optimizer, the loop's state
+    sizes = parallel.rollout_split(args, args.group_size, has_ptx=bool(ptx) and args.ptx_coef > 0)
     d = parallel.setup_dist(args.device)
     dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
@@ -563,99 +688,87 @@ def main(args: Args) -> None:
         f"adv_whiten {args.adv_whiten} | loss_agg {args.loss_agg} | cliprange {args.cliprange}/"
         f"{args.cliprange_high or args.cliprange} dual_clip {args.dual_clip} | mask_truncated {args.mask_truncated}"
     )
-    for model in (models.actor, *models.frozen()):
-        model.eval()  # eval mode always: dropout off in every model
-        frozen = model is not models.actor  # stored in bf16 under bf16 (DESIGN §7)
-        parallel.place_model(model, args, d, dtype, frozen=frozen)  # --fsdp shards the frozen models too
-    models = models.with_sampler(dtype, args.fsdp)  # under bf16 the rollouts come from a bf16 copy of the actor
+    models = roles.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
     optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps)
     actor = Trained("model", models.actor, optimizer, schedule, args.grad_clip)
-    sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
-    reward_moments = RunningMoments()
+    generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
     order = Order(len(prompts), args.seed)
-    prompt_stream = rollout.PromptStream(prompts, order, sizes.prompts_per_rank, args.group_size, d)
-    ptx_order = Order(max(1, len(ptx)), args.seed + 1)
-    ptx_sampler = rollout.PtxSampler(ptx, ptx_order, sizes.ptx_micro_batch_size, d, tok.pad_id)
-    guard = common.StepGuard()
+    prompt_stream = PromptStream(prompts, order, sizes.prompts_per_rank, args.group_size, d)
+    ptx_stream = None
+    if sizes.ptx_micro_batch_size:
+        ptx_stream = PtxStream(ptx, Order(len(ptx), args.seed + 1), sizes.ptx_micro_batch_size, d, tok.pad_id)
+    loop = checkpoints.Loop(generator, prompt_stream, ptx_stream)
+    reward_moments = RunningMoments()
     run = checkpoints.Run("grpo", args, d, tok, [actor], started=t_start)
-    step = 0
-    updates = 0  # optimizer steps taken
-    episodes = 0  # responses sampled
-    hashes = rollout.input_hashes(args)
+    hashes = checkpoints.input_hashes(args)
     if args.resume:
-        ckpt, step, updates, episodes = rollout.resume_loop(
-            run, hashes, sampler, prompt_stream, ptx_sampler, guard, args
-        )
+        ckpt = loop.resume(run, hashes)
         reward_moments.load_state_dict(ckpt["reward_moments"])
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     forward = models.compiled(args.compile, d.device)
     replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
     actor.forward = parallel.replicate(forward.actor, d) if replicated else forward.actor
-    logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None, console_keys=CONSOLE)
+    engine = rollout.Engine(forward, tok, args, sizes.micro_batch_size, generator, dtype, reward_fn, gold_fn)
+    logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
-    shared = dict(micro_batch_size=sizes.micro_batch_size, generator=sampler, dtype=dtype)
-    scoring = dict(reward_fn=reward_fn, gold_fn=gold_fn, reward_moments=reward_moments)
-    updating = dict(ptx_sampler=ptx_sampler if sizes.ptx_micro_batch_size else None, **shared)
 
     def draw() -> tuple[dict, dict, list]:  # one rollout round on this rank's share of the next prompts
-        return grpo_rollout(forward, tok, prompt_stream.next(), args, **scoring, **shared)
+        return grpo_rollout(engine, prompt_stream.next(), reward_moments)
 
-    # 3. the loop: rollout (steps 1-5), update (6), then log, samples, checkpoint (7)
-    first = {}  # the first minibatch of this process's first update
-    start_step = step
+    # the loop: steps 1-5 (grpo_rollout, dynamic sampling), 6 (grpo_update), 7 (log, samples, checkpoint)
+    start_step = loop.step
     records = []
     stop = common.StopSignal()  # SIGINT/SIGTERM: save the iteration, exit 128 + signal
-    while step < max_steps:
+    while loop.step < max_steps:
         t_rollout = time.time()
         experience, metrics, records = draw()
         if args.dynamic_sampling:  # DAPO: fresh groups until enough are informative on every rank (the metrics and
-            # samples are the first round's: what the policy does)
+            # records are the first round's: what the policy does)
             experience, sampling_metrics = dynamic_sampling(experience, draw, args, sizes.prompts_per_rank, tok.pad_id)
             metrics |= sampling_metrics
         t_update = time.time()
-        lr = common.step_lr(actor, step)
-        updated, diagnostics = grpo_update(actor, guard, experience, args, step=step, diagnose=not first, **updating)
-        first = first or diagnostics["first"]
-        rollout.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
-        step += 1
-        updates += diagnostics["updates"]
-        episodes += args.rollout_batch_size * int(metrics.get("rollout/sample_rounds", 1))
+        lr = common.step_lr(actor, loop.step)
+        updated, diagnostics = grpo_update(actor, experience, args, loop)
+        loop.first = loop.first or diagnostics["first"]
+        roles.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
+        loop.step += 1
+        loop.updates += diagnostics["updates"]
+        loop.episodes += args.rollout_batch_size * int(metrics.get("rollout/sample_rounds", 1))
         stopping = stop.requested(d.device)
         t_end = time.time()
 
         # 7. monitoring
-        metrics |= rollout.perf_metrics(
-            models, experience, args.ppo_epochs, (t_rollout, t_update, t_end), peak, d.world_size
-        )
+        step = loop.step
+        times = (t_rollout, t_update, t_end)
+        metrics |= common.perf_metrics(models, experience, args.ppo_epochs, times, peak, d.world_size)
         metrics |= updated | {
             "train/lr": lr,
             "train/kl_coef": args.kl_coef,
-            "train/updates": updates,
-            "train/episodes": episodes,
-            "train/skipped_steps": guard.skipped,
+            "train/updates": loop.updates,
+            "train/episodes": loop.episodes,
+            "train/skipped_steps": loop.guard.skipped,
         }
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
             logprob_error = metrics["rollout/logprob_err"]
             print0(f"step {step}: generation vs training-forward log-probs, max |diff| {logprob_error:.1e}")
         logger.log(step, metrics, max_steps, console=common.every(step, args.log_every) or step == max_steps)
         if common.every(step, args.sample_every) or step == max_steps:
-            rollout.log_samples(logger, records, step)
+            logger.sample_table(step, records)
         if common.every(step, args.save_every) or step == max_steps or stopping:
-            data_state = rollout.loop_state(prompt_stream, ptx_sampler, guard, updates, episodes)
-            run.save(step, data_state, sampler, reward_moments=reward_moments.state_dict(), **hashes)
+            run.save(step, loop.data_state(), generator, reward_moments=reward_moments.state_dict(), **hashes)
         if stopping:
             logger.close()
             stop.exit(stopping, run.path)
 
+    # the end: a few samples to look at, the export
     stop.close()
-    # 4. a few samples to look at
     for record in records[:5]:
         text = format_sample(record["prompt"], record["response"], record["ended"])
         print0(f"  {text}  (score {record['score']:.2f})")
     if args.export_hf and d.master:
         checkpoints.export_hf(models.actor, tok, args.export_hf)
-    first_line = ", ".join(f"{key} {value:.1e}" for key, value in first.items())
+    first_line = ", ".join(f"{key} {value:.1e}" for key, value in loop.first.items())
     print0(f"grpo done in {time.time() - t_start:.0f}s: {run.path} | first minibatch of the first update: {first_line}")
     logger.close()
     parallel.cleanup_dist()

@@ -48,8 +48,8 @@ import torch
 import checkpoints
 import common
 import hf
-from common import UserError, print0, write_atomic
-from data import encode_prompts, prompt_text, read_jsonl, write_jsonl
+from common import UserError, print0, write_atomic, write_jsonl
+from data import encode_prompts, prompt_text, read_jsonl
 from generate import sample
 from model import aggregate_rm_scores
 from task import annotate, build_task

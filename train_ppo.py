@@ -7,9 +7,9 @@ pre-training text (ptx). The PPO-max tricks: reward normalisation and clipping o
 (fixed, or adaptive with --kl-target), advantage whitening per minibatch, value clipping, critic initialisation from
 the RM and critic warm-up, grad-norm clipping, ptx, and a collapse detector over the monitoring metrics.
 Paper: https://arxiv.org/abs/2307.04964 (Secrets of RLHF in Large Language Models Part I: PPO).
-What every RL stage does the same (the reference, RM ensembles and --rm-agg, --reward-fn, --ref-ckpt, --tis-cap,
-LoRA, FSDP, compile, resume, the prompt and ptx streams, steps 1-3 of the rollout) is rollout.py's; the critic-free
-estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++) are train_grpo.py.
+
+Every formula of the paper is in this file. What both RL stages do the same is rollout.py (steps 1-3: generate, score,
+log-probs); the critic-free estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++) are train_grpo.py.
 
 python train_ppo.py                                                   # built-in task, CPU, ~2 min (after SFT and RM)
 python train_ppo.py --rm-ckpt none --reward-fn task:gold_reward       # optimise the gold reward itself, no RM
@@ -22,16 +22,18 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
+import torch.distributed as dist
 
 import checkpoints
 import common
 import hf
 import parallel
+import roles
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
-from data import Order
-from model import response_forward
-from rollout import Models, RunningMoments, masked_mean, masked_whiten, world_size
+from data import Order, PromptStream, PtxStream, load_prompts
+from model import lm_loss, masked_mean, response_forward
+from roles import Models
 from tokenizer import Tokenizer
 
 
@@ -91,23 +93,6 @@ class Args(rollout.RolloutArgs):
     """end the run when the alarm fires, keeping the last checkpoint saved before it"""
 
 
-# flags an older train_ppo.py had, with the value this one always uses: a checkpoint of a run that set another is
-# not resumed here (checkpoints.resume_args)
-MOVED = "critic-free runs live in train_grpo.py now: start one there (--sft-ckpt takes this checkpoint)"
-RETIRED = {
-    "adv_estimator": ("gae", MOVED),
-    "group_size": (1, MOVED),
-    "kl_penalty": ("reward", MOVED),
-    "kl_estimator": ("k1", "PPO-max's KL in the reward is k1 (k2 and k3 there work against the KL, DESIGN §5d)"),
-    "loss_agg": ("token_mean", MOVED),
-    "mask_truncated": (False, MOVED),
-    "dynamic_sampling": (False, MOVED),
-    "cliprange_high": (None, MOVED),
-    "dual_clip": (None, MOVED),
-    "entropy_coef": (0.0, "the entropy bonus is no flag of train_ppo.py (README, How to extend)"),
-}
-
-
 def check_args(args: Args) -> None:
     """Settings no run can mean: a one-line UserError naming the flag, before any work."""
     rollout.check_rollout_args(args)
@@ -126,13 +111,71 @@ def check_args(args: Args) -> None:
 
 
 # -----------------------------------------------------------------------------
-# PPO math: pure functions, imported by tests. Tensors are (B, T) over response tokens, mask 1.0 = real token.
+# PPO-max's math: pure functions, imported by tests. Tensors are (B, T) over response tokens, mask 1.0 = real token.
+
+
+class RunningMoments:
+    """Running mean and std of every score seen (parallel Welford / Chan et al.), merged across DDP ranks: the moments
+    step 4 normalises the scores with (PPO-max §3.2)."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0.0, 0.0, 0.0
+
+    @staticmethod
+    def combine(triples: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+        """Fold (count, mean, M2) triples into one (Chan et al. 1979); exact, order-independent up to rounding."""
+        n, mean, m2 = 0.0, 0.0, 0.0
+        for nb, mb, m2b in triples:
+            if nb == 0:
+                continue
+            delta, tot = mb - mean, n + nb
+            mean, m2, n = mean + delta * nb / tot, m2 + m2b + delta**2 * n * nb / tot, tot
+        return n, mean, m2
+
+    def update(self, x: torch.Tensor) -> None:
+        """Add a batch: every rank's (count, mean, M2) is all-gathered and folded in rank order, so all ranks agree."""
+        x = x.detach().double().flatten()
+        local = torch.stack([torch.tensor(float(x.numel()), device=x.device), x.mean(), ((x - x.mean()) ** 2).sum()])
+        per_rank = [local]
+        if dist.is_initialized():
+            per_rank = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(per_rank, local)
+        per_rank = torch.stack(per_rank).tolist()  # one host sync
+        self.count, self.mean, self.m2 = self.combine([(self.count, self.mean, self.m2)] + per_rank)
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.count) if self.count > 0 else 1.0
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
+
+
+def normalize_scores(scores, mean: float, std: float, mode: str, clip: Optional[float]) -> torch.Tensor:
+    """PPO-max §3.2: scores (B,) normalised with running moments, then clipped to +-clip (None: no clip). mode none |
+    scale = s/std | norm = (s - mean)/std. A std under 1e-6 (every score seen so far equal: all responses missing EOS,
+    an all-invalid batch under --reward-fn) gives no scale to divide by and counts as 1, never s/1e-8."""
+    scale = std + 1e-8 if std > 1e-6 else 1.0
+    if mode == "norm":
+        scores = (scores - mean) / scale
+    elif mode == "scale":
+        scores = scores / scale
+    elif mode != "none":
+        raise ValueError(f"unknown reward normalisation {mode!r}")
+    if clip is not None:
+        scores = scores.clamp(-clip, clip)
+    return scores
 
 
 def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float):
-    """scores (B,), the rest (B, T) -> (rewards, kl), both (B, T) and 0 on padding: rewards = -kl_coef * k1 per token
-    (k1 = logp - ref_logp, rollout.kl_estimate), plus the score on the last valid token (the EOS)."""
-    kl = rollout.kl_estimate(logprobs, ref_logprobs, mask, "k1")
+    """scores (B,), the rest (B, T) -> (rewards, kl), both (B, T) and 0 on padding: the per-token KL penalty
+    -kl_coef * k1, k1 = logp - ref_logp (masked before anything else reads it: a pad may hold any log-prob), plus the
+    score on the last valid token (the EOS). As a detached reward only k1's expected gradient is that of
+    KL(pi || ref) (docs/design.md §5d; http://joschu.net/blog/kl-approx.html)."""
+    kl = torch.where(mask.bool(), logprobs - ref_logprobs, 0.0) * mask
     rewards = -kl_coef * kl
     last = (mask.sum(1).long() - 1).clamp(min=0)  # (B,) index of the last real token
     rewards = rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
@@ -190,6 +233,20 @@ def ppo_value_loss(values, old_values, returns, mask, cliprange_value: Optional[
     with torch.no_grad():
         stats = {"clipfrac": masked_mean((vf_losses2 > vf_losses).float(), mask)}
     return vf_loss, stats
+
+
+def whiten(advantages, mean, variance) -> torch.Tensor:
+    """(A - mean) / sqrt(variance + 1e-8): advantages whitened with the moments of the whole minibatch over every rank
+    (parallel.global_moments), PPO-max's per-minibatch normalisation (or once over the rollout, TRL's)."""
+    return (advantages - mean) * torch.rsqrt(variance + 1e-8)
+
+
+def ptx_loss(actor, ptx_batch: tuple, ptx_tokens) -> torch.Tensor:
+    """InstructGPT's PPO-ptx term before its coefficient: the LM loss on one micro-batch of pre-training text
+    (inputs, targets, target mask), summed over its targets and divided by the step's global ptx token count."""
+    inputs, targets, target_mask = ptx_batch
+    logits, _ = actor(inputs)
+    return lm_loss(logits, targets, target_mask, denom=ptx_tokens)
 
 
 class KLController:
@@ -255,15 +312,15 @@ class CollapseDetector:
 
 
 # -----------------------------------------------------------------------------
-# one iteration: rollout (steps 1-5) and update (step 6). The orchestration functions read the run's resolved Args,
-# passed whole; what changes while the run goes (models, optimizers, beta, the reward moments, the generator) and the
-# derived sizes are explicit arguments. The math above stays pure.
+# one iteration: rollout (steps 1-5) and update (step 6). These read the run's resolved Args (the engine's); what
+# changes while the run goes (the models, beta, the reward moments, the loop) comes as arguments. The math above
+# stays pure.
 
 
 @torch.no_grad()
 def critic_values(critic, experience: dict, micro_batch_size: int, temperature: float, amp) -> torch.Tensor:
-    """The critic's values (B, T) of the rollout's response tokens, per micro-batch, masked (DESIGN §2: a value is
-    read where the token's log-prob is, one position before the token)."""
+    """The critic's values (B, T) of the rollout's response tokens, per micro-batch, masked (docs/design.md §2: a
+    value is read where the token's log-prob is, one position before the token)."""
     parts = []
     for start in range(0, experience["mask"].size(0), micro_batch_size):
         rows = slice(start, start + micro_batch_size)
@@ -275,34 +332,20 @@ def critic_values(critic, experience: dict, micro_batch_size: int, temperature: 
 
 @torch.no_grad()
 def ppo_rollout(
-    models: Models,
-    critic,
-    tok: Tokenizer,
-    prompts: list,
-    args: Args,
-    *,
-    kl_coef: float,
-    reward_moments: RunningMoments,
-    micro_batch_size: int,
-    generator: torch.Generator,
-    reward_fn=None,
-    gold_fn=None,
-    dtype: torch.dtype = torch.float32,
+    engine: rollout.Engine, critic, prompts: list, kl_coef: float, reward_moments: RunningMoments
 ) -> tuple[dict, dict, list]:
-    """Steps 1-5 on this rank's prompts: rollout.rollout (generate, score, log-probs), the critic's values, then
-    kl_coef and reward_moments (updated in place) shape the rewards and GAE the advantages. Returns (experience,
-    metrics: global means keyed by DESIGN §6 tags, samples)."""
-    shared = dict(micro_batch_size=micro_batch_size, generator=generator, reward_fn=reward_fn, gold_fn=gold_fn)
-    experience, sums, samples = rollout.rollout(models, tok, prompts, args, dtype=dtype, **shared)
+    """Steps 1-5 on this rank's prompts: rollout.rollout (1-3: generate, score, log-probs), then the critic's values,
+    the rewards (reward_moments updated in place) and GAE's advantages. Returns (experience, metrics: global means
+    keyed by docs/design.md §6 tags, records: the responses as dicts for the logs)."""
+    args = engine.args
+    experience, sums, records = rollout.rollout(engine, prompts)
     mask = experience["mask"]
-    amp = parallel.autocast(mask.device, dtype)
-    values = critic_values(critic, experience, micro_batch_size, args.temperature, amp)
+    amp = parallel.autocast(mask.device, engine.dtype)
+    values = critic_values(critic, experience, engine.micro_batch_size, args.temperature, amp)
     # 4. rewards: running moments over all history and ranks, normalise, clip (PPO-max §3.2); -beta * k1 per token
     scores = experience["scores"]
     reward_moments.update(scores)
-    score_norm = rollout.normalize_scores(
-        scores, reward_moments.mean, reward_moments.std, args.reward_norm, args.reward_clip
-    )
+    score_norm = normalize_scores(scores, reward_moments.mean, reward_moments.std, args.reward_norm, args.reward_clip)
     rewards, _ = shape_rewards(score_norm, experience["logprobs"], experience["ref_logprobs"], mask, kl_coef)
     # 5. advantages by GAE; returns = raw advantages + values, the critic's targets
     advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
@@ -323,7 +366,7 @@ def ppo_rollout(
     metrics["objective/score_norm"] = totals["score_norm"] / sequences
     metrics["objective/rlhf_reward"] = totals["rlhf_reward"] / sequences
     metrics["value/explained_variance"] = 1 - error_variance / max(returns_variance, 1e-12)
-    return experience, metrics, samples
+    return experience, metrics, records
 
 
 def actor_backward(actor, batch: dict, args: Args, token_count, sync: bool, amp):
@@ -339,122 +382,114 @@ def actor_backward(actor, batch: dict, args: Args, token_count, sync: bool, amp)
         )
         sums = {"pg_loss": loss.detach()}  # each term's global sum, for the metrics
     # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
-    (loss * world_size()).backward()
+    (loss * parallel.world_size()).backward()
     tokens = mask.sum()
     sums["tokens"] = tokens
     for key in ("approx_kl", "clipfrac", "ratio_mean"):
-        sums[key] = rollout.token_sum(stats[key], tokens)
+        sums[key] = parallel.token_sum(stats[key], tokens)
     return sums, logprobs
 
 
-def critic_backward(critic, batch: dict, cliprange_value, token_count, sync: bool, amp, temperature: float) -> dict:
+def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
+    """--ptx-coef x the ptx loss on one micro-batch of pre-training text, and its backward: never the syncing one (the
+    policy loss's comes after it)."""
+    with parallel.grad_sync(actor, False), amp:
+        loss = ptx_loss(actor, ptx_batch, ptx_tokens)
+    (args.ptx_coef * loss * parallel.world_size()).backward()
+    return {"ptx_loss": loss.detach()}
+
+
+def critic_backward(critic, batch: dict, args: Args, token_count, sync: bool, amp) -> dict:
     """The clipped value loss on one micro-batch over the minibatch's global token count, and its backward."""
     inputs = [batch[key] for key in ("query", "query_mask", "response", "mask")]
     with parallel.grad_sync(critic, sync), amp:
-        _, new_values = response_forward(critic, *inputs, temperature)
+        _, new_values = response_forward(critic, *inputs, args.temperature)
         vf_loss, vf_stats = ppo_value_loss(
-            new_values, batch["values"], batch["returns"], batch["mask"], cliprange_value, denom=token_count
+            new_values, batch["values"], batch["returns"], batch["mask"], args.cliprange_value, denom=token_count
         )
-    (vf_loss * world_size()).backward()
+    (vf_loss * parallel.world_size()).backward()
     tokens = batch["mask"].sum()
     return {"vf_loss": vf_loss.detach(), "vf_clipfrac": vf_stats["clipfrac"] * tokens, "tokens": tokens}
 
 
-def ppo_update(
-    actor: Trained,
-    critic: Trained,
-    guard: common.StepGuard,
-    experience: dict,
-    args: Args,
-    *,
-    micro_batch_size: int,
-    train_actor: bool = True,
-    generator: Optional[torch.Generator] = None,
-    ptx_sampler=None,
-    dtype: torch.dtype = torch.float32,
-    step: int = 0,
-    diagnose: bool = False,
-) -> tuple[dict, dict]:
+def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, loop: checkpoints.Loop):
     """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one optimizer step per
-    minibatch for the critic and (unless train_actor is False: critic warm-up) the actor, each through its Trained
-    entry (the training forward `forward`, compiled and/or DDP; guarded_step over the bare modules). ptx_sampler() ->
-    (inputs, targets, mask) of one micro-batch of pre-training text (None: no ptx loss). A model whose global grad
-    norm is not finite skips that step (the other still steps); the step counts once in guard.skipped. Returns
-    (metrics: global means keyed by DESIGN §6 tags over the steps each model took, policy/* only when the actor
-    trained, and policy/update_kl, how far the update moved the policy (rollout.update_kl); diagnostics:
-    {"updates": steps every model took, "skipped": steps some model skipped, "first": with diagnose, ratio_err,
-    approx_kl and clipfrac of the first micro-batch, which must read 0, 0, 0})."""
+    minibatch for the critic and, after the critic warm-up, the actor, each through its Trained entry (the training
+    forward `forward`, compiled and/or DDP; common.guarded_step over the bare modules). From the loop: the generator
+    that shuffles, the ptx stream (None: no ptx loss), the NaN guard and the iteration. A model whose global grad norm
+    is not finite skips that step (the other still steps); the step counts once in loop.guard.skipped. Returns
+    (metrics: global means keyed by docs/design.md §6 tags over the steps each model took, policy/* only when the
+    actor trained, and policy/update_kl, how far the update moved the policy; diagnostics: {"updates": steps every
+    model took, "skipped": steps some model skipped, "first": while loop.first is empty, ratio_err, approx_kl and
+    clipfrac of the first micro-batch, which must read 0, 0, 0})."""
     mask = experience["mask"]
     device = mask.device
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")
+    micro_batch_size = min(args.micro_batch_size, minibatch_rows)  # parallel.rollout_split's rule
     grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
-    amp = parallel.autocast(device, dtype)
+    amp = parallel.autocast(device, parallel.resolve_dtype(args.dtype, device))
     actor_forward = actor.model if actor.forward is None else actor.forward
     critic_forward = critic.model if critic.forward is None else critic.forward
-    use_ptx = train_actor and args.ptx_coef > 0 and ptx_sampler is not None
+    train_actor = loop.step >= args.critic_warmup_steps  # the critic warm-up: only the critic trains
+    use_ptx = train_actor and loop.ptx_stream is not None
     batch = dict(experience)
     metrics = {}
     if args.tis_cap is not None:  # truncated importance sampling: the sampler's and the trainer's numerics differ
         batch["tis"], metrics = rollout.tis_metrics(experience, mask, args.tis_cap, device)
     if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (TRL)
-        mean, variance = rollout.global_moments(batch["advantages"], mask, device)
-        batch["advantages"] = masked_whiten(batch["advantages"], mask, mean=mean, var=variance)
-    totals = {"model": {}, "critic": {}}  # this rank's sums over the steps each model took
-    steps = {"model": 0, "critic": 0}  # the steps each model took (the same on every rank)
+        mean, variance = parallel.global_moments(batch["advantages"], mask, device)
+        batch["advantages"] = whiten(batch["advantages"], mean, variance)
+    totals = {"actor": {}, "critic": {}}  # this rank's sums over the steps each model took
+    steps = {"actor": 0, "critic": 0}  # the steps each model took (the same on every rank)
     first = {}
     updates = 0  # optimizer steps every model took
-    skipped_before = guard.skipped
+    skipped_before = loop.guard.skipped
     lengths = mask.sum(1).long().tolist()  # one host sync: each micro-batch trims its right padding to its longest row
     for _ in range(args.ppo_epochs):
-        permutation = torch.randperm(mask.size(0), generator=generator, device=generator.device if generator else "cpu")
-        widths = rollout.micro_batch_widths(lengths, permutation.tolist(), micro_batch_size)
+        permutation = torch.randperm(mask.size(0), generator=loop.generator, device=loop.generator.device)
+        widths = parallel.micro_batch_widths(lengths, permutation.tolist(), micro_batch_size)
         permutation = permutation.to(device)
         for minibatch in range(args.num_minibatches):
             minibatch_rows_taken = slice(minibatch * minibatch_rows, (minibatch + 1) * minibatch_rows)
-            minibatch_batch = rollout.take_rows(batch, permutation[minibatch_rows_taken])
+            minibatch_batch = parallel.take_rows(batch, permutation[minibatch_rows_taken])
             minibatch_mask = minibatch_batch["mask"]
             if args.adv_whiten == "minibatch":  # PPO-max: global statistics over the whole minibatch
-                mean, variance = rollout.global_moments(minibatch_batch["advantages"], minibatch_mask, device)
-                advantages = masked_whiten(minibatch_batch["advantages"], minibatch_mask, mean=mean, var=variance)
-                minibatch_batch["advantages"] = advantages
-            ptx_batches = [ptx_sampler() for _ in range(grad_accum_steps)] if use_ptx else []
+                mean, variance = parallel.global_moments(minibatch_batch["advantages"], minibatch_mask, device)
+                minibatch_batch["advantages"] = whiten(minibatch_batch["advantages"], mean, variance)
+            ptx_batches = [loop.ptx_stream.next() for _ in range(grad_accum_steps)] if use_ptx else []
             # the step's global token counts (loss denominators): one all-reduce per step, left on device
             ptx_tokens = sum((ptx_batch[2].sum() for ptx_batch in ptx_batches), torch.zeros((), device=device))
             token_count, ptx_token_count = parallel.all_reduce_stack([minibatch_mask.sum(), ptx_tokens], device).float()
-            step_sums = {"model": {}, "critic": {}}  # this step's sums per model, kept if that model steps
+            step_sums = {"actor": {}, "critic": {}}  # this step's sums per model, kept if that model steps
             for micro in range(grad_accum_steps):
                 rows = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
-                micro_batch = rollout.take_rows(minibatch_batch, rows, widths[minibatch * grad_accum_steps + micro])
+                micro_batch = parallel.take_rows(minibatch_batch, rows, widths[minibatch * grad_accum_steps + micro])
                 sync = micro == grad_accum_steps - 1
                 if train_actor:
                     if use_ptx:
-                        ptx_sums = rollout.ptx_backward(
-                            actor_forward, ptx_batches[micro], args.ptx_coef, ptx_token_count, amp
-                        )
-                        rollout.add_all(step_sums["model"], ptx_sums)
+                        ptx_sums = ptx_backward(actor_forward, ptx_batches[micro], args, ptx_token_count, amp)
+                        common.add_all(step_sums["actor"], ptx_sums)
                     sums, logprobs = actor_backward(actor_forward, micro_batch, args, token_count, sync, amp)
-                    rollout.add_all(step_sums["model"], sums)
-                    if diagnose and not first:  # must be ratio 1, approx_kl 0, clipfrac 0 (DESIGN §5)
+                    common.add_all(step_sums["actor"], sums)
+                    if not loop.first and not first:  # must be ratio 1, approx_kl 0, clipfrac 0 (docs/design.md §5)
                         first = rollout.first_micro_batch(logprobs, micro_batch["logprobs"], micro_batch["mask"], sums)
-                sums = critic_backward(
-                    critic_forward, micro_batch, args.cliprange_value, token_count, sync, amp, args.temperature
-                )
-                rollout.add_all(step_sums["critic"], sums)
+                sums = critic_backward(critic_forward, micro_batch, args, token_count, sync, amp)
+                common.add_all(step_sums["critic"], sums)
             # separate optimizers and clips; each norm is global (after DDP's all-reduce; FSDP2's is a DTensor whose
             # full value is the global norm), so every rank takes the same decision
-            stepping = [actor, critic] if train_actor else [critic]
-            stepped = common.guarded_step(stepping, guard, step)
-            for entry in stepping:
+            trained = {"actor": actor, "critic": critic} if train_actor else {"critic": critic}
+            stepped = common.guarded_step(list(trained.values()), loop.guard, loop.step)
+            for role, entry in trained.items():
                 if entry.name in stepped:
-                    rollout.add_all(totals[entry.name], step_sums[entry.name])
-                    steps[entry.name] += 1
+                    common.add_all(totals[role], step_sums[role])
+                    steps[role] += 1
                 else:  # name the bad quantity (the loss sums are this rank's)
-                    losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums[entry.name].items())
-                    print0(f"step {step}: the {entry.name}'s sums when its grad norm was not finite: {losses}")
-            updates += len(stepped) == len(stepping)
-    metrics |= update_metrics(totals, steps, guard, device)
+                    losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums[role].items())
+                    print0(f"step {loop.step}: the {role}'s sums when its grad norm was not finite: {losses}")
+            updates += len(stepped) == len(trained)
+    metrics |= update_metrics(totals, steps, loop.guard, device)
     metrics["policy/update_kl"] = rollout.update_kl(actor_forward, experience, micro_batch_size, args.temperature, amp)
-    return metrics, {"updates": updates, "skipped": guard.skipped - skipped_before, "first": first}
+    return metrics, {"updates": updates, "skipped": loop.guard.skipped - skipped_before, "first": first}
 
 
 def update_metrics(totals: dict, steps: dict, guard: common.StepGuard, device) -> dict:
@@ -462,21 +497,20 @@ def update_metrics(totals: dict, steps: dict, guard: common.StepGuard, device) -
     keys, since the steps are decided the same on every rank), and each model's mean grad norm (already global) from
     the guard. A loss sum is the step's global loss (its denominators are global), a per-token stat sum is over
     tokens."""
-    flat = {f"{name}/{key}": value for name, sums in totals.items() for key, value in sums.items()}
+    flat = {f"{role}/{key}": value for role, sums in totals.items() for key, value in sums.items()}
     summed = {}
     if flat:  # empty when every step was skipped: the same on every rank, so no rank waits in a lone collective
         summed = parallel.all_reduce_dict({key: flat[key] for key in sorted(flat)}, device)
-    metrics = guard.read({"model": "train/grad_norm", "critic": "value/grad_norm"})
+    metrics = guard.read({"model": "train/grad_norm", "critic": "value/grad_norm"})  # the actor's entry is "model"
     if steps["critic"]:
         metrics["value/loss"] = summed["critic/vf_loss"] / steps["critic"]
         metrics["value/clipfrac"] = summed["critic/vf_clipfrac"] / summed["critic/tokens"]
-    if steps["model"]:
-        metrics["policy/loss"] = summed["model/pg_loss"] / steps["model"]
+    if steps["actor"]:
+        metrics["policy/loss"] = summed["actor/pg_loss"] / steps["actor"]
         for key in ("approx_kl", "clipfrac", "ratio_mean"):
-            metrics[f"policy/{key}"] = summed[f"model/{key}"] / summed["model/tokens"]
-        for key, tag in (("ptx_loss", "ptx/loss"),):  # the loss terms a run has beside the policy loss
-            if f"model/{key}" in summed:
-                metrics[tag] = summed[f"model/{key}"] / steps["model"]
+            metrics[f"policy/{key}"] = summed[f"actor/{key}"] / summed["actor/tokens"]
+        if "actor/ptx_loss" in summed:
+            metrics["ptx/loss"] = summed["actor/ptx_loss"] / steps["actor"]
     return metrics
 
 
@@ -523,23 +557,23 @@ CONSOLE = (
 
 def main(args: Args) -> None:
     t_start = time.time()
-    # --resume: the run's own flags
-    args = checkpoints.resume_args(args, "ppo", rollout.resolve_rollout_args, RETIRED)
+    # the run's flags (with --resume, the checkpoint's wherever the command line gives none)
+    args = checkpoints.resume_args(args, "ppo", rollout.resolve_rollout_args)
     check_args(args)
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses to replace a run silently
     common.seed_everything(args.seed)  # before any model is built: a fresh critic head follows --seed
-    # 1. checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
-    sft, ref, rms = rollout.load_inputs(args)
+
+    # checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
+    sft, ref, rms = checkpoints.load_inputs(args)
     tok = Tokenizer.from_state(sft["tokenizer"])
     reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
-    actor_model, reference = rollout.build_policy(args, sft, ref)
+    actor_model, reference = roles.build_policy(args, sft, ref)
     critic_model = build_critic(args, sft, rms)
-    reward_models = rollout.build_reward_models(args, rms, rm_base=critic_model)
-    models = Models(actor_model, reference, reward_models)
-    prompts, too_long, ptx, gold_fn = rollout.load_prompts(args, tok, models.actor.config.block_size)
+    models = Models(actor_model, reference, roles.build_reward_models(args, rms, rm_base=critic_model))
+    prompts, too_long, ptx, gold_fn = load_prompts(args, tok, models.actor.config.block_size)
 
-    # 2. sizes, distributed set-up, optimizers, state
-    sizes = rollout.batch_sizes(args, group_size=1, has_ptx=bool(ptx) and args.ptx_coef > 0)
+    # sizes, distributed set-up, placement, optimizers, the loop's state
+    sizes = parallel.rollout_split(args, group_size=1, has_ptx=bool(ptx) and args.ptx_coef > 0)
     d = parallel.setup_dist(args.device)
     dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
@@ -550,86 +584,70 @@ def main(args: Args) -> None:
         f"{sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | "
         f"kl_coef {args.kl_coef} | device {d.device} {dtype}"
     )
-    for model in (models.actor, critic_model, *models.frozen()):
-        model.eval()  # eval mode always: dropout off in all four models
-        frozen = model not in (models.actor, critic_model)  # stored in bf16 under bf16 (DESIGN §7)
-        parallel.place_model(model, args, d, dtype, frozen=frozen)  # --fsdp shards the frozen models too
-    models = models.with_sampler(dtype, args.fsdp)  # under bf16 the rollouts come from a bf16 copy of the actor
+    models = roles.place(models, args, d, dtype, critic=critic_model)  # under bf16, a bf16 sampler copy of the actor
     actor, critic = build_optimizers(args, models, critic_model, max_steps, d.device.type)
-    sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
+    generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
+    prompt_stream = PromptStream(prompts, Order(len(prompts), args.seed), sizes.prompts_per_rank, 1, d)
+    ptx_stream = None
+    if sizes.ptx_micro_batch_size:
+        ptx_stream = PtxStream(ptx, Order(len(ptx), args.seed + 1), sizes.ptx_micro_batch_size, d, tok.pad_id)
+    loop = checkpoints.Loop(generator, prompt_stream, ptx_stream)
     kl_controller = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
     reward_moments = RunningMoments()
     detector = CollapseDetector(args.collapse_window, args.collapse_z, args.collapse_lag)
-    prompt_stream = rollout.PromptStream(prompts, Order(len(prompts), args.seed), sizes.prompts_per_rank, 1, d)
-    ptx_order = Order(max(1, len(ptx)), args.seed + 1)
-    ptx_sampler = rollout.PtxSampler(ptx, ptx_order, sizes.ptx_micro_batch_size, d, tok.pad_id)
-    guard = common.StepGuard()
     run = checkpoints.Run("ppo", args, d, tok, [actor, critic], started=t_start)
-    step = 0
-    updates = 0  # optimizer steps taken
-    episodes = 0  # responses sampled
-    hashes = rollout.input_hashes(args)
+    hashes = checkpoints.input_hashes(args)
     if args.resume:
-        ckpt, step, updates, episodes = rollout.resume_loop(
-            run, hashes, sampler, prompt_stream, ptx_sampler, guard, args
-        )
+        ckpt = loop.resume(run, hashes)
         reward_moments.load_state_dict(ckpt["reward_moments"])
         kl_controller.load_state_dict(ckpt["kl_ctl"])
         detector.load_state_dict(ckpt["data_state"]["collapse"])
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     forward = models.compiled(args.compile, d.device)
-    critic_forward = (
-        rollout.compile_role(critic_model) if parallel.use_compile(args.compile, d.device) else critic_model
-    )
+    critic_forward = roles.compile_role(critic_model) if parallel.use_compile(args.compile, d.device) else critic_model
     replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
     actor.forward = parallel.replicate(forward.actor, d) if replicated else forward.actor
     critic.forward = parallel.replicate(critic_forward, d) if replicated else critic_forward
-    logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None, console_keys=CONSOLE)
+    engine = rollout.Engine(forward, tok, args, sizes.micro_batch_size, generator, dtype, reward_fn, gold_fn)
+    logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
-    shared = dict(micro_batch_size=sizes.micro_batch_size, generator=sampler, dtype=dtype)
-    scoring = dict(reward_fn=reward_fn, gold_fn=gold_fn, reward_moments=reward_moments)
-    updating = dict(ptx_sampler=ptx_sampler if sizes.ptx_micro_batch_size else None, **shared)
 
-    # 3. the loop: rollout (steps 1-5), update (6), then log, samples, collapse check, checkpoint (7)
-    first = {}  # the first minibatch of this process's first update
-    start_step = step
+    # the loop: steps 1-5 (ppo_rollout), 6 (ppo_update), 7 (log, samples, collapse check, checkpoint)
+    start_step = loop.step
     records = []
     stop = common.StopSignal()  # SIGINT/SIGTERM: save the iteration, exit 128 + signal
-    while step < max_steps:
+    while loop.step < max_steps:
         t_rollout = time.time()
         kl_coef = kl_controller.value
-        batch_prompts = prompt_stream.next()
         experience, metrics, records = ppo_rollout(
-            forward, critic_forward, tok, batch_prompts, args, kl_coef=kl_coef, **scoring, **shared
+            engine, critic_forward, prompt_stream.next(), kl_coef, reward_moments
         )
         kl_controller.update(metrics["objective/kl"], args.rollout_batch_size)
         t_update = time.time()
-        lr, critic_lr = common.step_lr(actor, step), common.step_lr(critic, step)
-        train_actor = step >= args.critic_warmup_steps
-        updated, diagnostics = ppo_update(
-            actor, critic, guard, experience, args, train_actor=train_actor, step=step, diagnose=not first, **updating
-        )
-        first = first or diagnostics["first"]
-        rollout.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
-        step += 1
-        updates += diagnostics["updates"]
-        episodes += args.rollout_batch_size * int(metrics.get("rollout/sample_rounds", 1))
+        lr, critic_lr = common.step_lr(actor, loop.step), common.step_lr(critic, loop.step)
+        updated, diagnostics = ppo_update(actor, critic, experience, args, loop)
+        loop.first = loop.first or diagnostics["first"]
+        roles.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
+        loop.step += 1
+        loop.updates += diagnostics["updates"]
+        loop.episodes += args.rollout_batch_size
         stopping = stop.requested(d.device)
         t_end = time.time()
 
         # 7. monitoring; the collapse detector watches the actor's moves only (after the critic warm-up)
+        step = loop.step
         alarm = step > args.critic_warmup_steps and detector.update(
             metrics["objective/kl"], metrics["rollout/response_len"], metrics["rollout/perplexity"]
         )
         times = (t_rollout, t_update, t_end)
-        metrics |= rollout.perf_metrics(models, experience, args.ppo_epochs, times, peak, d.world_size, critic_model)
+        metrics |= common.perf_metrics(models, experience, args.ppo_epochs, times, peak, d.world_size, critic_model)
         metrics |= updated | {
             "train/lr": lr,
             "train/critic_lr": critic_lr,
             "train/kl_coef": kl_coef,
-            "train/updates": updates,
-            "train/episodes": episodes,
-            "train/skipped_steps": guard.skipped,
+            "train/updates": loop.updates,
+            "train/episodes": loop.episodes,
+            "train/skipped_steps": loop.guard.skipped,
             "collapse/alarm": float(alarm),
         }
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
@@ -637,27 +655,26 @@ def main(args: Args) -> None:
             print0(f"step {step}: generation vs training-forward log-probs, max |diff| {logprob_error:.1e}")
         logger.log(step, metrics, max_steps, console=common.every(step, args.log_every) or step == max_steps or alarm)
         if common.every(step, args.sample_every) or step == max_steps:
-            rollout.log_samples(logger, records, step)
+            logger.sample_table(step, records)
         if alarm and args.stop_on_collapse:
             print0(f"collapse alarm at step {step}: stopping (the last checkpoint saved before it is kept)")
             break
         if common.every(step, args.save_every) or step == max_steps or stopping:
-            data_state = rollout.loop_state(prompt_stream, ptx_sampler, guard, updates, episodes)
-            data_state["collapse"] = detector.state_dict()
+            data_state = loop.data_state() | {"collapse": detector.state_dict()}
             ppo_state = dict(reward_moments=reward_moments.state_dict(), kl_ctl=kl_controller.state_dict())
-            run.save(step, data_state, sampler, **ppo_state, **hashes)
+            run.save(step, data_state, generator, **ppo_state, **hashes)
         if stopping:
             logger.close()
             stop.exit(stopping, run.path)
 
+    # the end: a few samples to look at, the export
     stop.close()
-    # 4. a few samples to look at
     for record in records[:5]:
         text = format_sample(record["prompt"], record["response"], record["ended"])
         print0(f"  {text}  (score {record['score']:.2f})")
     if args.export_hf and d.master:
         checkpoints.export_hf(models.actor, tok, args.export_hf)
-    first_line = ", ".join(f"{key} {value:.1e}" for key, value in first.items())
+    first_line = ", ".join(f"{key} {value:.1e}" for key, value in loop.first.items())
     print0(f"ppo done in {time.time() - t_start:.0f}s: {run.path} | first minibatch of the first update: {first_line}")
     logger.close()
     parallel.cleanup_dist()

@@ -27,6 +27,7 @@ import parallel  # noqa: E402
 import rollout  # noqa: E402
 from data import read_jsonl  # noqa: E402
 from model import last_token_scores, logprobs_from_logits, response_forward  # noqa: E402
+from roles import Models  # noqa: E402
 from task import build_task  # noqa: E402
 
 
@@ -56,14 +57,15 @@ def main(args: Args) -> None:
     rm, _, _ = hf.load_init(args.rm_ckpt, lm_head=False, score_head=True, kind="rm")
     rm = rm.to(device).eval()
     prompts = [row["prompt"] for row in read_jsonl(build_task(args.task_dir, 1337)["eval_prompts"], "prompts")]
-    settings = rollout.RolloutArgs(compile="off")
-    models = rollout.Models(actor, actor, [])
+    settings = rollout.RolloutArgs(compile="off", temperature=1.0)
+    models = Models(actor, actor, [])
     bf16 = models.with_sampler(dtype, fsdp=False)
     response_mask = None
     errors, kls, rm_errors = {}, {}, {}
     for name, roles in (("before", models), ("after", bf16)):
         generator = torch.Generator(device=device).manual_seed(args.seed)
-        responses = rollout.generate_responses(roles, tok, prompts[: args.prompts], settings, generator, 1.0, dtype)
+        engine = rollout.Engine(roles, tok, settings, args.prompts, generator, dtype)
+        responses = rollout.generate_responses(engine, prompts[: args.prompts])
         samples = responses.samples
         inputs = (responses.query, responses.query_mask, samples.response, samples.mask)
         with amp:

@@ -17,6 +17,7 @@ python bench/ppo_throughput.py --device cuda --dtype bfloat16 --compile --layers
     --vocab 50257 --resp-len 128 --iters 6                                # GPT-2 small on a GPU
 """
 
+import dataclasses
 import os
 import resource
 import statistics
@@ -29,15 +30,17 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoints  # noqa: E402
 import common  # noqa: E402
 import generate as generation  # noqa: E402
 import parallel  # noqa: E402
+import roles  # noqa: E402
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 import train_ppo  # noqa: E402
-from common import StepGuard, Trained  # noqa: E402
+from common import Trained  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from rollout import Models, RunningMoments  # noqa: E402
+from roles import Models  # noqa: E402
 
 
 @dataclass
@@ -236,6 +239,7 @@ def main(args: Args) -> None:
         group_size = settings.group_size
     else:
         ppo_flags = dict(kl_coef=0.1, reward_norm="norm", reward_clip=5.0, adv_whiten="minibatch", critic_grad_clip=1.0)
+        ppo_flags |= dict(critic_warmup_steps=0)  # the actor trains in every timed iteration
         settings = train_ppo.Args(**shared, **ppo_flags)
         group_size = 1
     critic = None
@@ -252,8 +256,8 @@ def main(args: Args) -> None:
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, args.vocab, (B // group_size * args.iters, P), generator=g).tolist()
     prompts = [" ".join(map(str, row)) for row in ids for _ in range(group_size)]  # a group's copies in a row
-    sampler = torch.Generator(device=device).manual_seed(args.seed)
-    moments = RunningMoments()
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    moments = train_grpo.RunningMoments() if critic_free else train_ppo.RunningMoments()
 
     # time generation from outside: wrap generate.generate (the rollout's sample calls it once)
     gen_time = [0.0]
@@ -293,32 +297,31 @@ def main(args: Args) -> None:
     if dtype != torch.float32:  # what does not train in bf16, the rollouts from a bf16 copy (as the stages)
         for frozen in (ref, *members):
             parallel.store_low_precision(frozen, dtype)
-    roles = Models(fwd[policy], fwd[ref], [fwd[member] for member in members]).with_sampler(dtype, fsdp=False)
+    forwards = Models(fwd[policy], fwd[ref], [fwd[member] for member in members]).with_sampler(dtype, fsdp=False)
     actor = Trained("model", policy, actor_opt, grad_clip=1.0, forward=fwd[policy])
-    sizes = dict(micro_batch_size=B, generator=sampler, dtype=dtype)
+    engine = rollout.Engine(forwards, tok, settings, B, generator, dtype)  # the rollout: one forward a batch
+    settings = dataclasses.replace(settings, micro_batch_size=micro, dtype=args.dtype)  # the update's micro-batches
     for it in range(args.iters):
         gen_time[0] = 0.0
         sync()
         t0 = time.perf_counter()
         batch_prompts = prompts[it * B : (it + 1) * B]
         if critic_free:
-            exp, _, _ = train_grpo.grpo_rollout(roles, tok, batch_prompts, settings, reward_moments=moments, **sizes)
+            exp, _, _ = train_grpo.grpo_rollout(engine, batch_prompts, reward_moments=moments)
         else:
-            rollout_args = dict(kl_coef=0.1, reward_moments=moments, **sizes)
-            exp, _, _ = train_ppo.ppo_rollout(roles, fwd[critic], tok, batch_prompts, settings, **rollout_args)
+            exp, _, _ = train_ppo.ppo_rollout(engine, fwd[critic], batch_prompts, kl_coef=0.1, reward_moments=moments)
         sync()
         t1 = time.perf_counter()
         assert exp["mask"].shape == (B, R) and bool(exp["mask"].all()), "every response must be exactly R tokens"
         if recorder:
             recorder.phase = "update"
-        sizes_update = dict(micro_batch_size=micro, generator=sampler, dtype=dtype)
+        loop = checkpoints.Loop(generator)
         if critic_free:
-            train_grpo.grpo_update(actor, StepGuard(), exp, settings, **sizes_update)
-            rollout.refresh_sampler(Models(policy, ref, members, roles.sampler))
+            train_grpo.grpo_update(actor, exp, settings, loop)
         else:
             critic_entry = Trained("critic", critic, critic_opt, grad_clip=1.0, forward=fwd[critic])
-            train_ppo.ppo_update(actor, critic_entry, StepGuard(), exp, settings, **sizes_update)
-            rollout.refresh_sampler(Models(policy, ref, members, roles.sampler))
+            train_ppo.ppo_update(actor, critic_entry, exp, settings, loop)
+        roles.refresh_sampler(Models(policy, ref, members, forwards.sampler))
         sync()
         t2 = time.perf_counter()
         rows.append({"total": t2 - t0, "generate": gen_time[0], "scoring": t1 - t0 - gen_time[0], "update": t2 - t1})
@@ -374,8 +377,8 @@ def main(args: Args) -> None:
             f"{100 * sum(floor.values()) / med['total']:.0f}% of our iteration is in them)"
         )
     # decode is bandwidth-bound on a GPU: each step reads the policy's weights and the KV cache so far
-    sampler = roles.sampler if roles.sampler is not None else policy  # the weights the decode reads
-    weight_bytes = sum(p.numel() * p.element_size() for p in sampler.parameters())
+    decoder = forwards.sampler if forwards.sampler is not None else policy  # the weights the decode reads
+    weight_bytes = sum(p.numel() * p.element_size() for p in decoder.parameters())
     kv_elem = 2 if dtype != torch.float32 else 4
     kv_width = args.dim * (args.kv_heads or args.heads) // args.heads  # grouped-query attention reads fewer keys
     kv_bytes = sum(2 * args.layers * B * (P + t) * kv_width * kv_elem for t in range(R))

@@ -80,9 +80,9 @@ def main(args: Args) -> None:
         real_rollout = train_ppo.ppo_rollout
 
         def rollout(*a, **kw):  # records each rollout's response width
-            experience, metrics, samples = real_rollout(*a, **kw)
+            experience, metrics, records = real_rollout(*a, **kw)
             widths.append(experience["mask"].size(1))
-            return experience, metrics, samples
+            return experience, metrics, records
 
         train_ppo.ppo_rollout = rollout
         torch._dynamo.reset()

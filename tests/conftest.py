@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -236,39 +236,29 @@ def trained(name: str, model, grad_clip: float = 0.5, lr: float = 1e-2):
 
 
 def ppo_update_once(actor, critic, exp, micro_batch_size, **settings) -> dict:
-    """One train_ppo.ppo_update over exp (one epoch, one minibatch) -> metrics | diagnostics."""
+    """One train_ppo.ppo_update over exp (one epoch, one minibatch, micro-batches of micro_batch_size rows) ->
+    metrics | diagnostics."""
+    import checkpoints
     import train_ppo
-    from common import StepGuard
 
-    args = train_ppo.Args(ppo_epochs=1, num_minibatches=1, temperature=1.0, **settings)
-    metrics, diagnostics = train_ppo.ppo_update(
-        trained("model", actor),
-        trained("critic", critic),
-        StepGuard(),
-        exp,
-        args,
-        micro_batch_size=micro_batch_size,
-        generator=torch.Generator().manual_seed(0),
-    )
+    args = train_ppo.Args(ppo_epochs=1, num_minibatches=1, temperature=1.0, micro_batch_size=micro_batch_size)
+    args = replace(args, **settings)
+    loop = checkpoints.Loop(torch.Generator().manual_seed(0), step=args.critic_warmup_steps)
+    metrics, diagnostics = train_ppo.ppo_update(trained("model", actor), trained("critic", critic), exp, args, loop)
     return metrics | diagnostics
 
 
 def grpo_update_once(actor, exp, micro_batch_size, **settings) -> dict:
-    """One train_grpo.grpo_update over exp (one epoch, one minibatch, kl_coef 0.1 unless set) -> metrics |
-    diagnostics."""
+    """One train_grpo.grpo_update over exp (one epoch, one minibatch, micro-batches of micro_batch_size rows,
+    kl_coef 0.1 unless set) -> metrics | diagnostics."""
+    import checkpoints
     import train_grpo
-    from common import StepGuard
 
     settings = dict(kl_coef=0.1) | settings
-    args = train_grpo.Args(ppo_epochs=1, num_minibatches=1, temperature=1.0, **settings)
-    metrics, diagnostics = train_grpo.grpo_update(
-        trained("model", actor),
-        StepGuard(),
-        exp,
-        train_grpo.resolve_args(args),
-        micro_batch_size=micro_batch_size,
-        generator=torch.Generator().manual_seed(0),
-    )
+    args = train_grpo.Args(ppo_epochs=1, num_minibatches=1, temperature=1.0, micro_batch_size=micro_batch_size)
+    args = train_grpo.resolve_args(replace(args, **settings))
+    loop = checkpoints.Loop(torch.Generator().manual_seed(0))
+    metrics, diagnostics = train_grpo.grpo_update(trained("model", actor), exp, args, loop)
     return metrics | diagnostics
 
 

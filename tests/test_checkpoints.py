@@ -1,11 +1,11 @@
 """checkpoints.py: atomic saves and kind-checked loads, RNG state, --overwrite and temp-file clean-up, and the --resume
-rules (DESIGN §8): a changed flag that changes the math is refused with one line naming each flag (the estimator, beta,
-lr, a LoRA alpha), a longer budget continues and re-times the LR schedule, --resume with --overwrite is refused, a
-changed input or another world size is refused, --resume alone continues the saved run (its estimator, its model
-shape), and from the command line a given flag counts whatever its value; a fresh run's removal of a dead run's
-logs; the policy kinds every stage starts from (checkpoints.POLICY_KINDS) and the retired flags of an older
-train_ppo.py (train_ppo.RETIRED): an old critic-free ppo checkpoint is a policy everywhere but is not resumed by
-train_ppo.py."""
+rules (docs/design.md §8): a changed flag that changes the math is refused with one line naming each flag (the
+estimator, beta, lr, a LoRA alpha), a longer budget continues and re-times the LR schedule, --resume with --overwrite
+is refused, a changed input or another world size is refused, --resume alone continues the saved run (its estimator,
+its model shape), and from the command line a given flag counts whatever its value; a fresh run's removal of a dead
+run's logs; the policy kinds every stage starts from (checkpoints.POLICY_KINDS) and the retired flags of an older
+train_ppo.py (checkpoints.RETIRED["ppo"]): an old critic-free ppo checkpoint is a policy everywhere but is not resumed
+by train_ppo.py."""
 
 import os
 import shutil
@@ -124,7 +124,7 @@ RETIRED_OTHER = {
 
 
 def test_every_retired_flag_is_checked():
-    assert set(RETIRED_OTHER) == set(train_ppo.RETIRED)
+    assert set(RETIRED_OTHER) == set(checkpoints.RETIRED["ppo"])
 
 
 @pytest.mark.parametrize("name", sorted(set(RETIRED_OTHER) - set(train_ppo.Args.__dataclass_fields__)))
@@ -133,7 +133,7 @@ def test_a_retired_flag_at_another_value_is_not_resumed(tmp_path, name):
     one line naming the flag, its value and the reason (train_grpo.py for the critic-free ones) when the value differs
     from the one PPO-max always uses, before any work; at that very value the check lets the resume through (to the
     next check: here, a missing --sft-ckpt)."""
-    value, why = train_ppo.RETIRED[name]
+    value, why = checkpoints.RETIRED["ppo"][name]
     out = tmp_path / "ppo"
     for saved, refused in ((RETIRED_OTHER[name], True), (value, False)):
         checkpoints.save_checkpoint({"kind": "ppo", "model": {}, "args": {name: saved}}, str(out / "ckpt.pt"))

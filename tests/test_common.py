@@ -1,8 +1,8 @@
 """common.py: exact_div, the LR schedule (and its re-timing on a longer budget), the logger (samples.jsonl, console
-keys, resume), the NaN-guarded optimizer step over one and two models, throughput, peak FLOPs, StopSignal's
-SIGINT/SIGTERM handlers, the --*-every rule and `none` for an Optional flag; and common.run_main's
-contract across every stage (DESIGN §8): a user mistake ends with one line on stderr, exit code 2, no traceback and no
-checkpoint written; --help lists a stage's own flags first."""
+keys, resume), the NaN-guarded optimizer step over one and two models, throughput, peak FLOPs and an RL iteration's
+FLOPs by hand, StopSignal's SIGINT/SIGTERM handlers, the --*-every rule and `none` for an Optional flag; and
+common.run_main's contract across every stage (docs/design.md §8): a user mistake ends with one line on stderr, exit
+code 2, no traceback and no checkpoint written; --help lists a stage's own flags first."""
 
 import dataclasses
 import json
@@ -26,6 +26,8 @@ import train_grpo
 import train_ppo
 import train_sft
 from common import LRSchedule, StepGuard, Trained, UserError, exact_div, guarded_step
+from model import GPT, GPTConfig
+from roles import Models
 from task import build_task
 
 
@@ -498,3 +500,43 @@ def test_help_lists_the_stage_flags_first_and_points_at_no_code(script, classes)
     assert "ESTIMATOR_DEFAULTS" not in text and "RECIPES" not in text, script
     if script == "train_sft.py":
         assert "hf:<name-or-path>" in text.replace("│", "").replace(" ", "").replace("\n", "")
+
+
+# -----------------------------------------------------------------------------
+# FLOPs of an RL iteration (perf/mfu)
+
+
+def test_iteration_flops_against_a_hand_count():
+    """perf/mfu's FLOP count of one iteration on a tiny config, counted by hand: per token a training pass is 6N
+    plus 12*L*H*Q*T of attention (PaLM), a forward a third of it; with a critic (PPO-max) the RM's score forward is
+    critic-sized, without one (the critic-free family) the RM's own."""
+    config = dict(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=16)
+    actor = GPT(GPTConfig(**config))
+    critic = GPT(GPTConfig(**config, lm_head=False, score_head=True))
+    reward_model = GPT(GPTConfig(**config, score_head=True))
+    block = 12 * 16 * 16 + 9 * 16  # attention (qkv, proj) and MLP (fc, proj) weights plus their biases, per layer
+    block += 4 * 16  # two layer norms
+    trunk = 2 * block + 2 * 16  # blocks and ln_f (position embeddings are not counted)
+    actor_n = trunk + 50 * 16  # the LM head (tied to wte) runs a matmul per token
+    critic_n = trunk + 16 + 1  # the scalar head
+    seq_len, sequences, epochs = 20, 8, 3
+    attention = 12 * 2 * 2 * 8 * seq_len
+    actor_per_token = 6 * actor_n + attention
+    critic_per_token = 6 * critic_n + attention
+    rollout_flops = (3 * actor_per_token + 2 * critic_per_token) / 3  # generation, old, ref; values, RM score
+    update = epochs * (actor_per_token + critic_per_token)
+    want = sequences * seq_len * (rollout_flops + update)
+    assert actor.flops_per_token(seq_len) == actor_per_token
+    models = Models(actor, actor, [reward_model])
+    got = common.iteration_flops(models, seq_len, sequences, epochs, critic=critic)
+    assert got == pytest.approx(want, rel=1e-12)
+    # --rm-ckpt none: no RM forward
+    without_rm = common.iteration_flops(Models(actor, actor, []), seq_len, sequences, epochs, critic=critic)
+    assert want - without_rm == pytest.approx(sequences * seq_len * critic_per_token / 3, rel=1e-12)
+    ensemble = common.iteration_flops(Models(actor, actor, [reward_model] * 3), seq_len, sequences, epochs, critic)
+    assert ensemble - got == pytest.approx(2 * sequences * seq_len * critic_per_token / 3, rel=1e-12)  # a forward each
+    # no critic: generation, old, ref and the RM's own forward (both heads), then the actor's passes alone
+    rm_per_token = 6 * (trunk + 50 * 16 + 16 + 1) + attention
+    critic_free = common.iteration_flops(models, seq_len, sequences, epochs)
+    want = sequences * seq_len * ((3 * actor_per_token + rm_per_token) / 3 + epochs * actor_per_token)
+    assert reward_model.flops_per_token(seq_len) == rm_per_token and critic_free == pytest.approx(want, rel=1e-12)

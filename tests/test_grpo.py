@@ -31,14 +31,17 @@ from conftest import (
     trained,
 )
 
+import checkpoints
 import common
+import rollout
 import train_grpo
-from common import StepGuard
 from model import GPT
-from rollout import Models, RunningMoments
+from roles import Models
 from train_grpo import (
     RECIPES,
+    RunningMoments,
     group_advantages,
+    kl_estimate,
     kl_loss,
     loss_weights,
     policy_loss,
@@ -303,6 +306,31 @@ def test_dropped_responses_never_move_the_whitening(drop):
         assert torch.allclose(weights[0][name], weights[1][name], atol=1e-6), name
 
 
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_estimate_against_the_formulas_masked_before_the_exponential(estimator):
+    """train_grpo.kl_estimate per token, with d = logp - ref_logp: k1 = d, k2 = d^2 / 2, k3 = (exp(-d) - 1) + d
+    (>= 0, like k2); 0 on padding. Padding may hold any log-prob (a pad target's log-prob under the current policy is
+    not masked): at -1000 on the policy side and 0 on the reference side, exp(ref - logp) alone would be inf and
+    inf * 0 a NaN; the estimates stay finite and equal the unpadded ones."""
+    lengths, mask, (lp, ref, *_) = ragged(seed=4)
+    kl = kl_estimate(lp, ref, mask, estimator)
+    for b, n in enumerate(lengths):
+        for t in range(mask.size(1)):
+            if t >= n:
+                assert kl[b, t] == 0
+                continue
+            d = (lp[b, t] - ref[b, t]).item()
+            want = {"k1": d, "k2": 0.5 * d**2, "k3": (math.exp(-d) - 1) + d}[estimator]
+            assert kl[b, t].item() == pytest.approx(want, abs=1e-12)
+    assert estimator == "k1" or (kl >= 0).all()
+    extreme = torch.where(mask.bool(), lp, torch.full_like(lp, -1000.0))
+    padded = kl_estimate(extreme, ref * mask, mask, estimator)
+    assert torch.isfinite(padded).all() and (padded[mask == 0] == 0).all()
+    assert torch.allclose(padded, kl_estimate(lp, ref * mask, mask, estimator), atol=1e-12)
+    with pytest.raises(ValueError, match="unknown kl estimator"):
+        kl_estimate(lp, ref, mask, "k4")
+
+
 def test_rollout_advantages_and_the_first_minibatch(task_tok):
     """grpo_rollout with the policy as its own reference, groups of 4: the rewards are the scores on the EOS tokens
     (KL in the loss), every token of a response has its group advantage; the first minibatch of the update reads
@@ -316,15 +344,8 @@ def test_rollout_advantages_and_the_first_minibatch(task_tok):
     args = resolve_args(
         train_grpo.Args(max_new_tokens=12, temperature=0.9, missing_eos_penalty=-3.0, ppo_epochs=2, num_minibatches=2)
     )
-    exp, metrics, _ = train_grpo.grpo_rollout(
-        Models(actor, ref, [rm]),
-        tok,
-        prompts,
-        args,
-        reward_moments=RunningMoments(),
-        micro_batch_size=4,
-        generator=torch.Generator().manual_seed(0),
-    )
+    engine = rollout.Engine(Models(actor, ref, [rm]), tok, args, 4, torch.Generator().manual_seed(0))
+    exp, metrics, _ = train_grpo.grpo_rollout(engine, prompts, reward_moments=RunningMoments())
     mask = exp["mask"]
     assert metrics["objective/kl"] == 0.0 and 0 < exp["ended"].sum() < len(prompts)
     last = mask.sum(1).long() - 1
@@ -333,15 +354,9 @@ def test_rollout_advantages_and_the_first_minibatch(task_tok):
     )
     want = group_advantages(exp["scores"], 4, "grpo")
     assert torch.allclose(exp["advantages"], want[:, None] * mask, atol=1e-6)
-    metrics, diagnostics = train_grpo.grpo_update(
-        trained("model", actor, grad_clip=1.0),
-        StepGuard(),
-        exp,
-        args,
-        micro_batch_size=2,
-        generator=torch.Generator().manual_seed(0),
-        diagnose=True,
-    )
+    loop = checkpoints.Loop(torch.Generator().manual_seed(0))
+    args = dataclasses.replace(args, micro_batch_size=2)
+    metrics, diagnostics = train_grpo.grpo_update(trained("model", actor, grad_clip=1.0), exp, args, loop)
     first = diagnostics["first"]
     assert first["ratio_err"] <= 1e-5 and abs(first["approx_kl"]) <= 1e-5 and first["clipfrac"] == 0
     assert diagnostics["updates"] == 4 and metrics["policy/approx_kl"] > 0 and metrics["policy/kl_loss"] >= 0

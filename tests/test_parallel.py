@@ -36,13 +36,12 @@ from torch._dynamo.utils import counters
 
 import hf
 import parallel
-import rollout
 import train_dpo
 import train_grpo
 import train_ppo
 import train_rm
 import train_sft
-from rollout import RunningMoments
+from train_ppo import RunningMoments
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler"
@@ -453,7 +452,7 @@ def test_compiled_ppo_compiles_each_call_once_whatever_the_lengths(tmp_path, tas
 
     sft, rm = recompiles.tiny_checkpoints(str(tmp_path), task_dir, eos_boost=4.0)
     frames, graphs, widths, errors = [], [], [], []  # per iteration: compiles so far, widths, log-prob errors
-    real_rollout, real_take_rows = train_ppo.ppo_rollout, rollout.take_rows
+    real_rollout, real_take_rows = train_ppo.ppo_rollout, parallel.take_rows
 
     def counting_rollout(*args, **kwargs):
         frames.append(counters["frames"]["total"])
@@ -470,7 +469,7 @@ def test_compiled_ppo_compiles_each_call_once_whatever_the_lengths(tmp_path, tas
         return taken
 
     monkeypatch.setattr(train_ppo, "ppo_rollout", counting_rollout)
-    monkeypatch.setattr(rollout, "take_rows", take_rows)
+    monkeypatch.setattr(parallel, "take_rows", take_rows)
     hits = recompiles.LimitHits()
     logging.getLogger("torch._dynamo").addHandler(hits)
     torch._dynamo.reset()

@@ -12,6 +12,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,17 +32,26 @@ from conftest import (
     run,
     tiny_gpt,
     trained,
+    valid,
 )
 
 import checkpoints
 import common
+import parallel
 import rollout
 import train_grpo
 import train_ppo
-from common import StepGuard
-from model import GPT, GPTConfig
-from rollout import Models, RunningMoments
-from train_ppo import CollapseDetector, KLController, compute_gae, ppo_policy_loss, ppo_value_loss, shape_rewards
+from model import GPT, GPTConfig, masked_mean
+from roles import Models
+from train_ppo import (
+    CollapseDetector,
+    KLController,
+    RunningMoments,
+    compute_gae,
+    ppo_policy_loss,
+    ppo_value_loss,
+    shape_rewards,
+)
 
 PPO_TAGS = [
     "objective/score",
@@ -90,7 +100,70 @@ CKPT_KEYS = RUN_KEYS | {
 
 
 # -----------------------------------------------------------------------------
-# pure functions against naive loops
+# pure functions against naive loops; the statistics of steps 4 and 6 that train_grpo.py writes again are tested on
+# both files
+
+
+@pytest.mark.parametrize("stage", [train_ppo, train_grpo], ids=["ppo", "grpo"])
+def test_global_moments_and_whiten(stage):
+    """parallel.global_moments over one rank: the mean and biased variance of the valid entries; whiten: (x - mean) /
+    sqrt(var + 1e-8) on them."""
+    lengths, mask, (x, *_) = ragged()
+    vals = valid(x, lengths)
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / len(vals)
+    assert masked_mean(x, mask).item() == pytest.approx(mean, abs=1e-12)
+    global_mean, global_var = parallel.global_moments(x, mask, "cpu")
+    assert global_mean.item() == pytest.approx(mean, abs=1e-6) and global_var.item() == pytest.approx(var, rel=1e-6)
+    w = stage.whiten(x, torch.tensor(mean, dtype=torch.float64), torch.tensor(var, dtype=torch.float64))
+    assert valid(w, lengths) == pytest.approx([(v - mean) / math.sqrt(var + 1e-8) for v in vals], abs=1e-10)
+    w = stage.whiten(x, torch.tensor(0.5).double(), torch.tensor(4.0).double())
+    assert valid(w, lengths) == pytest.approx([(v - 0.5) / math.sqrt(4.0 + 1e-8) for v in vals], abs=1e-10)
+    nothing = parallel.global_moments(x, torch.zeros_like(mask), "cpu")
+    assert nothing[0].item() == 0 and nothing[1].item() == 0  # no valid entry: 0 and 0, not a NaN
+
+
+@pytest.mark.parametrize("stage", [train_ppo, train_grpo], ids=["ppo", "grpo"])
+def test_running_moments_merge_equals_big_batch(stage):
+    RunningMoments = stage.RunningMoments
+    torch.manual_seed(0)
+    chunks = [torch.randn(n, dtype=torch.float64) * 3 + 1 for n in (5, 1, 17, 64)]
+    big = torch.cat(chunks)
+    # ranks simulated by folding per-chunk triples (what update() does with the all-gathered triples)
+    triples = [(len(c), c.mean().item(), ((c - c.mean()) ** 2).sum().item()) for c in chunks]
+    n, mean, m2 = RunningMoments.combine(triples)
+    assert n == len(big) and mean == pytest.approx(big.mean().item(), abs=1e-12)
+    assert math.sqrt(m2 / n) == pytest.approx(big.std(correction=0).item(), abs=1e-12)
+    # sequential updates over the history equal one big batch; state round-trips
+    rm = RunningMoments()
+    for c in chunks:
+        rm.update(c)
+    assert rm.mean == pytest.approx(big.mean().item(), abs=1e-12)
+    assert rm.std == pytest.approx(big.std(correction=0).item(), abs=1e-12)
+    rm2 = RunningMoments()
+    rm2.load_state_dict(rm.state_dict())
+    assert (rm2.count, rm2.mean, rm2.std) == (rm.count, rm.mean, rm.std)
+
+
+@pytest.mark.parametrize("stage", [train_ppo, train_grpo], ids=["ppo", "grpo"])
+def test_normalize_scores_with_a_zero_std(stage):
+    """Every score seen so far equal (all responses missing EOS): no scale to divide by, so scale/norm leave the
+    scores finite (s and 0), never s / 1e-8 = -1e8 with --reward-clip None."""
+    normalize_scores = stage.normalize_scores
+    scores = torch.full((4,), -1.0)
+    moments = stage.RunningMoments()
+    moments.update(scores)
+    assert moments.std == 0.0
+    scaled = normalize_scores(scores, moments.mean, moments.std, "scale", None)
+    assert torch.equal(scaled, scores)
+    centred = normalize_scores(scores, moments.mean, moments.std, "norm", None)
+    assert torch.equal(centred, torch.zeros(4))
+    # a real spread: the PPO-max formulas, then the clip
+    scores = torch.tensor([0.0, 1.0, 2.0, 30.0])
+    want = (scores - 1.5) / (2.0 + 1e-8)
+    assert torch.allclose(normalize_scores(scores, 1.5, 2.0, "norm", None), want)
+    assert torch.allclose(normalize_scores(scores, 1.5, 2.0, "scale", 5.0), (scores / 2.0).clamp(-5, 5))
+    assert torch.equal(normalize_scores(scores, 1.5, 2.0, "none", None), scores)
 
 
 def test_shape_rewards():
@@ -107,6 +180,10 @@ def test_shape_rewards():
             assert kl[b, t].item() == pytest.approx(d, abs=1e-12)
             want = -0.1 * d + (scores[b].item() if t == n - 1 else 0.0)  # the score lands on the EOS
             assert rewards[b, t].item() == pytest.approx(want, abs=1e-12)
+    # padding may hold any log-prob (-1000 on the policy side): k1 is masked first, so nothing changes
+    extreme = torch.where(mask.bool(), lp, torch.full_like(lp, -1000.0))
+    padded_rewards, padded_kl = shape_rewards(scores, extreme, ref, mask, 0.1)
+    assert torch.equal(padded_rewards, rewards) and torch.equal(padded_kl, kl)
 
 
 def test_compute_gae():
@@ -282,8 +359,8 @@ def test_defaults_are_ppo_max_and_the_retired_flags_are_gone():
     moved = ("adv_estimator", "group_size", "grpo_std_norm", "mask_truncated", "dynamic_sampling", "kl_penalty")
     moved += ("max_sample_rounds", "kl_estimator", "loss_agg", "cliprange_high", "dual_clip")
     assert not set(moved) & set(train_ppo.Args.__dataclass_fields__)
-    assert set(moved) - {"grpo_std_norm", "max_sample_rounds"} <= set(train_ppo.RETIRED)
-    retired = {name: value for name, (value, _) in train_ppo.RETIRED.items()}
+    assert set(moved) - {"grpo_std_norm", "max_sample_rounds"} <= set(checkpoints.RETIRED["ppo"])
+    retired = {name: value for name, (value, _) in checkpoints.RETIRED["ppo"].items()}
     assert retired["adv_estimator"] == "gae" and retired["group_size"] == 1 and retired["kl_penalty"] == "reward"
     assert retired["kl_estimator"] == "k1" and retired["loss_agg"] == "token_mean" and retired["entropy_coef"] == 0.0
     assert rollout.resolve_rollout_args(args) == args  # nothing else to resolve
@@ -335,20 +412,12 @@ def test_rollout_rewards_on_eos_and_the_first_minibatch(task_tok):
         cliprange=0.2,
         cliprange_value=0.2,
     )
-    exp, metrics, samples = train_ppo.ppo_rollout(
-        Models(actor, ref, [rm]),
-        critic,
-        tok,
-        prompts,
-        args,
-        kl_coef=0.1,
-        reward_moments=RunningMoments(),
-        micro_batch_size=4,
-        generator=torch.Generator().manual_seed(0),
-        reward_fn=lambda p, r, e: len(r) / 10,
-    )
+    generator = torch.Generator().manual_seed(0)
+    reward_fn = lambda p, r, e: len(r) / 10  # noqa: E731
+    engine = rollout.Engine(Models(actor, ref, [rm]), tok, args, 4, generator, reward_fn=reward_fn)
+    exp, metrics, records = train_ppo.ppo_rollout(engine, critic, prompts, kl_coef=0.1, reward_moments=RunningMoments())
     assert metrics["objective/kl"] == 0.0 and (exp["logprobs"] == exp["ref_logprobs"]).all()
-    ended = torch.tensor([s["ended"] for s in samples])
+    ended = torch.tensor([record["ended"] for record in records])
     assert 0 < ended.sum() < len(prompts), "want rows with and without EOS"
     mask = exp["mask"]
     last = mask.sum(1).long() - 1
@@ -361,16 +430,9 @@ def test_rollout_rewards_on_eos_and_the_first_minibatch(task_tok):
         assert (exp["rewards"][b, : n - 1] == 0).all() and (exp["rewards"][b, n:] == 0).all()
     want, _ = compute_gae(exp["rewards"], exp["values"], mask, args.gamma, args.lam)
     assert torch.allclose(exp["advantages"], want, atol=1e-6)
-    metrics, diagnostics = train_ppo.ppo_update(
-        trained("model", actor, grad_clip=1.0),
-        trained("critic", critic, grad_clip=1.0),
-        StepGuard(),
-        exp,
-        args,
-        micro_batch_size=2,
-        generator=torch.Generator().manual_seed(0),
-        diagnose=True,
-    )
+    loop = checkpoints.Loop(torch.Generator().manual_seed(0), step=args.critic_warmup_steps)
+    actor_entry, critic_entry = trained("model", actor, grad_clip=1.0), trained("critic", critic, grad_clip=1.0)
+    metrics, diagnostics = train_ppo.ppo_update(actor_entry, critic_entry, exp, replace(args, micro_batch_size=2), loop)
     first = diagnostics["first"]
     assert first["ratio_err"] <= 1e-5 and abs(first["approx_kl"]) <= 1e-5 and first["clipfrac"] == 0
     assert diagnostics["updates"] == 4 and metrics["policy/approx_kl"] > 0  # later minibatches moved

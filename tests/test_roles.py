@@ -1,0 +1,72 @@
+"""roles.py, the models an RL stage runs by role: the bf16 sampler copy of the actor (Models.with_sampler) and its
+refresh in place after every update (refresh_sampler), with and without LoRA."""
+
+import pytest
+import torch
+from conftest import tiny_gpt
+
+import roles
+from roles import Models
+
+# -----------------------------------------------------------------------------
+# the bf16 sampler (Models.with_sampler, refresh_sampler)
+
+
+def assert_sampler_is_the_actor_in_bf16(sampler, actor_state: dict) -> None:
+    """Every matrix of the sampler is exactly the actor's (adapters merged) cast to bf16; norms and biases are the
+    actor's fp32 tensors (parallel.store_low_precision keeps them in fp32)."""
+    sampler_state = sampler.state_dict()
+    assert set(sampler_state) == set(actor_state)
+    for name, want in actor_state.items():
+        got = sampler_state[name]
+        if want.is_floating_point() and want.dim() >= 2:
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16)), name
+        else:
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def move(parameters, seed: int) -> None:
+    """A stand-in for an optimizer step: every parameter moved in place by a small random amount."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in parameters:
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=g))
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_bf16_sampler_is_the_actor_in_bf16_and_refreshes_in_place(task_tok, lora):
+    """Under bf16 the rollouts come from a frozen bf16 copy of the actor (docs/design.md §7): its matrices are the
+    actor's (with LoRA: the merged weights, no adapter left in the copy) cast to bf16. After the actor moves,
+    refresh_sampler copies it in place: every sampler tensor keeps its storage (static KV caches and CUDA graphs
+    keep their addresses) and holds the new weights cast to bf16 exactly, while the actor's fp32 master weights
+    (and its adapters) are left as they were. fp32 and --fsdp build no sampler."""
+    from lora import BaseView, add_lora, lora_layers, merged_state_dict
+
+    actor = tiny_gpt(task_tok, 0)
+    if lora:
+        add_lora(actor, rank=2, alpha=4.0, targets=["c_attn", "c_proj", "c_fc", "wte"])
+        move([p for name, p in actor.named_parameters() if "lora_" in name], seed=1)  # B A != 0: merging matters
+    reference = BaseView(actor) if lora else tiny_gpt(task_tok, 1)
+    plain = Models(actor, reference, [])
+    assert plain.with_sampler(torch.float32, fsdp=False).sampler is None
+    assert plain.with_sampler(torch.bfloat16, fsdp=True).sampler is None
+    models = plain.with_sampler(torch.bfloat16, fsdp=False)
+    sampler = models.sampler
+    assert models.actor is actor and sampler is not actor and not lora_layers(sampler)
+    assert sampler.lm_head.weight is sampler.transformer.wte.weight  # still one tied matrix
+    assert not any(p.requires_grad for p in sampler.parameters()) and not sampler.training
+    assert_sampler_is_the_actor_in_bf16(sampler, merged_state_dict(actor))
+    addresses = {name: tensor.data_ptr() for name, tensor in sampler.state_dict().items()}
+    trained = [p for p in actor.parameters() if p.requires_grad]
+    move(trained, seed=2)
+    actor_before = {name: tensor.clone() for name, tensor in actor.state_dict().items()}
+    moved = merged_state_dict(actor)
+    stale = sampler.state_dict()["transformer.h.0.attn.c_attn.weight"]
+    assert not torch.equal(stale, moved["transformer.h.0.attn.c_attn.weight"].to(torch.bfloat16))
+    roles.refresh_sampler(models)
+    assert_sampler_is_the_actor_in_bf16(sampler, moved)
+    assert {name: tensor.data_ptr() for name, tensor in sampler.state_dict().items()} == addresses
+    actor_after = actor.state_dict()
+    assert all(torch.equal(actor_after[name], tensor) for name, tensor in actor_before.items())
+    assert all(p.dtype == torch.float32 for p in trained) and bool(lora_layers(actor)) == lora
+    roles.refresh_sampler(plain)  # no sampler: nothing to do
