@@ -1,4 +1,4 @@
-"""Checkpoints (DESIGN §4): the checkpoint dict every stage writes and reads back (Run.save, Run.resume), model
+"""Checkpoints (docs/design.md §4): the checkpoint dict every stage writes and reads back (Run.save, Run.resume), model
 and optimizer state (LoRA adapters beside merged weights, FSDP2's sharded optimizer state through DCP), atomic saves,
 RNG state, the --resume flag check (resume_args), fingerprints of what a run started from, and --export-hf.
 """
@@ -366,9 +366,9 @@ def schedule_key(entry: Trained) -> str:
 
 @dataclass
 class Run:
-    """One stage's run as its checkpoints see it (DESIGN §4): the checkpoint every stage writes and reads back, over
-    the models it trains. Its wall time is this sitting's (from `started`, time.time() at the start of main) plus the
-    earlier sittings' that a resume reads back."""
+    """One stage's run as its checkpoints see it (docs/design.md §4): the checkpoint every stage writes and reads back,
+    over the models it trains. Its wall time is this sitting's (from `started`, time.time() at the start of main) plus
+    the earlier sittings' that a resume reads back."""
 
     kind: str  # sft | rm | dpo | ppo
     args: CommonArgs  # the resolved args, saved as they are

@@ -32,7 +32,7 @@ class UserError(Exception):
 
 @dataclass
 class CommonArgs:
-    """Flags every stage shares (DESIGN §4)."""
+    """Flags every stage shares (docs/design.md §4)."""
 
     # --- run
     out_dir: str = "out"
@@ -310,8 +310,9 @@ class Trained:
 
 @dataclass
 class StepGuard:
-    """The NaN guard's state (DESIGN §8): optimizer steps skipped for a non-finite gradient, in all (saved, logged as
-    train/skipped_steps) and in a row, and each model's grad norms of the steps it took since the last read."""
+    """The NaN guard's state (docs/design.md §8): optimizer steps skipped for a non-finite gradient, in all (saved,
+    logged as train/skipped_steps) and in a row, and each model's grad norms of the steps it took since the last
+    read."""
 
     skipped: int = 0
     skipped_in_row: int = 0

@@ -63,7 +63,7 @@ def shared_head(a: list, b: list) -> int:
 
 
 def _trl_problem(obj: dict, kind: str) -> str | None:
-    """What is wrong with a record in one of TRL's other layouts (DESIGN §3), or None: SFT prompt-completion
+    """What is wrong with a record in one of TRL's other layouts (docs/design.md §3), or None: SFT prompt-completion
     {"prompt", "completion"} (strings, or messages with the completion's assistant turns), implicit-prompt
     preferences {"chosen": [messages], "rejected": [messages]} (their shared head is the prompt)."""
     if kind == "sft":
@@ -107,9 +107,10 @@ def canonical(obj: dict, kind: str) -> dict:
 
 
 def _check_fields(obj: dict, kind: str) -> str | None:
-    """What is wrong with one record of this kind, or None. Conversational records (DESIGN §3): SFT {"messages"},
-    prompts {"prompt": [messages]}, preferences {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
-    (the replies' assistant turns); and TRL's prompt-completion SFT and implicit-prompt preferences (_trl_problem)."""
+    """What is wrong with one record of this kind, or None. Conversational records (docs/design.md §3): SFT
+    {"messages"}, prompts {"prompt": [messages]}, preferences {"prompt": [messages], "chosen": [messages], "rejected":
+    [messages]} (the replies' assistant turns); and TRL's prompt-completion SFT and implicit-prompt preferences
+    (_trl_problem)."""
     if kind == "sft" and "messages" in obj:
         return _messages_problem(obj["messages"], "messages", last_assistant=True)
     if kind == "sft" and "completion" in obj and "prompt" in obj:
@@ -464,8 +465,8 @@ class PtxStream:
 
 
 def as_conversation(row: dict) -> dict:
-    """A string record as a conversation (DESIGN §3): the prompt as the user's turn, each answer as the assistant's;
-    SFT {"prompt", "response"}, preferences (pairwise or K-wise) and prompts."""
+    """A string record as a conversation (docs/design.md §3): the prompt as the user's turn, each answer as the
+    assistant's; SFT {"prompt", "response"}, preferences (pairwise or K-wise) and prompts."""
 
     def reply(text: str) -> list[dict]:
         return [{"role": "assistant", "content": text.strip()}]

@@ -85,7 +85,7 @@ class Args:
     """betas of the KL-regularised optimum pi* ∝ ref exp(r / beta), estimated from the --seeds samples per prompt of the
     first --policy (which must be --ref) by self-normalised importance weights, for r = the gold reward (built-in
     task; rows <name>_opt_gold_b<beta>) and r = --rm (rows <name>_opt_rm_b<beta>): what that reward signal can buy
-    at each KL, before any RL (DESIGN §5d)"""
+    at each KL, before any RL (docs/design.md §5d)"""
     sample_cache: Optional[str] = None
     """--kl-optimal: keep the reference's samples in this file and reuse them while it matches (the same policy,
     prompts, seeds and sampling settings), with each RM's scores of them, so screening another reward model or
@@ -325,7 +325,7 @@ def best_of_n(samples: dict, n: int, first_seed: int, missing_eos_penalty: float
 
 def tilted_estimates(rewards: torch.Tensor, values: dict, beta: float) -> dict:
     """The KL-regularised optimum pi*(y|x) ∝ ref(y|x) exp(r(x, y) / beta), estimated per prompt from M samples of the
-    reference (DESIGN §5d): rewards (P, M) and per-sample values (P, M) -> per prompt (P,) the self-normalised
+    reference (docs/design.md §5d): rewards (P, M) and per-sample values (P, M) -> per prompt (P,) the self-normalised
     importance-weighted mean E*[f] = sum_i w_i f_i of each value with w = softmax(r / beta), kl = sum_i w_i log(M w_i)
     (the weighted sample against the uniform one: KL(pi* || ref), at most log M) and ess = 1 / sum_i w_i^2 (the
     effective number of samples)."""

@@ -1,6 +1,6 @@
 """Decoding, apart from the model (as gpt-fast's generate.py beside its model.py): batched KV-cache generation over
 left-padded prompts for `model.GPT` and, through its own `prefill`, `hf.HFCausalLM`; the static caches and the
-compiled one-token step of the fixed-shape decode (DESIGN §7); the sampling loop every generate shares; and
+compiled one-token step of the fixed-shape decode (docs/design.md §7); the sampling loop every generate shares; and
 `sample`, generate -> which rows ended -> text without EOS, for every stage and eval.py.
 
 The model keeps what a decode calls: `GPT._trunk(idx, pos, attn_mask, kv_caches)`, whose attention hands each
@@ -40,11 +40,11 @@ class KVCache:
 
 
 class StaticKVCache(nn.Module):
-    """Keys and values of one layer for a whole generation at fixed shapes (the compiled decode, DESIGN §7): buffers
-    (B, nh, max_len, hs) allocated once, zeros (an unwritten slot is masked out, and a zero attention weight times a
-    zero value adds nothing), written at `slots` (a long tensor the caller refills in place: the prompt's positions,
-    then the one new token's) and read whole, so the one-token step has the same shapes at every step and compiles
-    into one graph (a CUDA graph under mode="reduce-overhead"; buffers are what CUDA graphs may mutate)."""
+    """Keys and values of one layer for a whole generation at fixed shapes (the compiled decode, docs/design.md §7):
+    buffers (B, nh, max_len, hs) allocated once, zeros (an unwritten slot is masked out, and a zero attention weight
+    times a zero value adds nothing), written at `slots` (a long tensor the caller refills in place: the prompt's
+    positions, then the one new token's) and read whole, so the one-token step has the same shapes at every step and
+    compiles into one graph (a CUDA graph under mode="reduce-overhead"; buffers are what CUDA graphs may mutate)."""
 
     def __init__(self, batch: int, n_head: int, max_len: int, head_size: int, slots: Tensor, dtype: torch.dtype):
         super().__init__()
@@ -340,6 +340,7 @@ def sample(
         logprobs = logprobs.new_zeros(full.shape).index_copy(0, fits.nonzero().squeeze(1), logprobs)
     lengths = mask.sum(1).long()
     last = (lengths - 1).clamp(min=0)
-    ended = (response.gather(1, last[:, None]).squeeze(1) == tok.eos_id) & (lengths > 0)
+    last_token = response.gather(1, last[:, None]).squeeze(1) if response.size(1) else lengths  # no token: no EOS
+    ended = (last_token == tok.eos_id) & (lengths > 0)
     texts = [tok.decode(row) for row in response.tolist()]  # decode drops the pad and EOS ids
     return Samples(response, mask, logprobs, last, ended, texts, skipped)

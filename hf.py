@@ -43,7 +43,7 @@ class HFConfig:
 
 
 def _no_dropout(hf_config) -> None:
-    """Dropout is off in every RLHF stage (DESIGN §2): zero every dropout probability the HF config holds."""
+    """Dropout is off in every RLHF stage (docs/design.md §2): zero every dropout probability the HF config holds."""
     for k, v in hf_config.to_dict().items():
         if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
             setattr(hf_config, k, 0.0)
@@ -323,7 +323,7 @@ class HFCausalLM(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# the one checkpoint loader, and the --init grammar (DESIGN §2), shared by every stage that builds a model
+# the one checkpoint loader, and the --init grammar (docs/design.md §2), shared by every stage that builds a model
 
 
 def model_from_checkpoint(

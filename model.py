@@ -149,7 +149,7 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 def response_forward(model, query, query_mask, response, response_mask, temperature: float):
     """One training-style forward over cat(query left-padded, response right-padded). Response token t is predicted
-    at position P+t-1 (DESIGN §2), so the lm head runs on the last T+1 positions only (never on the prompt).
+    at position P+t-1 (docs/design.md §2), so the lm head runs on the last T+1 positions only (never on the prompt).
     Returns (logits / temperature (B, T, V) fp32 or None, scores (B, T) or None)."""
     P, T = query.size(1), response.size(1)
     logits, scores = model(
@@ -200,9 +200,9 @@ def calibration_error(gaps: torch.Tensor, n_bins: int = 10) -> float:
 
 
 def aggregate_rm_scores(scores: Tensor, agg: str, coef: float = 0.0) -> Tensor:
-    """An ensemble of K reward models' scores (K, B) -> (B,) (DESIGN §5d): mean; min (the worst case over members);
-    uwo = mean - coef * the members' population variance (uncertainty-weighted optimisation, Coste et al. 2023,
-    https://arxiv.org/abs/2310.02743). One member (K = 1) is its own score under all three."""
+    """An ensemble of K reward models' scores (K, B) -> (B,) (docs/design.md §5d): mean; min (the worst case over
+    members); uwo = mean - coef * the members' population variance (uncertainty-weighted optimisation, Coste et al.
+    2023, https://arxiv.org/abs/2310.02743). One member (K = 1) is its own score under all three."""
     if agg == "mean":
         return scores.mean(0)
     if agg == "min":

@@ -185,12 +185,12 @@ def shard_model(model: torch.nn.Module, d: Dist, dtype: torch.dtype) -> torch.nn
 def store_low_precision(
     model: torch.nn.Module, dtype: torch.dtype, everything: bool = False, frozen_only: bool = False
 ) -> torch.nn.Module:
-    """A frozen model stored in dtype (DESIGN §7), in place: every matrix (linear layers, embeddings, the heads), which
-    autocast casts to dtype at every op anyway, so the linear layers compute the same and read half the bytes; the
-    norms and biases stay fp32 (autocast runs norms in fp32), and the models keep their residual stream in fp32
-    whatever their embeddings' dtype. everything: the 1-D parameters too (--fsdp, whose MixedPrecisionPolicy computes
-    with them in dtype already). frozen_only: the parameters that do not train alone (a LoRA model's base). Returns
-    the model."""
+    """A frozen model stored in dtype (docs/design.md §7), in place: every matrix (linear layers, embeddings, the
+    heads), which autocast casts to dtype at every op anyway, so the linear layers compute the same and read half the
+    bytes; the norms and biases stay fp32 (autocast runs norms in fp32), and the models keep their residual stream in
+    fp32 whatever their embeddings' dtype. everything: the 1-D parameters too (--fsdp, whose MixedPrecisionPolicy
+    computes with them in dtype already). frozen_only: the parameters that do not train alone (a LoRA model's base).
+    Returns the model."""
     for parameter in model.parameters():
         if frozen_only and parameter.requires_grad:
             continue
@@ -246,7 +246,7 @@ RECOMPILE_LIMIT = 64
 
 
 def compile_forward(model: torch.nn.Module) -> torch.nn.Module:
-    """torch.compile of a training forward with dynamic shapes (DESIGN §7): every batch and sequence length, and
+    """torch.compile of a training forward with dynamic shapes (docs/design.md §7): every batch and sequence length, and
     every logits_to_keep, is one graph, so a run of varying response lengths compiles each call signature once and
     never reaches dynamo's recompile limit (static shapes recompiled at each new length: 8 times in 8 PPO iterations,
     bench/recompiles.py). Eager runs are untouched."""

@@ -185,8 +185,8 @@ def left_pack(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torc
 def continuation_budget(prefix_ids, prefix_mask, max_new_tokens: int, eos_id: int) -> torch.Tensor:
     """(B,) long: the tokens left of max_new_tokens after each row's prefix, 0 for a prefix that ends with EOS."""
     lengths = prefix_mask.sum(1).long()
-    last = prefix_ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
-    ended = (lengths > 0) & (last == eos_id)
+    last = torch.arange(prefix_ids.size(1), device=lengths.device) == (lengths - 1)[:, None]  # (B, Tp)
+    ended = ((prefix_ids == eos_id) & last).any(1)
     return (max_new_tokens - lengths).clamp(min=0).masked_fill(ended, 0)
 
 
@@ -199,6 +199,7 @@ def join_responses(prefix_ids, prefix_mask, continuation, continuation_mask, pad
     columns = prefix_mask.sum(1).long()[:, None] + torch.arange(Tc, device=continuation.device)  # (B, Tc)
     response = torch.cat([prefix_ids.masked_fill(prefix_mask == 0, pad_id), prefix_ids.new_full((B, Tc), pad_id)], 1)
     mask = torch.cat([prefix_mask, prefix_mask.new_zeros(B, Tc)], 1)
+    continuation_mask = continuation_mask.to(mask.dtype)
     response.scatter_(1, columns, continuation)  # a continuation's padding lands past its row's end
     mask.scatter_(1, columns, continuation_mask)
     sampled = torch.zeros_like(mask).scatter_(1, columns, continuation_mask)
@@ -211,8 +212,8 @@ def join_samples(tok: Tokenizer, prefix_ids, prefix_mask, continued: Samples) ->
     prefix), and the mask of the sampled tokens."""
     response, mask, sampled = join_responses(prefix_ids, prefix_mask, continued.response, continued.mask, tok.pad_id)
     columns = prefix_mask.sum(1).long()[:, None] + torch.arange(continued.mask.size(1), device=mask.device)
-    logprobs = torch.zeros(mask.size(0), columns.size(1) + prefix_ids.size(1), device=mask.device)
-    logprobs = logprobs.scatter(1, columns, continued.logprobs)[:, : mask.size(1)]
+    logprobs = mask.new_zeros(mask.size(0), prefix_ids.size(1) + columns.size(1))
+    logprobs = logprobs.scatter(1, columns, continued.logprobs.to(mask.dtype))[:, : mask.size(1)]
     lengths = mask.sum(1).long()
     last = (lengths - 1).clamp(min=0)
     ended = (response.gather(1, last[:, None]).squeeze(1) == tok.eos_id) & (lengths > 0)

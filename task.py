@@ -1,4 +1,5 @@
-"""The built-in task ("reviews", DESIGN §3): the environment every stage trains on by default, with a gold reward.
+"""The built-in task ("reviews", docs/design.md §3): the environment every stage trains on by default, with a gold
+reward.
 
 Prompts like `Review of The Silent River (music, ending):`, responses of 1..4 templated sentences and an EOS. The gold
 reward likes positive sentences on the requested aspects (with diminishing returns) and gives -1 to anything the
@@ -280,8 +281,8 @@ def _task_records(name: str, rng: random.Random, n: int, train_titles: list[str]
 def build_task(data_dir: str, task_seed: int = 1337, tiny: bool = False) -> dict[str, str]:
     """Write the task files under {data_dir}/v{TASK_VERSION}-seed{task_seed}[-tiny]/ (only those missing) and
     return name -> path: every stage reads the built-in task through this dict. A task of your own returns the same
-    keys (README, "How to extend"): the JSONL files of TASK_FILES in the layouts of DESIGN §3 (pretrain: {"text"};
-    sft, sft_eval: {"prompt", "response"}; pairs, pairs_eval, pairs_extra: {"prompt", "chosen", "rejected"};
+    keys (README, "How to extend"): the JSONL files of TASK_FILES in the layouts of docs/design.md §3 (pretrain:
+    {"text"}; sft, sft_eval: {"prompt", "response"}; pairs, pairs_eval, pairs_extra: {"prompt", "chosen", "rejected"};
     prompts, eval_prompts: {"prompt"}) and "tokenizer", anything tokenizer.load_tokenizer reads ("gpt2",
     "hf:<path>", or a tokenizer.json holding tokenizer.Tokenizer.state())."""
     out = os.path.join(data_dir, f"v{TASK_VERSION}-seed{task_seed}" + ("-tiny" if tiny else ""))

@@ -27,9 +27,9 @@ class Tokenizer:
     bos_id: the id a sequence starts with, or None. A Hugging Face tokenizer whose own encode adds a BOS (Llama) gets
     one; the task BPE and GPT-2 have none. encode(text, bos=True) prepends it: pass bos=True for what starts a sequence
     (a prompt, a {"text"} row) and never for a response that follows a prompt, so the BOS appears once, first.
-    chat: the tokenizer has a chat template (DESIGN §3, "Conversational data"): conversations are rendered by it, and
-    its end-of-turn token (<|im_end|>, <|eot_id|>, ...) is eos_id, every response's stop and score token. Without
-    one, conversations take HH's layout ("\n\nHuman: ...\n\nAssistant: ...") as text."""
+    chat: the tokenizer has a chat template (docs/design.md §3, "Conversational data"): conversations are rendered by
+    it, and its end-of-turn token (<|im_end|>, <|eot_id|>, ...) is eos_id, every response's stop and score token.
+    Without one, conversations take HH's layout ("\n\nHuman: ...\n\nAssistant: ...") as text."""
 
     def __init__(
         self,

@@ -304,7 +304,7 @@ def main(args: Args) -> None:
     )
     ref.eval()
     parallel.place_model(model, args, d, dtype)
-    parallel.place_model(ref, args, d, dtype, frozen=True)  # stored in bf16 under bf16 (DESIGN §7)
+    parallel.place_model(ref, args, d, dtype, frozen=True)  # stored in bf16 under bf16 (docs/design.md §7)
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps, min_lr_ratio=0.0)
     trained = common.Trained("model", model, optimizer, schedule, args.grad_clip)
@@ -354,7 +354,7 @@ def main(args: Args) -> None:
         return metrics, samples
 
     # 3. training loop: each step takes the next global batch of the epoch order; rank r owns a slice
-    # dropout off (DESIGN §2): the model stays in eval mode, the only thing the mode changes in a GPT
+    # dropout off (docs/design.md §2): the model stays in eval mode, the only thing the mode changes in a GPT
     model.eval()
     stat_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
     window = dict.fromkeys(("train/loss", "train/nll_loss", *stat_names, "tokens"), 0.0)  # summed since the last log

@@ -87,7 +87,7 @@ class Args(rollout.RolloutArgs):
     in the rewards (R_i = s_i - beta * sum_t k1)"""
     kl_estimator: Optional[Literal["k1", "k2", "k3"]] = None
     """the KL in the loss: k3 = (r - 1) - log r, r = ref_p / p, or k2 = d^2 / 2 with d = logp - ref_logp (None: k3;
-    in the reward only k1 = d, the one whose expected gradient there is the KL's: DESIGN §5d)"""
+    in the reward only k1 = d, the one whose expected gradient there is the KL's: docs/design.md §5d)"""
     # --- the policy loss
     loss_agg: Optional[Literal["token_mean", "seq_mean", "seq_sum_norm"]] = None
     """the loss over the step's global batch: mean over tokens, mean over sequences of their token mean, or sum over

@@ -1,5 +1,5 @@
 """Iterated RLHF with on-policy labels (InstructGPT's and Llama 2's rounds): the reward model is what caps RL
-(DESIGN §5d), and a reward model trained on the policy's own samples is a better one where the policy now lives.
+(docs/design.md §5d), and a reward model trained on the policy's own samples is a better one where the policy now lives.
 
 Round 0 is the start: the SFT policy and its reward model(s). Each round r >= 1 then runs, in order:
   1. RL (--rl-stage ppo: train_ppo.py, grpo: train_grpo.py) at the round's beta (--rl-betas), a fresh run from round

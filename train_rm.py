@@ -252,7 +252,8 @@ def probe_metrics(scores: torch.Tensor, kinds: list[str]) -> tuple[dict, dict]:
 
 def main(args: Args) -> None:
     t_start = time.time()
-    args = checkpoints.resume_args(args, "rm")  # --resume: the run's own flags, a changed one refused (DESIGN §8)
+    # --resume: the run's own flags, a changed one refused (docs/design.md §8)
+    args = checkpoints.resume_args(args, "rm")
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
     common.seed_everything(args.seed)  # before the model: the fresh score head's init
     # 1. data, tokenizer and model (user mistakes surface here, before any process group)
@@ -348,7 +349,7 @@ def main(args: Args) -> None:
         return metrics, gaps, scored
 
     # 3. training loop: each step takes the next global batch of the epoch order; rank r owns a slice
-    # dropout off (DESIGN §2): the model stays in eval mode, the only thing the mode changes in a GPT
+    # dropout off (docs/design.md §2): the model stays in eval mode, the only thing the mode changes in a GPT
     model.eval()
     window = {"loss": 0.0, "bt_loss": 0.0, "lm_loss": 0.0, "accuracy": 0.0, "tokens": 0}  # summed since the last log
     window_steps = 0

@@ -125,7 +125,8 @@ def sample_responses(model, tok, prompts: list, temperature: float, max_new_toke
 
 def main(args: Args) -> None:
     t_start = time.time()
-    args = checkpoints.resume_args(args, "sft")  # --resume: the run's own flags, a changed one refused (DESIGN §8)
+    # --resume: the run's own flags, a changed one refused (docs/design.md §8)
+    args = checkpoints.resume_args(args, "sft")
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
     common.seed_everything(args.seed)
     # 1. data, tokenizer and model (user mistakes surface here, before any process group)

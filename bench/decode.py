@@ -1,6 +1,6 @@
-"""Decode throughput, eager against compiled (DESIGN §7 "GPU throughput"): `generate` of a randomly initialised model
-(model.GPT, or a Hugging Face Llama behind hf.HFCausalLM: --arch llama) with the eager decode (a KV cache growing a
-token a step) and with compiled=True (static KV caches and the one-token step compiled; mode="reduce-overhead", CUDA
+"""Decode throughput, eager against compiled (docs/design.md §7 "GPU throughput"): `generate` of a randomly initialised
+model (model.GPT, or a Hugging Face Llama behind hf.HFCausalLM: --arch llama) with the eager decode (a KV cache growing
+a token a step) and with compiled=True (static KV caches and the one-token step compiled; mode="reduce-overhead", CUDA
 graphs, on a GPU). Random prompts of --prompt-len tokens, responses of exactly --resp-len tokens (the EOS id lies
 outside the vocabulary), temperature 1.
 

@@ -1,5 +1,5 @@
-"""bf16 weights for what does not train (DESIGN §7): how far the bf16 sampler copy of the actor and the bf16 frozen
-reference and reward model move the numbers the update sees, against today's fp32 weights under bf16 autocast.
+"""bf16 weights for what does not train (docs/design.md §7): how far the bf16 sampler copy of the actor and the bf16
+frozen reference and reward model move the numbers the update sees, against today's fp32 weights under bf16 autocast.
 
 From an SFT and an RM checkpoint (make demo's by default), one rollout batch of held-out prompts, bf16 autocast:
 - log-probs: the sampler's own (the decode) against the fp32 actor's training forward under autocast, for the

@@ -3,8 +3,9 @@ ranks, LoRA (--lora-rank), and both, for GPT-2 124 M and Llama-shaped 1 B and 7 
 against train_ppo.py's measured peak RSS on CPU.
 
 The model (fp32 master weights for what trains; bf16 is autocast or FSDP2's parameter dtype):
-  weights    4 bytes x (actor + critic) + 2 bytes x (reference + RM) and the actor's bf16 sampler copy (DESIGN §7:
-             what does not train is stored in bf16; --frozen-fp32: 4 bytes for all four and no copy, as before);
+  weights    4 bytes x (actor + critic) + 2 bytes x (reference + RM) and the actor's bf16 sampler copy
+             (docs/design.md §7: what does not train is stored in bf16; --frozen-fp32: 4 bytes for all four and no
+             copy, as before);
              LoRA: two frozen bases (actor = reference, critic = RM) in bf16, the sampler copy; under --fsdp the
              frozen models' shards in bf16, no copy, LoRA's bases fp32
   training   (4 grad + 8 Adam) bytes x trainable parameters (actor and critic; LoRA: adapters and the value head)

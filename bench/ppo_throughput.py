@@ -69,7 +69,7 @@ class Shape:
     """seed of models, prompts and sampling"""
     arch: Literal["gpt", "llama"] = "gpt"
     """gpt: model.GPT (GPT-2 layout); llama: a Hugging Face Llama built from a config behind hf.HFCausalLM (RMSNorm,
-    rotary, SwiGLU, grouped-query attention: the shape of the GPU goals, DESIGN §7)"""
+    rotary, SwiGLU, grouped-query attention: the shape of the GPU goals, docs/design.md §7)"""
     kv_heads: int = 0
     """llama: key/value heads (0 = --heads)"""
     intermediate: int = 0

@@ -59,8 +59,8 @@ METHODS = {
     "grpo_oracle": Method("grpo", (0.15, 0.05), None, ORACLE),
     "dpo": Method("dpo", (1.0, 0.3, 0.1), 0.3),
     "best_of_n": Method("bon", (1, 4, 16, 64), 16),
-    # the two limits (DESIGN §5d): tilted by the gold reward, what any method can reach at that KL; tilted by the RM,
-    # what a perfect optimiser of this RM reaches, scored on gold
+    # the two limits (docs/design.md §5d): tilted by the gold reward, what any method can reach at that KL; tilted by
+    # the RM, what a perfect optimiser of this RM reaches, scored on gold
     "limit_gold": Method("limit", LIMIT_BETAS, None, ("gold",)),
     "limit_rm": Method("limit", LIMIT_BETAS, None, ("rm",)),
 }

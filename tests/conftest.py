@@ -2,8 +2,8 @@
 checkpoints built once per session, ragged tensors for the math, tiny models and experiences for the RL updates,
 event-file readers, the kill-and-resume harness, the in-process user-mistake check, and tiny Hugging Face folders.
 
-Tiers (DESIGN §9): a test marked `slow` is outside the fast tier (`make test-fast`: the math, the user errors and
-one tiny in-process smoke run per stage)."""
+Tiers (docs/design.md §9): a test marked `slow` is outside the fast tier (`make test-fast`: the math, the user errors
+and one tiny in-process smoke run per stage)."""
 
 import json
 import os

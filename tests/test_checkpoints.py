@@ -150,7 +150,7 @@ def test_a_retired_flag_at_another_value_is_not_resumed(tmp_path, name):
 
 
 # -----------------------------------------------------------------------------
-# --resume continues the run it finds: a changed flag that changes the math is refused (DESIGN §8)
+# --resume continues the run it finds: a changed flag that changes the math is refused (docs/design.md §8)
 
 
 SAVED_SFT = dict(n_layer=1, n_head=2, n_embd=32, lr=1e-3, batch_size=8, micro_batch_size=4, log_every=1, max_steps=4)

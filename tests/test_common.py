@@ -188,7 +188,7 @@ def test_logger_resume_keeps_the_checkpoint_step_and_hides_later_ones(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# stopping on a signal (DESIGN §8): common.StopSignal's handlers
+# stopping on a signal (docs/design.md §8): common.StopSignal's handlers
 
 
 def stop_handlers() -> dict:
@@ -292,8 +292,8 @@ def test_none_as_a_literal_choice_is_kept(monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# user mistakes (DESIGN §8): one line on stderr, exit 2, no traceback, no checkpoint written. The JSONL cases the
-# stage tests already cover (test_sft.py, test_rm.py, test_data.py) are not repeated here.
+# user mistakes (docs/design.md §8): one line on stderr, exit 2, no traceback, no checkpoint written. The JSONL cases
+# the stage tests already cover (test_sft.py, test_rm.py, test_data.py) are not repeated here.
 
 SFT = (
     "train_sft.py --n-layer 1 --n-head 2 --n-embd 32 --max-steps 2 --batch-size 8 --micro-batch-size 4 "

@@ -1,9 +1,9 @@
 """data.py: tokenizers (the task's BPE, GPT-2's, a Hugging Face one), the task's BPE exported for transformers, JSONL
 validation (TRL's prompt-completion and implicit-prompt layouts too), batching and encoding; the Anthropic-HH and
-UltraFeedback converters; conversational data (DESIGN §3): chat-template rendering, every assistant turn learned (as the
-whole conversation renders it, earlier <think> reasoning stripped), the end-of-turn token as the stop and score token,
-HH's layout without a template, and every stage on messages data with a tiny Hugging Face Llama whose tokenizer has a
-chat template. (task.py: test_task.py.)"""
+UltraFeedback converters; conversational data (docs/design.md §3): chat-template rendering, every assistant turn learned
+(as the whole conversation renders it, earlier <think> reasoning stripped), the end-of-turn token as the stop and score
+token, HH's layout without a template, and every stage on messages data with a tiny Hugging Face Llama whose tokenizer
+has a chat template. (task.py: test_task.py.)"""
 
 import base64
 import hashlib
@@ -362,7 +362,7 @@ def test_convert_hh_usage_errors(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# conversational data (DESIGN §3): chat templates, HH's layout without one, every stage on messages
+# conversational data (docs/design.md §3): chat templates, HH's layout without one, every stage on messages
 
 SPECIAL = ["<unk>", "<eos>", "<pad>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
 WORDS = [f"w{i}" for i in range(40)]
@@ -542,7 +542,7 @@ def test_malformed_messages_are_file_line_errors(tmp_path, kind, record, message
 
 
 def test_trl_prompt_completion_and_implicit_prompt_records_load(tmp_path, tok):
-    """TRL's other layouts (DESIGN §3) load to this repo's records: prompt-completion SFT with strings becomes
+    """TRL's other layouts (docs/design.md §3) load to this repo's records: prompt-completion SFT with strings becomes
     {"prompt", "response"}, with messages a conversation that learns the completion only (learn_from: an earlier
     assistant turn inside the prompt is context, not a target); implicit-prompt preferences take the chosen and
     rejected conversations' shared head as the prompt, the rest as the replies."""

@@ -1,5 +1,5 @@
-"""train_dpo.py: dpo_loss against the formulas of DESIGN §5c, response log-probs that padding does not change (so
-reference log-probs per batch equal precomputed ones), K-wise expansion, user mistakes, a tiny smoke run whose
+"""train_dpo.py: dpo_loss against the formulas of docs/design.md §5c, response log-probs that padding does not change
+(so reference log-probs per batch equal precomputed ones), K-wise expansion, user mistakes, a tiny smoke run whose
 checkpoint eval.py accepts, IPO on K-wise user data, Hugging Face inits, a NaN step, 2 ranks against 1, and
 kill-and-resume."""
 

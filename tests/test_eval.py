@@ -1,8 +1,8 @@
 """eval.py: metrics and their standard errors on hand-made samples with known answers, KL of a policy against itself,
 seeds pooled, the JSON layout, a temperature that cannot be measured, a prompt too long for the
 context skipped without changing the others, best-of-N (the pick, the KL bound, its rows),
---reward-fn, --pairs on user data; the reward signal (DESIGN §5d): the KL-optimal tilt's estimates on a toy with an
-exact optimum, the --kl-optimal rows and their sample cache (gold alone too), --pairs over an RM ensemble."""
+--reward-fn, --pairs on user data; the reward signal (docs/design.md §5d): the KL-optimal tilt's estimates on a toy with
+an exact optimum, the --kl-optimal rows and their sample cache (gold alone too), --pairs over an RM ensemble."""
 
 import json
 import math
@@ -167,8 +167,8 @@ def reject_nan(name):
 
 
 def test_results_json_layout(tmp_path, task_dir, tiny_policy):
-    """eval.main writes one entry per policy with exactly the DESIGN §4 keys (each metric with its _se, num_samples,
-    seeds), strict JSON, merged into an existing file; --seeds 2 pools both seeds' samples."""
+    """eval.main writes one entry per policy with exactly the docs/design.md §4 keys (each metric with its _se,
+    num_samples, seeds), strict JSON, merged into an existing file; --seeds 2 pools both seeds' samples."""
     out = tmp_path / "results.json"
     out.write_text(json.dumps({"rm": {"accuracy": 0.8}}))
     args = ev.Args(
@@ -306,7 +306,7 @@ def test_pairs_on_user_data_builds_no_task(tmp_path, tiny_ckpts):
 
 
 # -----------------------------------------------------------------------------
-# the reward signal (DESIGN §5d): the KL-optimal limit, reward-model ensembles
+# the reward signal (docs/design.md §5d): the KL-optimal limit, reward-model ensembles
 
 
 def test_tilted_estimates_on_a_toy_where_the_optimum_is_exact():
@@ -411,8 +411,8 @@ def test_kl_optimal_on_gold_alone_creates_its_sample_cache_and_reuses_it(
 
 def test_kl_optimal_rows_without_a_reward_model_have_no_score():
     """Without an RM (--rm none) there is no score to tilt or report: as in the policy rows ("score is null without
-    an RM", DESIGN §4), the gold-tilted rows' score and score_se are None (null in the JSON), whatever the samples'
-    EOS; gold and kl are still numbers."""
+    an RM", docs/design.md §4), the gold-tilted rows' score and score_se are None (null in the JSON), whatever the
+    samples' EOS; gold and kl are still numbers."""
     prompt = "Review of The Silent River (music, ending):"
     samples = {
         "prompt": [prompt] * 4,
@@ -431,8 +431,8 @@ def test_kl_optimal_rows_without_a_reward_model_have_no_score():
 def test_a_prompt_with_no_room_for_a_response_is_skipped_and_changes_no_other_response(
     tmp_path, task_dir, tiny_policy, monkeypatch, capsys
 ):
-    """eval.py answers only the prompts with room for a response in the smallest context (DESIGN §4): a prompt file
-    holding one prompt longer than the policy's 128-token context drops that prompt (and says so) before sampling,
+    """eval.py answers only the prompts with room for a response in the smallest context (docs/design.md §4): a prompt
+    file holding one prompt longer than the policy's 128-token context drops that prompt (and says so) before sampling,
     so every other prompt gets exactly the responses it gets from the same file without it, in the same batches,
     and the results are the same numbers."""
     short = [f"Tell me about river {i} and its music." for i in range(6)]

@@ -1,9 +1,9 @@
 """generate.py: the KV-cache decode against naive full-forward loops (greedy batched = single = naive, ragged EOS
 stops), log-probs of the sampled tokens against a full forward, the response mask, min_new_tokens and the top-k/top-p
-filters, reproducibility per batch, inverse-CDF sampling; and the fixed-shape decode (DESIGN §7): static KV caches
-and the one-token step compiled (inductor's CPU backend here; CUDA graphs on a GPU) give the eager decode's tokens
-for the same generator, for model.GPT and a Hugging Face Llama. Greedy-equality tests run in float64 on models with
-wide random weights (no near-ties, varied greedy paths)."""
+filters, reproducibility per batch, inverse-CDF sampling; and the fixed-shape decode (docs/design.md §7): static KV
+caches and the one-token step compiled (inductor's CPU backend here; CUDA graphs on a GPU) give the eager decode's
+tokens for the same generator, for model.GPT and a Hugging Face Llama. Greedy-equality tests run in float64 on models
+with wide random weights (no near-ties, varied greedy paths)."""
 
 import shutil
 
@@ -235,7 +235,7 @@ def test_sample_tokens_distribution_and_masked_logits():
 
 
 # -----------------------------------------------------------------------------
-# the fixed-shape decode: static caches, the compiled one-token step (float64 models, DESIGN §9; 1 layer)
+# the fixed-shape decode: static caches, the compiled one-token step (float64 models, docs/design.md §9; 1 layer)
 
 DECODE_EOS, DECODE_PAD, DECODE_V = 5, 60, 50  # the pad id lies outside the vocabulary, as the task's does
 

@@ -413,12 +413,22 @@ def test_settings_no_run_can_mean_are_refused(tmp_path, flags, message):
     ],
 )
 def test_a_kl_estimator_where_it_works_against_the_kl_is_refused(tmp_path, flags, message, capsys, monkeypatch):
-    """k2 and k3 as a detached penalty in the reward (their gradient there is not the KL's, DESIGN §5d), and k1 in the
-    loss (its expected gradient is zero): one line, exit 2, nothing written."""
+    """k2 and k3 as a detached penalty in the reward (their gradient there is not the KL's, docs/design.md §5d), and k1
+    in the loss (its expected gradient is zero): one line, exit 2, nothing written."""
     out = tmp_path / "grpo"
     err = exits_2_with_one_line("train_grpo.py", [*flags.split(), "--out-dir", str(out)], capsys, monkeypatch)
     assert re.search(message, err), err
     assert not os.path.exists(out)
+
+
+def test_an_estimator_without_an_advantage_is_refused_at_start_up(tmp_path, monkeypatch):
+    """A RECIPES row with no function in ADVANTAGES (a new estimator half added) is one line naming both tables,
+    before any model loads or rollout runs, never an unbound variable after the first rollout."""
+    monkeypatch.setitem(train_grpo.RECIPES, "remax", RECIPES["rloo"] | {"group_size": 1})
+    out = tmp_path / "grpo"
+    with pytest.raises(common.UserError, match=r"--estimator remax: RECIPES has it, .*ADVANTAGES") as error:
+        train_grpo.main(train_grpo.Args(estimator="remax", out_dir=str(out), sft_ckpt=str(tmp_path / "missing.pt")))
+    assert "\n" not in str(error.value) and not os.path.exists(out)
 
 
 # -----------------------------------------------------------------------------

@@ -3,7 +3,7 @@ the --init grammar; BOS per tokenizer; offline loads as one line; and the whole 
 Llama (`--init hf:<dir>`) and on a tiny random GPT-2 folder (native GPT), exported and reloaded by transformers. Tiny
 random Llama and GPT-2 folders written by conftest (weights widened to std 0.3 so greedy paths are varied and peaked), a
 word-level tokenizer beside them, no network. Greedy comparisons stop at the first step whose top-two logit gap is ≤
-1e-4 (DESIGN §9): Llama's RMSNorm and rotary tables run in fp32 even in a float64 model. Under torch.compile the
+1e-4 (docs/design.md §9): Llama's RMSNorm and rotary tables run in fp32 even in a float64 model. Under torch.compile the
 adapter's training forward is one graph (Llama, Qwen2, LoRA) and a compiled PPO run a bounded number."""
 
 import json

@@ -207,7 +207,7 @@ def test_from_checkpoint_head_overrides():
 
 
 def test_model_imports_nothing_of_ours():
-    """model.py is the ground floor (DESIGN §1): no import of hf, data, common or any other module of this repo,
+    """model.py is the ground floor (docs/design.md §1): no import of hf, data, common or any other module of this repo,
     at the top or inside a function."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ours = {name.removesuffix(".py") for name in os.listdir(root) if name.endswith(".py")} | {"tests", "bench"}

@@ -3,7 +3,7 @@ stages (train_ppo.ppo_update, train_grpo.grpo_update) over 2 ranks under DDP and
 global batch, and reward moments merge across ranks; --fsdp under torchrun (the same weights as one process, an
 exact resume after SIGKILL, full-weight checkpoints any later stage loads, every stage sharded); every stage under
 bf16 autocast; the compiled training forward (inductor's CPU backend) against eager fp32. Compiling costs tens of
-seconds per graph here, so the compiled tests use 1-layer models and one static shape each (DESIGN §9)."""
+seconds per graph here, so the compiled tests use 1-layer models and one static shape each (docs/design.md §9)."""
 
 import copy
 import io

@@ -818,9 +818,9 @@ TERM_FLAGS = (
 
 @pytest.mark.slow
 def test_ppo_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, task_dir, tiny_ckpts):
-    """SIGTERM (a cluster's preemption, DESIGN §8) sent to train_ppo.py after its first logged iteration: it finishes
-    that iteration, saves it, prints one line that says to continue with --resume and exits 128 + 15; the rerun with
-    --resume finishes, and its final actor and critic are bit-for-bit those of an uninterrupted run with the same
+    """SIGTERM (a cluster's preemption, docs/design.md §8) sent to train_ppo.py after its first logged iteration: it
+    finishes that iteration, saves it, prints one line that says to continue with --resume and exits 128 + 15; the rerun
+    with --resume finishes, and its final actor and critic are bit-for-bit those of an uninterrupted run with the same
     flags (CPU, one thread: the stop is at an iteration boundary, like a --save-every checkpoint)."""
     sft, rm = tiny_ckpts
     base = f"{sys.executable} train_ppo.py --task-dir {task_dir} --sft-ckpt {sft} --rm-ckpt {rm} {TERM_FLAGS}"

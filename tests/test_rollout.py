@@ -228,6 +228,142 @@ def test_logprob_check_raises_on_every_rank(task_tok):
 
 
 # -----------------------------------------------------------------------------
+# generation from token prefixes: k continuations of a partial response in one call
+
+
+def double_models(tok, eos_boost: float = 1.5) -> Models:
+    """A float64 policy (its own reference) that ends some responses early, and a float64 RM: batched and
+    one-at-a-time forwards agree to rounding."""
+    actor = boost_eos(tiny_gpt(tok, 0), tok.eos_id, eos_boost).double()
+    return Models(actor, actor, [tiny_gpt(tok, 2, score_head=True).double()])
+
+
+def half_prefixes(experience: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each response's first half (its length // 2 tokens) as a prefix: (ids, mask), right-padded."""
+    mask = experience["mask"]
+    half = mask.sum(1, keepdim=True) // 2
+    return experience["response"], (torch.arange(mask.size(1)) < half).to(mask.dtype)
+
+
+def test_a_prefix_of_length_0_is_the_plain_rollout(task_tok):
+    """rollout(prompts, prefix of width 0) draws the same tokens from the same generator and returns the very same
+    experience and records as rollout(prompts)."""
+    models = double_models(task_tok)
+    plain, plain_sums, plain_records = rollout.rollout(engine_of(models, task_tok), PROMPTS)
+    empty = (torch.zeros(len(PROMPTS), 0, dtype=torch.long), torch.zeros(len(PROMPTS), 0, dtype=torch.float64))
+    joined, sums, records = rollout.rollout(engine_of(models, task_tok), PROMPTS, prefix=empty)
+    assert plain.keys() == joined.keys() and all(torch.equal(plain[key], joined[key]) for key in plain)
+    assert records == plain_records and sums.keys() == plain_sums.keys()
+
+
+def fixed_sample(continuations: torch.Tensor, continuation_mask: torch.Tensor, eos_id: int):
+    """generate.sample that answers every row with the given continuation (B, Tc) and reports the policy's own
+    log-probs of it, as the decode would."""
+
+    def sample(model, tok, query, query_mask, max_new_tokens, temperature, **kwargs):
+        assert query.size(0) == continuations.size(0) and (continuation_mask.sum(1) <= max_new_tokens).all()
+        logits, _ = response_forward(model, query, query_mask, continuations, continuation_mask, temperature)
+        logprobs = logprobs_from_logits(logits, continuations) * continuation_mask
+        lengths = continuation_mask.sum(1).long()
+        last = (lengths - 1).clamp(min=0)
+        ended = (continuations.gather(1, last[:, None]).squeeze(1) == eos_id) & (lengths > 0)
+        texts = [tok.decode(row) for row in continuations.tolist()]
+        return generate.Samples(continuations, continuation_mask, logprobs, last, ended, texts)
+
+    return sample
+
+
+def test_monte_carlo_value_of_fixed_continuations_equals_a_loop(task_tok, monkeypatch):
+    """With the continuation token ids fixed, rollout(prompts, prefix, k) assembles each prefix and continuation into
+    one response and scores it: the tokens, texts and ends of every response equal a loop that builds each sequence as
+    a list, and the mean score of a row's k continuations (its Monte-Carlo value) equals the loop's, which scores each
+    sequence alone (the RM at its last token, + coef x the reward function on the whole response's text, the
+    missing-EOS penalty) and averages, to the float32 the scores are kept in; the log-probs over the whole response
+    equal the policy's on the unpadded sequence (float64)."""
+    tok, k = task_tok, 3
+    models = double_models(task_tok)
+    experience, _, _ = rollout.rollout(engine_of(models, tok), PROMPTS)
+    prefix_ids, prefix_mask = half_prefixes(experience)
+    g = torch.Generator().manual_seed(5)
+    budget = (12 - prefix_mask.sum(1)).long().repeat_interleave(k)  # what is left of max_new_tokens 12
+    lengths = (torch.rand(len(budget), generator=g) * budget).long() + 1  # 1..budget tokens
+    width = int(lengths.max())
+    continuations = torch.randint(0, tok.eos_id, (len(budget), width), generator=g)
+    continuation_mask = (torch.arange(width) < lengths[:, None]).double()
+    ends = torch.rand(len(budget), generator=g) < 0.5  # about half of them end with EOS
+    continuations[torch.arange(len(budget)), lengths - 1] = torch.where(ends, tok.eos_id, continuations[:, 0])
+    continuations = continuations.masked_fill(continuation_mask == 0, tok.pad_id)
+    monkeypatch.setattr(rollout, "sample", fixed_sample(continuations, continuation_mask, tok.eos_id))
+
+    def reward_fn(prompt, response, ended):
+        return len(response) / 20
+
+    engine = engine_of(models, tok, reward_fn=reward_fn, reward_fn_coef=0.5)
+    continued, _, records = rollout.rollout(engine, PROMPTS, prefix=(prefix_ids, prefix_mask), k=k)
+    values = continued["scores"].view(-1, k).mean(1)
+    actor, rm = models.actor, models.reward_models[0]
+    for row, prompt in enumerate(PROMPTS):
+        prompt_ids = tok.encode(prompt)
+        prefix = prefix_ids[row, : int(prefix_mask[row].sum())].tolist()
+        scores = []
+        for j in range(k):
+            index = row * k + j
+            continuation = continuations[index, : int(lengths[index])].tolist()
+            ids = torch.tensor([prompt_ids + prefix + continuation])
+            ended = continuation[-1] == tok.eos_id
+            text = tok.decode(prefix + continuation)
+            assert records[index]["response"] == text and records[index]["ended"] == ended
+            assert continued["response"][index, : len(prefix + continuation)].tolist() == prefix + continuation
+            score = rm(ids, logits=False)[1][0, -1].item() + 0.5 * reward_fn(prompt, text, ended)
+            scores.append(score if ended else -3.0)
+            logits = actor(ids)[0][0, len(prompt_ids) - 1 : -1] / 0.9  # at the rollout's temperature
+            logprobs = logprobs_from_logits(logits, ids[0, len(prompt_ids) :])
+            n = len(prefix + continuation)
+            assert torch.allclose(continued["logprobs"][index, :n], logprobs, atol=1e-12)
+        assert values[row].item() == pytest.approx(sum(scores) / k, abs=1e-6)  # scores are float32 (an RM's .float())
+
+
+def test_greedy_continuations_batched_equal_one_at_a_time(task_tok):
+    """At temperature 0 (greedy) a batch of prefixes of different lengths, continued in one call, gives each row the
+    tokens and log-probs it gets alone (float64); a prefix that ends with EOS takes no token."""
+    tok = task_tok
+    models = double_models(tok, eos_boost=2.0)
+    experience, _, _ = rollout.rollout(engine_of(models, tok), PROMPTS)
+    prefix_ids, prefix_mask = half_prefixes(experience)
+    ended_row = int(experience["ended"].argmax())  # a whole response that ended, as its own prefix
+    assert experience["ended"][ended_row] == 1
+    prefix_mask[ended_row] = experience["mask"][ended_row]
+    greedy = engine_of(models, tok, temperature=0.0)
+    batched = rollout.generate_responses(greedy, PROMPTS, prefix=(prefix_ids, prefix_mask))
+    for row, prompt in enumerate(PROMPTS):
+        alone = rollout.generate_responses(
+            greedy, [prompt], prefix=(prefix_ids[row : row + 1], prefix_mask[row : row + 1])
+        )
+        n = int(alone.samples.mask.sum())
+        assert n == int(batched.samples.mask[row].sum()) and alone.samples.texts[0] == batched.samples.texts[row]
+        assert torch.equal(alone.samples.response[0, :n], batched.samples.response[row, :n])
+        assert torch.allclose(alone.samples.logprobs[0, :n], batched.samples.logprobs[row, :n], atol=1e-10)
+        assert torch.equal(alone.sampled[0, :n], batched.sampled[row, :n])
+    assert batched.sampled[ended_row].sum() == 0 and batched.samples.ended[ended_row]
+
+
+def test_sampled_monte_carlo_value_within_3_standard_errors_of_a_loop(task_tok):
+    """The mean score of 512 continuations of one prefix sampled in one call lies within 3 standard errors of the
+    mean of 512 continuations sampled one call each (other draws of the same distribution)."""
+    tok, n = task_tok, 512
+    models = double_models(tok, eos_boost=2.0)
+    experience, _, _ = rollout.rollout(engine_of(models, tok, max_new_tokens=8), PROMPTS[:1])
+    prefix = half_prefixes(experience)
+    engine = engine_of(models, tok, reward_fn=lambda p, r, e: len(r) / 10, seed=1, max_new_tokens=8)
+    batched = rollout.rollout(engine, PROMPTS[:1], prefix=prefix, k=n)[0]["scores"]
+    engine = engine_of(models, tok, reward_fn=lambda p, r, e: len(r) / 10, seed=2, max_new_tokens=8)
+    looped = torch.cat([rollout.rollout(engine, PROMPTS[:1], prefix=prefix)[0]["scores"] for _ in range(n)])
+    assert batched.std() > 0 and looped.std() > 0
+    standard_error = math.sqrt(batched.var() / n + looped.var() / n)
+    assert abs(batched.mean() - looped.mean()) <= 3 * standard_error
+
+
+# -----------------------------------------------------------------------------
 # host syncs: on a GPU each one stalls the stream, so none may be per row or per micro-batch
 
 HOST_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "__format__")
