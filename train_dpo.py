@@ -308,13 +308,13 @@ def main(args: Args) -> None:
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps, min_lr_ratio=0.0)
     trained = common.Trained("model", model, optimizer, schedule, args.grad_clip)
-    sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
+    generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
     order = Order(len(train), args.seed)  # the global record order, the same on every rank
     guard = common.StepGuard()
     run = checkpoints.Run("dpo", args, d, tok, [trained], started=t_start)
     step = 0
     if args.resume:
-        ckpt = run.resume({"init_hash": (f"--init {args.init}", init_hash)}, sampler)
+        ckpt = run.resume({"init_hash": (f"--init {args.init}", init_hash)}, generator)
         step = ckpt["step"]
         order = Order(**ckpt["data_state"]["order"])
         guard.skipped = ckpt["data_state"]["skipped"]
@@ -337,7 +337,7 @@ def main(args: Args) -> None:
             my_prompts = prompts[d.rank : n_samples : d.world_size]
             with amp:  # the reference's forward (bf16 weights under --dtype bfloat16)
                 samples = sample_responses(
-                    raw_model, ref, tok, my_prompts, args.temperature, args.max_new_tokens, sampler
+                    raw_model, ref, tok, my_prompts, args.temperature, args.max_new_tokens, generator
                 )
             for key in ("gold", "kl", "valid"):
                 sums[key] = sum(sample[key] for sample in samples)
@@ -425,7 +425,7 @@ def main(args: Args) -> None:
                 logger.samples(step, samples)
             if common.every(step, args.save_every) or final or stopping:
                 data_state = dict(order=order.state_dict(), skipped=guard.skipped)
-                run.save(step, data_state, sampler, init_hash=init_hash)
+                run.save(step, data_state, generator, init_hash=init_hash)
         if stopping:
             logger.close()
             stop.exit(stopping, run.path)

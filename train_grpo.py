@@ -373,12 +373,21 @@ def ptx_loss(actor, ptx_batch: tuple, ptx_tokens) -> torch.Tensor:
 # one iteration: rollout (steps 1-5), DAPO's dynamic sampling, update (step 6)
 
 
+# step 5 of each estimator, under its name: (engine, this rank's prompts, the experience with its rewards, the
+# normalised scores) -> advantages (B, T); an estimator of RECIPES without one is refused at start-up (check_args)
+ADVANTAGES = {}
+
+
 def group_baseline_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm) -> torch.Tensor:
     """grpo, rloo: one advantage per response (group_advantages) from R_i = s_i - beta * sum_t k1, every token."""
     args = engine.args
     sequence_rewards = experience["rewards"].sum(1)  # (B,)
     advantages = group_advantages(sequence_rewards, args.group_size, args.estimator, args.grpo_std_norm)
     return advantages[:, None] * experience["mask"]
+
+
+ADVANTAGES["grpo"] = group_baseline_advantages
+ADVANTAGES["rloo"] = group_baseline_advantages
 
 
 def reinforce_pp_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm) -> torch.Tensor:
@@ -394,13 +403,7 @@ def reinforce_pp_advantages(engine: rollout.Engine, prompts: list, experience: d
     return reward_to_go(rewards, mask, args.gamma)
 
 
-# step 5 of each estimator: (engine, this rank's prompts, the experience with its rewards, the normalised scores) ->
-# advantages (B, T); an estimator of RECIPES without an entry here is refused at start-up (check_args)
-ADVANTAGES = {
-    "grpo": group_baseline_advantages,
-    "rloo": group_baseline_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-}
+ADVANTAGES["reinforce_pp"] = reinforce_pp_advantages
 
 
 @torch.no_grad()

@@ -172,13 +172,13 @@ def main(args: Args) -> None:
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps)
     trained = common.Trained("model", model, optimizer, schedule, args.grad_clip)
-    sampler = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
+    generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
     order = Order(len(train), args.seed)  # the global sample order, the same on every rank
     guard = common.StepGuard()
     run = checkpoints.Run("sft", args, d, tok, [trained], started=t_start)
     step = 0
     if args.resume:
-        ckpt = run.resume({"init_hash": (f"--init {args.init}", init_hash)}, sampler)
+        ckpt = run.resume({"init_hash": (f"--init {args.init}", init_hash)}, generator)
         step = ckpt["step"]
         order = Order(**ckpt["data_state"]["order"])
         guard.skipped = ckpt["data_state"]["skipped"]
@@ -201,7 +201,7 @@ def main(args: Args) -> None:
             sums["nll"] += lm_loss(logits, targets, target_mask, denom=1.0)
             sums["tokens"] += target_mask.sum()
         my_prompts = prompts[d.rank : n_samples : d.world_size]
-        samples = sample_responses(raw_model, tok, my_prompts, args.temperature, args.max_new_tokens, sampler)
+        samples = sample_responses(raw_model, tok, my_prompts, args.temperature, args.max_new_tokens, generator)
         if builtin:
             sums["valid"] = sum(is_valid(response, ended) for _, response, ended in samples)
         totals = parallel.all_reduce_dict(sums, d.device)
@@ -263,7 +263,7 @@ def main(args: Args) -> None:
                 logger.samples(step, records)
             if common.every(step, args.save_every) or final or stopping:
                 data_state = dict(order=order.state_dict(), skipped=guard.skipped)
-                run.save(step, data_state, sampler, init_hash=init_hash)
+                run.save(step, data_state, generator, init_hash=init_hash)
         if stopping:
             logger.close()
             stop.exit(stopping, run.path)

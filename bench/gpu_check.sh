@@ -3,7 +3,7 @@
 # benchmark at GPT-2-small shape. Prints tokens/s and MFU per stage (from each stage's TensorBoard perf/* tags) and
 # the benchmark's phase breakdown. About 4 minutes on one H200 for the pipeline, about 3 more for the benchmark.
 #
-# Constraints (DESIGN §7): the system python3 (torch >= 2.11, transformers, tiktoken, tensorboard, numpy present),
+# Constraints (docs/design.md §7): the system python3 (torch >= 2.11, transformers, tiktoken, tensorboard, numpy present),
 # no network, no venv. tyro and its pure-Python dependencies travel as wheels in .whl/ beside the repo: run
 # `make wheels` on a machine with network first (wheels are zip files; they go on PYTHONPATH as they are).
 #
