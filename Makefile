@@ -2,7 +2,7 @@
 #   make demo            the whole pipeline on the built-in task (SFT, RM, DPO, PPO, eval), default sizes (out/)
 #   make demo TINY=1     the same chain with tiny sizes in about a minute (outputs under out/tiny/)
 #   make test            ruff format --check, ruff check (pinned in requirements.txt), then the test suite
-#   make test-fast       ruff check and the fast tier of the suite (about 2 minutes)
+#   make test-fast       ruff check and the fast tier of the suite (about a minute)
 #   make ablation        PPO-max vs vanilla vs minus-one-trick, 2 seeds, and a --kl-coef sweep (about 1.5 h;
 #                        needs out/sft and out/rm from `make demo`; resumes; table in out/ablation/ablation.md)
 #   make frontier        gold vs KL for PPO-max, GRPO, Dr. GRPO, RLOO, REINFORCE++, the gold-reward oracle, DPO and
@@ -66,15 +66,18 @@ online: venv
 	$(PY) train_online.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \
 		--out-dir $(OUT)/online
 
+# one pytest worker a core (at most 4), one thread each: the tests are small and many start processes of their own
+XDIST := -n auto --maxprocesses 4 --dist worksteal
+
 test: venv
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest $(XDIST) -q --durations=15 tests
 
-# the edit-run loop of a fork (about 2 minutes): the math, the user errors, one tiny smoke run per stage
+# the edit-run loop of a fork (about a minute): the math, the user errors, one tiny smoke run per stage
 test-fast: venv
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not slow" --durations=10 tests
+	$(PY) -m pytest $(XDIST) -q -m "not slow" --durations=10 tests
 
 # tyro and its pure-Python dependencies as wheels, for bench/gpu_check.sh on a CUDA box without network
 wheels: venv

@@ -15,20 +15,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import FSDPModule
 
 from common import CommonArgs, LRSchedule, StepGuard, Trained, UserError, is_master, print0
 from data import Order
 from lora import lora_layers, merge_lora, merged_state_dict
-from parallel import Dist
+from parallel import Dist, is_sharded
 from tokenizer import export_tokenizer
 
 
@@ -235,7 +226,9 @@ def model_state(model: torch.nn.Module, key: str = "model") -> dict:
     and with LoRA `<key>_lora` = the trainable parameters (adapters, scalar head), which a resume loads onto the base
     rebuilt from --init: the base is never re-derived from merged weights, so the resume is exact. Under --fsdp every
     rank must call it (the shards are gathered); rank 0 gets the entries, the others empty ones."""
-    if isinstance(model, FSDPModule):
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not state:  # not rank 0
             return {}
@@ -261,7 +254,9 @@ def load_model_state(model: torch.nn.Module, ckpt: dict, key: str = "model") -> 
     if lora and f"{key}_lora" not in ckpt:
         raise UserError("--resume with --lora-rank: the checkpoint holds no adapters (it was not a LoRA run)")
     state = ckpt[f"{key}_lora"] if lora else ckpt[key]
-    if isinstance(model, FSDPModule):
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         options = StateDictOptions(full_state_dict=True, strict=not lora)
         missing, unexpected = set_model_state_dict(model, state, options=options)
     else:
@@ -275,8 +270,11 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ou
     """The optimizer's state for a checkpoint in out_dir. Under --fsdp every rank writes its own shard with DCP into a
     new folder beside ckpt.pt (a 7 B model's gathered optimizer state would not fit one host) and the entry is
     {"dcp": the folder's name}; save_checkpoint removes the folders that the new ckpt.pt no longer names."""
-    if not isinstance(model, FSDPModule):
+    if not is_sharded(model):
         return optimizer.state_dict()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     folder = [f"{name}.{uuid.uuid4().hex[:12]}.dcp"]  # a fresh name: the folder ckpt.pt names now stays whole
     dist.broadcast_object_list(folder, src=0)
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=os.path.join(out_dir, folder[0]))
@@ -285,7 +283,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ou
 
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, ckpt_dir: str) -> None:
     """The inverse of optimizer_state; ckpt_dir: the folder of the checkpoint that holds `state`."""
-    sharded = isinstance(model, FSDPModule)
+    sharded = is_sharded(model)
     if sharded != ("dcp" in state):
         raise UserError(f"--resume: the checkpoint was saved {'with' if 'dcp' in state else 'without'} --fsdp")
     if not sharded:
@@ -294,6 +292,9 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     folder = os.path.join(ckpt_dir, state["dcp"])
     if not os.path.isdir(folder):
         raise UserError(f"--resume: {folder}, the sharded optimizer state beside the checkpoint, is missing")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
     sharded_state = get_optimizer_state_dict(model, optimizer)  # the layout DCP loads into, shard by shard
     dcp.load(sharded_state, checkpoint_id=folder)
     set_optimizer_state_dict(model, optimizer, sharded_state)

@@ -23,7 +23,6 @@ from typing import Callable, Literal, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 
 class UserError(Exception):
@@ -336,8 +335,10 @@ def add_all(sums: dict, values: dict) -> None:
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (FSDP2's clip_grad_norm_ returns the global norm as one), any other tensor itself."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    """A DTensor's full value (FSDP2's clip_grad_norm_ returns the global norm as one), any other tensor itself. Read
+    without importing DTensor (a second at start-up): none exists until something imports it."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return tensor.full_tensor() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
 
 
 def guarded_step(trained: list[Trained], guard: StepGuard, step: int) -> set[str]:

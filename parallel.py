@@ -5,6 +5,7 @@ use (named sums in one all-reduce, moments over every rank).
 """
 
 import os
+import sys
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -13,8 +14,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import CommonArgs, UserError, exact_div, print0
@@ -160,10 +159,20 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     raise ValueError("no ModuleList of n_layer blocks in the model")
 
 
+def is_sharded(model) -> bool:
+    """An FSDP2 module (torch's FSDPModule)? Read without importing FSDP2, which costs a second at every start-up:
+    until something imports it (shard_model, under --fsdp), no module is sharded."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+
+
 def shard_model(model: torch.nn.Module, d: Dist, dtype: torch.dtype) -> torch.nn.Module:
     """--fsdp: FSDP2 on each block, then on the root (embeddings, final norm, heads), in place. Under bf16 the
     parameters are gathered in bf16 and gradients reduced in fp32 (MixedPrecisionPolicy); autocast stays on around
     the forward for the ops it keeps in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     # our forwards return views (scores.squeeze(-1)) but never modify one in place, which is what FSDP2 warns about
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh(d.device.type, (d.world_size,))
@@ -177,7 +186,7 @@ def shard_model(model: torch.nn.Module, d: Dist, dtype: torch.dtype) -> torch.nn
     with torch.no_grad():
         model(torch.zeros(1, 1, dtype=torch.long, device=d.device))
     for module in model.modules():  # the root keeps its parameters gathered after a forward: free them
-        if isinstance(module, FSDPModule):
+        if is_sharded(module):
             module.reshard()
     return model
 
@@ -221,10 +230,10 @@ def gathered(model: torch.nn.Module):
     call the blocks (and the root's own layers) outside the root forward, which would otherwise gather per block and
     per token, or not at all. A no-op for an unsharded model."""
     model = getattr(model, "_orig_mod", model)
-    if not isinstance(model, FSDPModule) or getattr(model, "gathered", False):  # nested: the outer one frees
+    if not is_sharded(model) or getattr(model, "gathered", False):  # nested: the outer one frees
         yield
         return
-    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    sharded = [module for module in model.modules() if is_sharded(module)]
     for module in sharded:
         module.unshard()
         module.set_reshard_after_forward(False, recurse=False)
@@ -259,7 +268,7 @@ def wrap_model(model: torch.nn.Module, d: Dist, compile: str) -> torch.nn.Module
     the raw module."""
     if use_compile(compile, d.device):
         model = compile_forward(model)
-    if d.ddp and not isinstance(getattr(model, "_orig_mod", model), FSDPModule):  # FSDP2 needs no wrapper
+    if d.ddp and not is_sharded(getattr(model, "_orig_mod", model)):  # FSDP2 needs no wrapper
         model = replicate(model, d)
     return model
 
@@ -274,7 +283,7 @@ def grad_sync(model: torch.nn.Module, sync: bool):
     """Gradient accumulation: DDP all-reduces only where sync (the last micro-batch of a step), through the public
     no_sync(); a plain module needs no context."""
     bare = getattr(model, "_orig_mod", model)
-    if isinstance(bare, FSDPModule):  # FSDP2 has no no_sync(): reduce-scatter on the last micro-batch only
+    if is_sharded(bare):  # FSDP2 has no no_sync(): reduce-scatter on the last micro-batch only
         bare.set_requires_gradient_sync(sync)
         return nullcontext()
     if sync or not isinstance(model, DDP):

@@ -20,6 +20,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs one worker a core: one thread each, processes it starts too
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
