@@ -155,16 +155,10 @@ def generate_responses(engine: Engine, prompts: list, prefix: Optional[tuple] = 
         budget = continuation_budget(prefix_ids, prefix_mask, args.max_new_tokens, tok.eos_id)
     compiled = parallel.use_compile(args.compile, device) and not args.fsdp
     policy = models.actor if models.sampler is None else models.sampler
+    generator = engine.generator
     with parallel.autocast(device, engine.dtype), parallel.gathered(policy):  # --fsdp: gathered once, not per token
         samples = sample(
-            policy,
-            tok,
-            inputs,
-            input_mask,
-            budget,
-            args.temperature,
-            generator=engine.generator,
-            compiled=compiled,
+            policy, tok, inputs, input_mask, budget, args.temperature, generator=generator, compiled=compiled
         )
     sampled = samples.mask
     if prefix is not None:
@@ -190,30 +184,22 @@ def continuation_budget(prefix_ids, prefix_mask, max_new_tokens: int, eos_id: in
     return (max_new_tokens - lengths).clamp(min=0).masked_fill(ended, 0)
 
 
-def join_responses(prefix_ids, prefix_mask, continuation, continuation_mask, pad_id: int):
-    """Each row's prefix (B, Tp) and its continuation (B, Tc), both right-padded, as one right-padded response: the
-    continuation's tokens follow the prefix's last real one. Returns (response (B, T) long, mask (B, T), sampled
-    (B, T): 1.0 on the continuation's tokens), T the longest row."""
-    B, Tp = prefix_ids.shape
-    Tc = continuation.size(1)
-    columns = prefix_mask.sum(1).long()[:, None] + torch.arange(Tc, device=continuation.device)  # (B, Tc)
-    response = torch.cat([prefix_ids.masked_fill(prefix_mask == 0, pad_id), prefix_ids.new_full((B, Tc), pad_id)], 1)
-    mask = torch.cat([prefix_mask, prefix_mask.new_zeros(B, Tc)], 1)
-    continuation_mask = continuation_mask.to(mask.dtype)
-    response.scatter_(1, columns, continuation)  # a continuation's padding lands past its row's end
-    mask.scatter_(1, columns, continuation_mask)
-    sampled = torch.zeros_like(mask).scatter_(1, columns, continuation_mask)
-    width = max(1, int(mask.sum(1).max()))
-    return response[:, :width], mask[:, :width], sampled[:, :width]
-
-
 def join_samples(tok: Tokenizer, prefix_ids, prefix_mask, continued: Samples) -> tuple[Samples, torch.Tensor]:
-    """The Samples of prefix and continuation as one response (join_responses; the sampler's log-probs 0 on the
-    prefix), and the mask of the sampled tokens."""
-    response, mask, sampled = join_responses(prefix_ids, prefix_mask, continued.response, continued.mask, tok.pad_id)
-    columns = prefix_mask.sum(1).long()[:, None] + torch.arange(continued.mask.size(1), device=mask.device)
-    logprobs = mask.new_zeros(mask.size(0), prefix_ids.size(1) + columns.size(1))
-    logprobs = logprobs.scatter(1, columns, continued.logprobs.to(mask.dtype))[:, : mask.size(1)]
+    """Each row's prefix (B, Tp) and its continuation, both right-padded, as one right-padded response: the
+    continuation's tokens follow the prefix's last real one, the sampler's log-probs are 0 on the prefix. Returns the
+    joined Samples and the mask of the sampled tokens (B, T), T the longest row."""
+    B, Tc = continued.mask.shape
+    columns = prefix_mask.sum(1).long()[:, None] + torch.arange(Tc, device=prefix_mask.device)  # (B, Tc)
+    continuation_mask = continued.mask.to(prefix_mask.dtype)
+    blank = torch.zeros_like(torch.cat([prefix_mask, prefix_mask.new_zeros(B, Tc)], 1))  # (B, Tp + Tc)
+    mask = torch.cat([prefix_mask, prefix_mask.new_zeros(B, Tc)], 1).scatter(1, columns, continuation_mask)
+    sampled = blank.scatter(1, columns, continuation_mask)
+    logprobs = blank.scatter(1, columns, continued.logprobs.to(blank.dtype))
+    padding = prefix_ids.new_full((B, Tc), tok.pad_id)
+    response = torch.cat([prefix_ids.masked_fill(prefix_mask == 0, tok.pad_id), padding], 1)
+    response = response.scatter(1, columns, continued.response)  # a continuation's padding lands past its row's end
+    width = max(1, int(mask.sum(1).max()))
+    response, mask, sampled, logprobs = (tensor[:, :width] for tensor in (response, mask, sampled, logprobs))
     lengths = mask.sum(1).long()
     last = (lengths - 1).clamp(min=0)
     ended = (response.gather(1, last[:, None]).squeeze(1) == tok.eos_id) & (lengths > 0)
@@ -443,17 +429,15 @@ def first_micro_batch(logprobs, old_logprobs, mask, sums: dict) -> dict:
 
 @torch.no_grad()
 def update_kl(actor, experience: dict, micro_batch_size: int, temperature: float, amp) -> float:
-    """How far an update moved the policy: KL(pi_old || pi_new) on the rollout it was computed from, per response
-    (the summed k3, (r - 1) - log r with r = pi_new / pi_old: an unbiased estimate on pi_old's own samples), the mean
-    over every rank's responses, from one no-grad pass of the training forward after the update."""
-    mask = experience["mask"]
-    total = torch.zeros((), device=mask.device)
-    for start in range(0, mask.size(0), micro_batch_size):
-        rows = slice(start, start + micro_batch_size)
-        batch = {key: experience[key][rows] for key in ("query", "query_mask", "response", "mask", "logprobs")}
-        with amp:
-            _, logprobs = policy_logprobs(actor, batch, temperature)
-        log_ratio = torch.where(batch["mask"].bool(), batch["logprobs"] - logprobs, 0.0)
-        total += ((torch.expm1(-log_ratio) + log_ratio) * batch["mask"]).sum()
-    sums = parallel.all_reduce_dict({"kl": total, "sequences": float(mask.size(0))}, mask.device)
+    """How far an update moved the policy: KL(pi_old || pi_new) per response, the summed k3, (r - 1) - log r with
+    r = pi_new / pi_old (an unbiased estimate on pi_old's own samples), from one no-grad pass of the training forward
+    after the update over the first micro-batch of every rank's rollout: a sample of the rollout's responses, the
+    mean over all ranks' (the whole rollout's pass cost 3 % of an iteration at bench/README.md's shape S)."""
+    rows = slice(0, micro_batch_size)
+    batch = {key: experience[key][rows] for key in ("query", "query_mask", "response", "mask", "logprobs")}
+    with amp:
+        _, logprobs = policy_logprobs(actor, batch, temperature)
+    log_ratio = torch.where(batch["mask"].bool(), batch["logprobs"] - logprobs, 0.0)
+    kl = ((torch.expm1(-log_ratio) + log_ratio) * batch["mask"]).sum()
+    sums = parallel.all_reduce_dict({"kl": kl, "sequences": float(batch["mask"].size(0))}, kl.device)
     return sums["kl"] / sums["sequences"]

@@ -32,7 +32,7 @@ from generate import sample
 from lora import BaseView
 from model import logprobs_from_logits, response_forward
 from task import build_task, gold_reward, is_valid
-from tokenizer import load_tokenizer
+from tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5}  # --beta None resolves here (IPO's β works on per-token mean log-probs)
 
@@ -227,6 +227,39 @@ def heldout_sums(policy, ref, evals: list, loss_fn: Callable, average: bool, mic
     return sums
 
 
+def pair_backward(policy, ref, batch: list, args: Args, denoms: tuple, sync: bool, amp) -> dict:
+    """One micro-batch of pairs (collate's tensors on the device): the DPO/IPO loss over the step's global pair count
+    plus --nll-coef x the next-token loss of the best responses over the step's global count of their tokens (RPO),
+    and its backward (gradients accumulate; DDP all-reduces where sync). Returns the terms' sums for the logs."""
+    ids, targets_mask, chosen, rejected, weights, best = batch
+    pair_denom, nll_denom = denoms
+    average = args.loss == "ipo"  # per-token mean log-probs (IPO), else sums
+    with torch.no_grad(), amp:
+        ref_logprobs = sequence_logprobs(ref, ids, targets_mask, average)
+    with parallel.grad_sync(policy, sync), amp:
+        policy_logprobs = sequence_logprobs(policy, ids, targets_mask, average)
+        loss, stats = dpo_loss(
+            policy_logprobs[chosen],
+            policy_logprobs[rejected],
+            ref_logprobs[chosen],
+            ref_logprobs[rejected],
+            beta=args.beta,
+            loss_type=args.loss,
+            label_smoothing=args.label_smoothing,
+            weights=weights,
+            denom=pair_denom,
+        )
+        # RPO: the next-token loss of the best responses, a token mean over the whole step's best responses (TRL's
+        # rpo_alpha), not Pang et al.'s per-sequence normalisation (their summed log-probs; IPO's are per-token means,
+        # scaled back to sums)
+        best_logprobs = policy_logprobs[best] * (targets_mask[best].sum(1) if average else 1)
+        nll_loss = -best_logprobs.sum() / nll_denom
+        loss = loss + args.nll_coef * nll_loss
+        # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
+        (loss * parallel.world_size()).backward()
+    return {"train/loss": loss.detach(), "train/nll_loss": nll_loss.detach()} | stats
+
+
 def flops_per_token(model, examples: list) -> int:
     """Training FLOPs per token (perf/mfu): the model's estimate at the mean sequence length, plus the reference's
     no-grad forward (a third of a training step's 6 per weight)."""
@@ -256,13 +289,19 @@ def check_args(args: Args) -> None:
         raise UserError("--init scratch: DPO starts from a trained policy (an SFT checkpoint, gpt2 or hf:...)")
 
 
-def main(args: Args) -> None:
-    t_start = time.time()
-    args = checkpoints.resume_args(args, "dpo", resolve_beta)  # --resume: the run's own flags, a changed one refused
-    check_args(args)
-    checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
-    common.seed_everything(args.seed)
-    # 1. data, tokenizer, policy and reference (user mistakes surface here, before any process group)
+@dataclass
+class Data:
+    """DPO's records, encoded for its tokenizer and context (load)."""
+
+    train: list  # data.encode_prefs's examples
+    evals: list  # the first --eval-pairs held-out ones
+    prompts: list  # held-out prompts to sample from (built-in task), or empty
+    too_long: int  # training records skipped for the context
+
+
+def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
+    """Step 1: the preference data, tokenizer and policy (--init), checked before any process group; returns them and
+    the init's fingerprint (--resume compares it)."""
     builtin = args.data is None
     task = build_task(args.task_dir, args.task_seed) if builtin else None
     train_path = task["pairs"] if builtin else args.data
@@ -272,16 +311,28 @@ def main(args: Args) -> None:
     model, tok, _ = hf.load_init(args.init, tokenizer=task_tok, score_head=False, kind=checkpoints.POLICY_KINDS)
     if builtin and tok.state() != task_tok.state():
         raise UserError(f"--init {args.init}: its tokenizer is not the built-in task's ({task['tokenizer']})")
-    init_hash = checkpoints.init_fingerprint(args.init)  # what this run started from (--resume compares)
+    init_hash = checkpoints.init_fingerprint(args.init)  # what this run started from
     block_size = model.config.block_size
-    train, n_too_long = encode_prefs(tok, train_rows, block_size)
+    train, too_long = encode_prefs(tok, train_rows, block_size)
     evals, _ = encode_prefs(tok, eval_rows, block_size)
     if not train or not evals:
         raise UserError(
             f"{train_path}: no preference record (or no held-out one) fits the context ({block_size} tokens)"
         )
-    evals = evals[: args.eval_pairs]
     prompts = [row["prompt"] for row in read_jsonl(task["eval_prompts"], "prompts")] if builtin else []
+    return model, tok, init_hash, Data(train, evals[: args.eval_pairs], prompts, too_long)
+
+
+def main(args: Args) -> None:
+    t_start = time.time()
+    args = checkpoints.resume_args(args, "dpo", resolve_beta)  # --resume: the run's own flags, a changed one refused
+    check_args(args)
+    checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
+    common.seed_everything(args.seed)
+    # 1. data, tokenizer, policy and reference (user mistakes surface here, before any process group)
+    model, tok, init_hash, data = load(args)
+    builtin = args.data is None
+    train, evals, prompts = data.train, data.evals, data.prompts
     parallel.prepare_model(model, args)
     if args.lora_rank > 0:
         ref = BaseView(model)  # the adapters off: the init itself, no second copy of its weights
@@ -297,7 +348,7 @@ def main(args: Args) -> None:
     dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, int(args.epochs * len(train)) // args.batch_size)
     print0(
-        f"dpo: {len(train)} train / {len(evals)} eval records ({n_too_long} too long, skipped) | "
+        f"dpo: {len(train)} train / {len(evals)} eval records ({data.too_long} too long, skipped) | "
         f"{model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
         f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | loss {args.loss} beta {args.beta:g} "
         f"label_smoothing {args.label_smoothing:g} nll_coef {args.nll_coef:g} | device {d.device} {dtype}"
@@ -358,6 +409,7 @@ def main(args: Args) -> None:
     model.eval()
     stat_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
     window = dict.fromkeys(("train/loss", "train/nll_loss", *stat_names, "tokens"), 0.0)  # summed since the last log
+    amp = parallel.autocast(d.device, dtype)
     window_steps = 0
     stop = common.StopSignal()  # SIGINT/SIGTERM: save the step, exit 128 + signal
     while step < max_steps:
@@ -372,34 +424,10 @@ def main(args: Args) -> None:
         my_batch = sorted(batch[d.rank * per_rank : (d.rank + 1) * per_rank], key=longest_sequence)
         for micro_step in range(grad_accum_steps):
             micro_batch = my_batch[micro_step * micro_batch_size :][:micro_batch_size]
-            ids, targets_mask, chosen, rejected, weights, best = (
-                t.to(d.device) for t in collate(micro_batch, tok.pad_id)
-            )
-            with torch.no_grad(), parallel.autocast(d.device, dtype):
-                ref_logprobs = sequence_logprobs(ref, ids, targets_mask, average)
-            last_micro_step = micro_step == grad_accum_steps - 1
-            with parallel.grad_sync(model, last_micro_step), parallel.autocast(d.device, dtype):
-                policy_logprobs = sequence_logprobs(model, ids, targets_mask, average)
-                loss, stats = loss_fn(
-                    policy_logprobs[chosen],
-                    policy_logprobs[rejected],
-                    ref_logprobs[chosen],
-                    ref_logprobs[rejected],
-                    weights=weights,
-                    denom=pair_denom,
-                )
-                # RPO: the next-token loss of the best responses, a token mean over the whole step's best responses
-                # (TRL's rpo_alpha), not Pang et al.'s per-sequence normalisation (their summed log-probs; IPO's are
-                # per-token means, scaled back to sums)
-                best_logprobs = policy_logprobs[best] * (targets_mask[best].sum(1) if average else 1)
-                nll_loss = -best_logprobs.sum() / nll_denom
-                loss = loss + args.nll_coef * nll_loss
-                # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
-                (loss * d.world_size).backward()
-            window["train/loss"] += loss.detach()
-            window["train/nll_loss"] += nll_loss.detach()
-            for name in stat_names:
-                window[name] += stats[name]
+            batch = [t.to(d.device) for t in collate(micro_batch, tok.pad_id)]
+            sync = micro_step == grad_accum_steps - 1
+            sums = pair_backward(model, ref, batch, args, (pair_denom, nll_denom), sync, amp)
+            common.add_all(window, sums)
             window["tokens"] += sum(len(seq) for seqs, *_ in micro_batch for seq in seqs)
         common.guarded_step([trained], guard, step)
         step += 1

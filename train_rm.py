@@ -36,7 +36,7 @@ from data import (
 )
 from model import calibration_error, last_token_scores, lm_loss, score_sequences
 from task import PROBE_KINDS, build_task, gold_reward, is_task_prompt, probe_texts
-from tokenizer import load_tokenizer
+from tokenizer import Tokenizer, load_tokenizer
 
 
 @common.stage_args
@@ -135,6 +135,28 @@ def collate(examples: list, pad_id: int):
 def fold_score_offset(model, offset: float) -> None:
     """Subtract offset from every score the model gives by folding it into the scalar head's bias."""
     model.score_head.bias -= offset
+
+
+def pair_backward(model, batch: list, args: Args, denoms: tuple, sync: bool, amp) -> dict:
+    """One micro-batch of responses (collate's tensors on the device): the Bradley-Terry loss over the step's global
+    pair count plus --lm-coef x the next-token loss of the best responses over the step's global count of their
+    tokens, and its backward (gradients accumulate; DDP all-reduces where sync). Returns the terms' sums for the
+    logs: loss, bt_loss, lm_loss and the pairs' weighted accuracy (ties 1/2)."""
+    ids, mask, chosen, rejected, weights, lm_mask = batch
+    pair_denom, lm_denom = denoms
+    with parallel.grad_sync(model, sync), amp:
+        logits, token_scores = model(ids, logits=args.lm_coef > 0)  # right padding: no attention mask needed
+        scores = last_token_scores(token_scores.float(), mask)  # (N,) score at each response's EOS
+        bt_loss = preference_loss(scores[chosen], scores[rejected], weights, denom=pair_denom)
+        lm_loss_value = bt_loss * 0
+        if args.lm_coef > 0:
+            lm_loss_value = lm_loss(logits[:, :-1], ids[:, 1:], lm_mask[:, 1:], lm_denom)
+        loss = bt_loss + args.lm_coef * lm_loss_value
+        # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
+        (loss * parallel.world_size()).backward()
+    gaps = scores[chosen] - scores[rejected]
+    accuracy = (weights * ((gaps > 0) + 0.5 * (gaps == 0))).sum().detach() / pair_denom
+    return {"loss": loss.detach(), "bt_loss": bt_loss.detach(), "lm_loss": lm_loss_value.detach(), "accuracy": accuracy}
 
 
 def flops_per_token(model, examples: list, lm_coef: float) -> int:
@@ -250,13 +272,21 @@ def probe_metrics(scores: torch.Tensor, kinds: list[str]) -> tuple[dict, dict]:
 # main
 
 
-def main(args: Args) -> None:
-    t_start = time.time()
-    # --resume: the run's own flags, a changed one refused (docs/design.md §8)
-    args = checkpoints.resume_args(args, "rm")
-    checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
-    common.seed_everything(args.seed)  # before the model: the fresh score head's init
-    # 1. data, tokenizer and model (user mistakes surface here, before any process group)
+@dataclass
+class Data:
+    """The RM's records, encoded for its tokenizer and context (load)."""
+
+    train: list  # encode_prefs's examples
+    evals: list
+    calib: list  # token ids of the calibration responses
+    probes: list  # (kind, ids) of the hackability probe (built-in task), or empty
+    golds: Optional[list]  # the gold of every held-out response (built-in task), or None
+    too_long: int  # training records skipped for the context
+
+
+def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
+    """Step 1: the data, tokenizer and model (--init with a score head), checked before any process group; returns
+    them and the init's fingerprint (--resume compares it)."""
     builtin = args.data is None
     task = build_task(args.task_dir, args.task_seed) if builtin else None
     train_path = task["pairs"] if builtin else args.data
@@ -269,9 +299,8 @@ def main(args: Args) -> None:
     model, tok, _ = hf.load_init(args.init, tokenizer=task_tok, score_head=True, kind=("sft", "rm"))
     if builtin and tok.state() != task_tok.state():
         raise UserError(f"--init {args.init}: its tokenizer is not the built-in task's ({task['tokenizer']})")
-    init_hash = checkpoints.init_fingerprint(args.init)  # what this run started from (--resume compares)
     block_size = model.config.block_size
-    train, n_too_long = encode_prefs(tok, train_rows, block_size)
+    train, too_long = encode_prefs(tok, train_rows, block_size)
     evals, _ = encode_prefs(tok, eval_rows, block_size)
     calib = encode_calibration(tok, calib_rows, block_size)
     if not train or not evals or not calib:
@@ -280,7 +309,7 @@ def main(args: Args) -> None:
             f"({block_size} tokens)"
         )
     probes = []  # hackability probe (built-in task): degenerate texts and fluent positive reviews
-    golds = None  # the gold of every held-out response (built-in task)
+    golds = None
     if builtin:
         prompts = [row["prompt"] for row in read_jsonl(task["eval_prompts"], "prompts")]
         if all(is_task_prompt(prompt) for prompt in prompts):
@@ -288,6 +317,20 @@ def main(args: Args) -> None:
         else:  # a task of your own in task.py: the probe writes reviews-task texts only
             print0("probe: skipped (the task's prompts are not the built-in reviews task's)")
         golds = [[gold_reward(ex[4]["prompt"], text, True) for text in responses_of(ex[4])] for ex in evals]
+    init_hash = checkpoints.init_fingerprint(args.init)  # what this run started from
+    return model, tok, init_hash, Data(train, evals, calib, probes, golds, too_long)
+
+
+def main(args: Args) -> None:
+    t_start = time.time()
+    # --resume: the run's own flags, a changed one refused (docs/design.md §8)
+    args = checkpoints.resume_args(args, "rm")
+    checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
+    common.seed_everything(args.seed)  # before the model: the fresh score head's init
+    # 1. data, tokenizer and model (user mistakes surface here, before any process group)
+    model, tok, init_hash, data = load(args)
+    builtin = args.data is None
+    train, evals, calib, probes, golds = data.train, data.evals, data.calib, data.probes, data.golds
     per_kind = {}  # probe score by kind, filled by evaluate()
 
     # 2. distributed set-up, sizes, optimizer, resume
@@ -297,7 +340,7 @@ def main(args: Args) -> None:
     dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.epochs * len(train) // args.batch_size)
     print0(
-        f"rm: {len(train)} train / {len(evals)} eval records ({n_too_long} too long, skipped) | {len(calib)} "
+        f"rm: {len(train)} train / {len(evals)} eval records ({data.too_long} too long, skipped) | {len(calib)} "
         f"calibration | {model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
         f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | lm_coef {args.lm_coef} | "
         f"device {d.device} {dtype}"
@@ -352,6 +395,7 @@ def main(args: Args) -> None:
     # dropout off (docs/design.md §2): the model stays in eval mode, the only thing the mode changes in a GPT
     model.eval()
     window = {"loss": 0.0, "bt_loss": 0.0, "lm_loss": 0.0, "accuracy": 0.0, "tokens": 0}  # summed since the last log
+    amp = parallel.autocast(d.device, dtype)
     window_steps = 0
     stop = common.StopSignal()  # SIGINT/SIGTERM: save the step, exit 128 + signal
     while step < max_steps:
@@ -366,23 +410,9 @@ def main(args: Args) -> None:
         my_batch = sorted(batch[d.rank * per_rank : (d.rank + 1) * per_rank], key=longest_sequence)
         for micro_step in range(grad_accum_steps):
             micro_batch = my_batch[micro_step * micro_batch_size :][:micro_batch_size]
-            ids, mask, chosen, rejected, weights, lm_mask = (t.to(d.device) for t in collate(micro_batch, tok.pad_id))
-            last_micro_step = micro_step == grad_accum_steps - 1
-            with parallel.grad_sync(model, last_micro_step), parallel.autocast(d.device, dtype):
-                logits, token_scores = model(ids, logits=args.lm_coef > 0)  # right padding: no attention mask needed
-                scores = last_token_scores(token_scores.float(), mask)  # (N,) score at each response's EOS
-                bt_loss = preference_loss(scores[chosen], scores[rejected], weights, denom=pair_denom)
-                lm_loss_value = bt_loss * 0
-                if args.lm_coef > 0:
-                    lm_loss_value = lm_loss(logits[:, :-1], ids[:, 1:], lm_mask[:, 1:], lm_denom)
-                loss = bt_loss + args.lm_coef * lm_loss_value
-                # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
-                (loss * d.world_size).backward()
-            gaps = scores[chosen] - scores[rejected]
-            window["loss"] += loss.detach()
-            window["bt_loss"] += bt_loss.detach()
-            window["lm_loss"] += lm_loss_value.detach()
-            window["accuracy"] += (weights * ((gaps > 0) + 0.5 * (gaps == 0))).sum().detach() / pair_denom
+            batch = [t.to(d.device) for t in collate(micro_batch, tok.pad_id)]
+            sync = micro_step == grad_accum_steps - 1
+            common.add_all(window, pair_backward(model, batch, args, (pair_denom, lm_denom), sync, amp))
             window["tokens"] += sum(len(seq) for seqs, *_ in micro_batch for seq in seqs)
         common.guarded_step([trained], guard, step)
         step += 1

@@ -5,20 +5,21 @@ every rank), the metrics reduced from this rank's sums, older flag spellings, ge
 continuations a row against a loop, greedy batched against one at a time, a prefix of length 0 as the plain rollout),
 the FLOPs of an iteration by hand, and the bf16 sampler copy of the actor refreshed in place."""
 
+import contextlib
 import dataclasses
 import math
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import boost_eos, free_port, ragged, tiny_gpt
+from conftest import boost_eos, fake_experience, free_port, ragged, tiny_gpt
 
 import generate
 import rollout
 import train_grpo
 import train_ppo
 from model import GPT, logprobs_from_logits, response_forward
-from rollout import Models
+from roles import Models
 
 # -----------------------------------------------------------------------------
 # TIS: a pure function against a naive loop
@@ -52,6 +53,30 @@ def test_older_spellings_of_the_flags_resolve():
         train_grpo.resolve_args(train_grpo.Args(rm_ckpt="out/rm/ckpt.pt", reward_fn="data:gold_reward")),
     ):
         assert resolved.rm_ckpt == ["out/rm/ckpt.pt"] and resolved.reward_fn == "task:gold_reward"
+
+
+@pytest.mark.parametrize("rows", [3, 8], ids=["a micro-batch", "all"])
+def test_update_kl_against_a_loop(rows):
+    """policy/update_kl after a policy moved: the mean over the first `rows` responses of sum_t (r - 1) - log r,
+    r = pi_new / pi_old of the sampled token, each response's new log-probs from a forward of its own (no padding),
+    padding holding extreme old log-probs."""
+    actor, _, exp = fake_experience()
+    with torch.no_grad():
+        for parameter in actor.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    exp = exp | {"logprobs": torch.where(exp["mask"].bool(), exp["logprobs"], -1000.0)}
+    got = rollout.update_kl(actor, exp, rows, 0.8, contextlib.nullcontext())
+    want = []
+    for row in range(rows):
+        query = exp["query"][row][exp["query_mask"][row].bool()][None]
+        n = int(exp["mask"][row].sum())
+        response = exp["response"][row, :n][None]
+        with torch.no_grad():
+            logits, _ = response_forward(actor, query, torch.ones_like(query), response, torch.ones_like(response), 0.8)
+        new = logprobs_from_logits(logits, response)[0]
+        log_r = new - exp["logprobs"][row, :n]
+        want.append((log_r.exp() - 1 - log_r).sum().item())
+    assert got == pytest.approx(sum(want) / rows, rel=1e-5) and got > 0
 
 
 # -----------------------------------------------------------------------------
