@@ -507,12 +507,12 @@ def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
     mask = batch["loss_mask"]
     weights = batch["weights"]
     pg_weights = weights * batch["tis"] if "tis" in batch else weights  # --tis-cap: the policy loss only
-    clips = dict(cliprange_high=args.cliprange_high, dual_clip=args.dual_clip)
+    clip_high, dual_clip = args.cliprange_high, args.dual_clip
     with parallel.grad_sync(actor, sync), amp:
         _, logprobs = rollout.policy_logprobs(actor, batch, args.temperature)
         advantages = batch["advantages"]
         loss, stats = policy_loss(
-            logprobs, batch["logprobs"], advantages, mask, args.cliprange, pg_weights, denom, **clips
+            logprobs, batch["logprobs"], advantages, mask, args.cliprange, pg_weights, denom, clip_high, dual_clip
         )
         sums = {"pg_loss": loss.detach()}
         if args.kl_penalty == "loss":  # GRPO: beta * k3 (or k2) against the reference, aggregated alike
