@@ -51,6 +51,9 @@ demo: venv
 	$(PY) eval.py $(COMMON) --pairs --rm $(OUT)/rm/ckpt.pt --json $(OUT)/results.json
 	$(PY) eval.py $(COMMON) --policy $(OUT)/sft/ckpt.pt $(OUT)/ppo/ckpt.pt $(OUT)/dpo/ckpt.pt --names sft ppo dpo \
 		--ref $(OUT)/sft/ckpt.pt --rm $(OUT)/rm/ckpt.pt --json $(OUT)/results.json $(EVAL_FLAGS)
+ifeq ($(TINY),1)
+	@echo "make demo TINY=1 checked that the chain runs (a 2-layer model, 8 PPO iterations): the table above means nothing. The real run: make demo (about 6 minutes on 2 cores), then make test."
+endif
 
 ablation: venv
 	$(PY) experiments/ablation.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \

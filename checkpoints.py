@@ -138,7 +138,7 @@ RETIRED = {
 def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None) -> CommonArgs:
     """A stage's args as its run continues (docs/design.md §8), decided before anything is built. Without --resume:
     resolve(args). With it, from the checkpoint of this kind in args.out_dir: a flag the command line did not give
-    (args.given, set by common.cli) takes the checkpoint's value, so --resume alone continues the run as it was
+    (args.given, set by cli.parse) takes the checkpoint's value, so --resume alone continues the run as it was
     started; a flag it gave counts as given whatever its value, the default included. Called from Python (no
     args.given), a field still at its dataclass default counts as not given. A given flag that changes the run's math
     (estimator, beta, lr, model shape, LoRA, data) and differs from the saved one is refused with one line naming each
@@ -152,7 +152,7 @@ def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None)
     if args.overwrite:
         raise UserError("--resume continues the run in --out-dir, --overwrite starts it over: pass one of them")
     path = os.path.join(args.out_dir, "ckpt.pt")
-    given = getattr(args, "given", None)  # the flags a command line gave (common.cli); None when called from Python
+    given = getattr(args, "given", None)  # the flags a command line gave (cli.parse); None when called from Python
     saved = load_checkpoint(path, kind=kind, flag="--resume", mmap=True).get("args", {})
     for name, (value, why) in RETIRED.get(kind, {}).items():
         if name in saved and saved[name] != value:

@@ -11,11 +11,11 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import sys
 import threading
 import time
-import typing
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Callable, Literal, Optional
@@ -81,21 +81,6 @@ class CommonArgs:
     """at the end, also write the model as a Hugging Face folder here (policy: causal LM; RM: sequence classifier)"""
 
 
-def stage_args(cls):
-    """Decorator of a stage's Args (a dataclass subclass of CommonArgs, possibly through rollout.RolloutArgs): --help
-    lists the stage's own flags first, then those of each base class in turn, CommonArgs' last. Dataclasses put a
-    base class's fields first; this reorders the field table that dataclasses.fields(), asdict() and tyro read
-    (keyword construction is unchanged)."""
-    table = cls.__dataclass_fields__
-    ordered = []
-    for klass in cls.__mro__:  # the class itself first, then its bases
-        for name in klass.__dict__.get("__annotations__", {}):
-            if name in table and name not in ordered:
-                ordered.append(name)
-    cls.__dataclass_fields__ = {name: table[name] for name in ordered}
-    return cls
-
-
 def write_atomic(path: str, text: str) -> None:
     """Write text to path through a temp file and os.replace: a reader never sees half of it."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -132,54 +117,6 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def given_flags(argv: list[str], cls) -> frozenset[str]:
-    """The fields of the dataclass cls that the command line argv gives a value: --name, --name=value, and a bool's
-    --no-name."""
-    names = {f.name for f in fields(cls)}
-    given = set()
-    for token in argv:
-        if not token.startswith("--"):
-            continue
-        name = token[2:].split("=")[0].replace("-", "_")
-        if name not in names and name.startswith("no_"):
-            name = name[3:]
-        if name in names:
-            given.add(name)
-    return frozenset(given)
-
-
-def none_spelled_lower(argv: list[str], cls) -> list[str]:
-    """argv with `none` as the value of an Optional flag spelled as tyro reads it, `None` (--cliprange none reads like
-    --rm-ckpt none); not where `none` is one of the flag's own choices (--reward-norm none is the choice)."""
-    hints = typing.get_type_hints(cls)
-    optional = set()
-    for f in fields(cls):
-        choices = [value for arg in typing.get_args(hints[f.name]) for value in typing.get_args(arg)]
-        if type(None) in typing.get_args(hints[f.name]) and "none" not in choices:
-            optional.add(f.name)
-    spelled = list(argv)
-    for i, token in enumerate(argv):
-        name, is_pair, value = token[2:].partition("=")
-        if not token.startswith("--") or name.replace("-", "_") not in optional:
-            continue
-        if is_pair and value == "none":
-            spelled[i] = f"--{name}=None"
-        elif not is_pair and i + 1 < len(argv) and argv[i + 1] == "none":
-            spelled[i + 1] = "None"
-    return spelled
-
-
-def cli(cls):
-    """tyro.cli(cls) (`none` for None too), with the flags the command line gave as args.given (not a field):
-    --resume counts a given flag as given whatever its value (checkpoints.resume_args)."""
-    import tyro
-
-    argv = none_spelled_lower(sys.argv[1:], cls)
-    args = tyro.cli(cls, args=argv)
-    args.given = given_flags(argv, cls)
-    return args
-
-
 def run_main(main: Callable, args) -> None:
     """Run a stage's main(args); a UserError becomes one line on stderr (rank 0 only) and exit code 2."""
     try:
@@ -190,6 +127,20 @@ def run_main(main: Callable, args) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
+
+
+def size_warnings(batch: int, batch_flag: str, records: int, eval_records: Optional[int], warmup: int, steps: int):
+    """Sizes that run but are likely a mistake, one line each at start-up: a batch of more records than the data
+    holds (every step repeats some), a held-out set of one record, a warm-up as long as the run (the learning rate
+    never reaches --lr)."""
+    if batch > records:
+        print0(f"warning: {batch_flag} {batch} is more than the {records} records the data holds: a step repeats some")
+    if eval_records == 1:
+        print0("warning: the held-out set is one record: its metrics say little")
+    if warmup >= steps:
+        print0(
+            f"warning: --warmup-steps {warmup} >= the {steps} steps that warm up: the learning rate never reaches --lr"
+        )
 
 
 def format_sample(prompt: str, response: str, ended: bool) -> str:
@@ -242,13 +193,24 @@ class StopSignal:
         return int(flag)
 
     def exit(self, signum: int, path: str) -> None:
-        """After the save: one line, then exit 128 + signum on every rank."""
-        print0(f"stopped by {signal.Signals(signum).name} with {path} saved: continue with --resume")
+        """After the save: one line with the command that continues the run, then exit 128 + signum on every rank."""
+        print0(f"stopped by {signal.Signals(signum).name} with {path} saved; continue with: {resume_command(path)}")
         self.close()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
         sys.exit(128 + signum)
+
+
+def resume_command(path: str, argv: Optional[list[str]] = None) -> str:
+    """The command line that continues the run saved at path: this one (sys.argv), without --overwrite, with the
+    run's --out-dir and --resume (under torchrun, give it the same launcher)."""
+    argv = list(sys.argv if argv is None else argv)
+    words = [word for word in argv[1:] if word not in ("--overwrite", "--resume")]
+    out_dir = os.path.dirname(path) or "."
+    if not any(word == "--out-dir" or word.startswith("--out-dir=") for word in words):
+        words += ["--out-dir", out_dir]
+    return shlex.join(["python", os.path.basename(argv[0]), *words, "--resume"])
 
 
 # -----------------------------------------------------------------------------
@@ -258,9 +220,12 @@ class StopSignal:
 REWARD_FN_ALIASES = {"data:gold_reward": "task:gold_reward"}
 
 
-def load_reward_fn(spec: str, flag: str = "--reward-fn") -> Callable:
+def load_reward_fn(spec: str, sample_prompt: Optional[str] = None, flag: str = "--reward-fn") -> Callable:
     """--reward-fn module:function or path/to/file.py:function -> the function fn(prompt, response, ended) -> float. A
-    module is looked up from the current folder and this repo's folder too, wherever the script runs from."""
+    module is looked up from the current folder and this repo's folder too, wherever the script runs from. With
+    sample_prompt (the run's first prompt) it is called at once, on that prompt and an empty response, ended and not:
+    a wrong signature, an exception or a value that is not a finite number is a one-line UserError, before any model
+    loads."""
     spec = REWARD_FN_ALIASES.get(spec, spec)
     source, _, name = spec.rpartition(":")
     if not source or not name:
@@ -282,6 +247,14 @@ def load_reward_fn(spec: str, flag: str = "--reward-fn") -> Callable:
         raise UserError(f"{flag} {spec}: {type(e).__name__}: {e}") from None
     if not callable(fn):
         raise UserError(f"{flag} {spec}: {name} is not a function")
+    for ended in (True, False) if sample_prompt is not None else ():
+        call = f"{flag} {spec}: {name}(the first prompt, '', ended={ended})"
+        try:
+            value = fn(sample_prompt, "", ended)
+        except Exception as e:  # the user's code: any mistake there is theirs to see in one line
+            raise UserError(f"{call} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UserError(f"{call} returned {value!r}: expected a finite number (a float)")
     return fn
 
 

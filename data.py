@@ -6,6 +6,7 @@ tokenizer.py; the built-in task itself (its grammar, gold reward and files) is t
 import json
 import os
 import re
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -106,11 +107,29 @@ def canonical(obj: dict, kind: str) -> dict:
     return obj
 
 
+def _sft_layout_problem(obj: dict) -> str | None:
+    """An SFT record that names one role twice, or TRL's unpaired KTO layout (a 'label' marks the completions not to
+    learn, which SFT would learn too): what is wrong, or None."""
+    if "label" in obj:
+        return "field 'label': an unpaired KTO record (desirable or not); SFT would learn every completion it holds"
+    if "response" in obj and "completion" in obj:
+        return "fields 'response' and 'completion' in one record: one response to learn, not two"
+    if "messages" in obj and any(key in obj for key in ("prompt", "response", "completion")):
+        return "fields 'messages' and 'prompt'/'response' in one record: a conversation or a prompt-response, not both"
+    return None
+
+
 def _check_fields(obj: dict, kind: str) -> str | None:
     """What is wrong with one record of this kind, or None. Conversational records (docs/design.md §3): SFT
     {"messages"}, prompts {"prompt": [messages]}, preferences {"prompt": [messages], "chosen": [messages], "rejected":
     [messages]} (the replies' assistant turns); and TRL's prompt-completion SFT and implicit-prompt preferences
     (_trl_problem)."""
+    if kind == "sft":
+        problem = _sft_layout_problem(obj)
+        if problem:
+            return problem
+    if kind == "pairs" and "responses" in obj and ("chosen" in obj or "rejected" in obj):
+        return "fields 'responses' and 'chosen'/'rejected' in one record: a ranking or a pair, not both"
     if kind == "sft" and "messages" in obj:
         return _messages_problem(obj["messages"], "messages", last_assistant=True)
     if kind == "sft" and "completion" in obj and "prompt" in obj:
@@ -144,7 +163,8 @@ def _check_fields(obj: dict, kind: str) -> str | None:
             if problem:
                 return problem
         elif not isinstance(obj[k], str):
-            return f"field {k!r} must be a string, got {type(obj[k]).__name__}"
+            accepted = "a string or a list of messages" if kind in ("prompts", "pairs") else "a string"
+            return f"field {k!r} must be {accepted}, got {type(obj[k]).__name__}"
     if "prompt" in fields and not obj["prompt"]:  # an all-empty batch has nothing to generate from
         return "field 'prompt' is empty (a prompt needs at least one token)"
     if "responses" in fields:
@@ -161,6 +181,19 @@ def _check_fields(obj: dict, kind: str) -> str | None:
         if not ints or sorted(ranking) != list(range(len(resp))):
             return f"field 'ranking' must be a permutation of 0..{len(resp) - 1}"
     return None
+
+
+class DuplicateKey(ValueError):
+    """A JSON object with one key twice (json.loads would keep the last value)."""
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json.loads' object_pairs_hook: the object, or DuplicateKey naming a key it holds twice."""
+    keys = [key for key, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise DuplicateKey(repr(key))
+    return dict(pairs)
 
 
 def read_jsonl(path: str, kind: str, flag: str | None = None) -> list[dict]:
@@ -180,9 +213,13 @@ def read_jsonl(path: str, kind: str, flag: str | None = None) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}:{lineno}: bad JSON: {e.msg} (column {e.colno})") from None
+            except DuplicateKey as e:
+                raise UserError(
+                    f"{path}:{lineno}: the key {e} appears twice in one object (which one is meant?)"
+                ) from None
             if not isinstance(obj, dict):
                 raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             problem = _check_fields(obj, kind)
@@ -373,6 +410,15 @@ def sft_sequence(tok: Tokenizer, row: dict) -> list[int]:
     return prompt_ids(tok, row["prompt"]) + response_ids(tok, row["prompt"], row["response"])
 
 
+def drop_tied(rows: list[dict]) -> tuple[list[dict], int]:
+    """Preference records without a tie: a pair whose chosen equals its rejected (or a ranking that holds one
+    response twice) says nothing and is dropped. Returns (the others, how many were dropped)."""
+    kept = [
+        row for row in rows if len({json.dumps(response) for response in responses_of(row)}) == len(responses_of(row))
+    ]
+    return kept, len(rows) - len(kept)
+
+
 def responses_of(row: dict) -> list:
     """A preference record's responses: [chosen, rejected], or the K-wise "responses"."""
     return row["responses"] if "responses" in row else [row["chosen"], row["rejected"]]
@@ -406,10 +452,21 @@ def encode_prefs(tok, rows: list[dict], block_size: int) -> tuple[list, int]:
 # the RL stages' prompts and pre-training text
 
 
-def load_prompts(args, tok: Tokenizer, block_size: int) -> tuple[list, int, list, Optional[Callable]]:
-    """An RL run's data (args: rollout.RolloutArgs): (--prompts that leave room for --max-new-tokens in the context,
-    how many were too long, the --ptx-data texts encoded, the gold reward on the built-in task or None). Without
-    --prompts, the built-in task's prompts and (without --ptx-data) its pre-training text."""
+@dataclass
+class RLData:
+    """An RL run's data (load_prompts)."""
+
+    prompts: list  # the prompts that leave room for --max-new-tokens in the context
+    too_long: int  # prompts that do not, skipped
+    ptx: list  # the pre-training texts encoded, (ids, loss mask) each
+    ptx_too_long: int  # pre-training texts longer than the context, skipped
+    gold_fn: Optional[Callable]  # the gold reward on the built-in task, else None
+
+
+def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
+    """An RL run's data (args: rollout.RolloutArgs): --prompts and --ptx-data, or without --prompts the built-in
+    task's prompts and (without --ptx-data) its pre-training text. No prompt with room for a response, or --ptx-data
+    with no text that fits while --ptx-coef asks for a ptx loss, is a one-line error."""
     builtin = args.prompts is None
     task = build_task(args.task_dir, args.task_seed) if builtin else None
     rows = read_jsonl(task["prompts"] if builtin else args.prompts, "prompts", "--prompts")
@@ -421,10 +478,16 @@ def load_prompts(args, tok: Tokenizer, block_size: int) -> tuple[list, int, list
             "tokens)"
         )
     ptx_path = args.ptx_data or (task["pretrain"] if builtin else None)
-    ptx = []
+    ptx, ptx_too_long = [], 0
     if ptx_path:
-        ptx, _ = encode_sft(tok, read_jsonl(ptx_path, "text", "--ptx-data"), block_size, mask_prompt=False)
-    return fitting, len(prompts) - len(fitting), ptx, gold_reward if builtin else None
+        ptx, ptx_too_long = encode_sft(tok, read_jsonl(ptx_path, "text", "--ptx-data"), block_size, mask_prompt=False)
+    if ptx_path and not ptx and args.ptx_coef > 0:
+        raise UserError(
+            f"--ptx-data {ptx_path}: all {ptx_too_long} texts are longer than the context ({block_size} tokens): no "
+            "ptx loss (shorten them, or --ptx-coef 0)"
+        )
+    gold_fn = gold_reward if builtin else None
+    return RLData(fitting, len(prompts) - len(fitting), ptx, ptx_too_long, gold_fn)
 
 
 class PromptStream:

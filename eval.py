@@ -42,7 +42,7 @@ import common
 import hf
 import parallel
 from common import UserError, format_sample, write_atomic
-from data import encode_prefs, encode_prompts, prompt_ids, prompt_text, read_jsonl, responses_of
+from data import drop_tied, encode_prefs, encode_prompts, prompt_ids, prompt_text, read_jsonl, responses_of
 from generate import sample
 from model import (
     aggregate_rm_scores,
@@ -93,8 +93,9 @@ class Args:
     reward_fn: Optional[str] = None
     """module:function or path/to/file.py:function, fn(prompt, response, ended) -> float (as train_ppo.py's): its mean
     over the samples is the reward_fn column, your own objective on held-out prompts"""
-    missing_eos_penalty: float = -1.0
-    """best-of-N: the RM score of a response without EOS (as PPO's --missing-eos-penalty)"""
+    missing_eos_penalty: Optional[float] = None
+    """best-of-N and --kl-optimal: the RM score of a response without EOS (None: -1, as the RL stages score an RM's
+    part: an RM reads its score at the EOS)"""
     # --- sampling
     num_samples: int = 512
     """prompts sampled (one response each per seed; the JSON's num_samples is this times --seeds)"""
@@ -437,6 +438,14 @@ def print_table(results: dict) -> None:
     for name, entry in results.items():
         if name != "rm":
             print(f"| {name} | " + " | ".join(format_value(entry, c) for c in cols) + " |")
+    policies = [entry for name, entry in results.items() if name != "rm"]
+    reasons = (  # why a column is empty for every policy
+        ("gold", "gold, valid_frac, win_rate_vs_ref", "the built-in task's gold reward scores its own prompts only"),
+        ("score", "score", "no reward model: --rm none"),
+    )
+    for key, columns, why in reasons:
+        if policies and all(entry.get(key) is None for entry in policies):
+            print(f"{columns}: - ({why})")
 
 
 # -----------------------------------------------------------------------------
@@ -575,7 +584,9 @@ def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
     paths = rm_paths(args)
     if not paths:
         raise UserError("--pairs needs --rm")
-    rows = read_jsonl(args.pairs_data or task["pairs_eval"], "pairs", "--pairs-data")
+    rows, tied = drop_tied(read_jsonl(args.pairs_data or task["pairs_eval"], "pairs", "--pairs-data"))
+    if tied:
+        print(f"eval: {tied} records with chosen equal to rejected, skipped")
     dtype = parallel.resolve_dtype(args.dtype, device)
     members, encoded = [], []
     for path in paths:
@@ -644,6 +655,7 @@ def main(args: Args) -> dict:
         else args.device
     )
     needs_task = args.pairs_data is None if args.pairs else args.prompts is None  # the built-in task's, on demand
+    missing_eos_score = -1.0 if args.missing_eos_penalty is None else args.missing_eos_penalty
     task = build_task(args.task_dir, args.task_seed) if needs_task else None
     results = {}
     if args.pairs:
@@ -661,7 +673,9 @@ def main(args: Args) -> dict:
         raise UserError(f"--names: {len(names)} names for {len(args.policy)} policies")
     dtype = parallel.resolve_dtype(args.dtype, device)
     ref, ref_tok, _ = load_model(args.ref, "--ref", device, dtype=dtype)
-    reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    reward_fn = None
+    if args.reward_fn:  # called once at start-up, on the first prompt as the function will see it
+        reward_fn = common.load_reward_fn(args.reward_fn, prompt_text(ref_tok, prompts[0]))
     rms = load_rms(rm_paths(args), device, ref_tok, dtype)
     # every policy and the reference answer the same prompts (KL and win rate stay paired): those with room for a
     # response in the smallest context among them
@@ -678,7 +692,7 @@ def main(args: Args) -> dict:
     builtin = all(is_task_prompt(prompt) for prompt in prompts)  # the gold reward knows the built-in task's prompts
     if args.kl_optimal:  # the limit: the reference's samples, tilted by each reward signal
         samples = reference_samples(ref, ref_tok, prompts, args, device, rms)
-        results = kl_optimal_rows(names[0], samples, args.kl_optimal, builtin, args.missing_eos_penalty)
+        results = kl_optimal_rows(names[0], samples, args.kl_optimal, builtin, missing_eos_score)
         print_limit_table(results)
         return write_json(args.json, results)
     # 2. the reference answers the same prompts with the same seeds (win rate), then each policy
@@ -699,7 +713,7 @@ def main(args: Args) -> dict:
         metrics, _ = policy_metrics(pick_samples(samples, plain), builtin, ref_gold)
         results[name] = {**metrics, "train_seconds": train_seconds}
         for n in args.best_of_n or []:  # one pick per prompt, against the reference's first seed
-            picked = best_of_n(samples, n, args.seed, args.missing_eos_penalty)
+            picked = best_of_n(samples, n, args.seed, missing_eos_score)
             metrics, _ = policy_metrics(picked, builtin, ref_gold[: len(prompts)] if ref_gold else None)
             results[f"{name}_bon{n}"] = {**metrics, "kl_bound": True, "train_seconds": train_seconds}
         for p, r, e in list(zip(samples["prompt"], samples["response"], samples["ended"]))[: args.show]:

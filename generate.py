@@ -292,11 +292,14 @@ def generate(
     )
     if steps <= 0:  # nothing to generate
         return idx.new_empty(B, 0), torch.zeros(B, 0, device=idx.device), torch.zeros(B, 0, device=idx.device)
-    if hasattr(model, "prefill"):
-        logits, advance = model.prefill(idx, real, steps, compiled)
-    else:
-        prefill = static_prefill if compiled else eager_prefill
-        logits, advance = prefill(model, idx, real, steps)
+    if hasattr(model, "prefill"):  # hf.HFCausalLM: its own caches, the wrapped model in eval mode while it decodes
+        with model.decoding():
+            logits, advance = model.prefill(idx, real, steps, compiled)
+            return decode_loop(
+                logits, advance, budget, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator
+            )
+    prefill = static_prefill if compiled else eager_prefill
+    logits, advance = prefill(model, idx, real, steps)
     return decode_loop(logits, advance, budget, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator)
 
 

@@ -14,13 +14,14 @@ import inspect
 import json
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from checkpoints import load_checkpoint
+from checkpoints import export_hf, load_checkpoint
 from common import UserError
 from generate import cache_dtype, decode_compile_mode, static_layout
 from model import GPT, GPTConfig, strip_wrapper_prefixes
@@ -251,6 +252,18 @@ class HFCausalLM(nn.Module):
         scores = self.score_head(h).squeeze(-1) if self.score_head is not None else None
         return out_logits, scores
 
+    @contextmanager
+    def decoding(self):
+        """The wrapped model in eval mode for a decode, its mode restored after: under --grad-ckpt it stays in train
+        mode (train), and transformers' GPT-2 (like GPT-Neo, Bloom, Falcon, MPT) drops its KV cache whenever it
+        checkpoints activations in train mode, so every decode step would see one token."""
+        training = self.hf.training
+        self.hf.eval()
+        try:
+            yield
+        finally:
+            self.hf.train(training)
+
     def prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int, compiled: bool):
         """generate.generate's prefill for this model, through the HF model's own KV cache: returns (the last prompt
         position's logits (B, V), advance(token, step) -> the next logits). compiled: a StaticCache and the one-token
@@ -342,6 +355,14 @@ def model_from_checkpoint(
     if "hf_config" in ckpt["model_config"]:  # written by the adapter: rebuilt from the config alone
         return HFCausalLM.from_checkpoint(ckpt, key=key, lm_head=lm_head, score_head=score_head)
     return GPT.from_checkpoint(ckpt, key=key, lm_head=lm_head, score_head=score_head)
+
+
+def export_checkpoint(path: str, out_dir: str) -> None:
+    """One of our checkpoints on disk (a policy's or a reward model's) as a Hugging Face folder with its tokenizer,
+    what --export-hf writes at the end of a stage (checkpoints.export_hf): `python hf.py export CKPT OUT_DIR`."""
+    ckpt = load_checkpoint(path, flag="export")
+    model = model_from_checkpoint(ckpt)
+    export_hf(model, Tokenizer.from_state(ckpt["tokenizer"]), out_dir)
 
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -467,11 +488,15 @@ if __name__ == "__main__":
 
     from common import run_main
 
-    def tiny_chat(argv: list[str]) -> None:
-        if len(argv) != 3 or argv[0] != "tiny-chat":
+    def command(argv: list[str]) -> None:
+        if len(argv) == 3 and argv[0] == "tiny-chat":
+            write_tiny_chat_model(argv[1], argv[2])
+        elif len(argv) == 3 and argv[0] == "export":
+            export_checkpoint(argv[1], argv[2])
+        else:
             raise UserError(
-                "usage: python hf.py tiny-chat OUT_DIR TOKENIZER (e.g. out/data/v2-seed1337/tokenizer.json)"
+                "usage: python hf.py tiny-chat OUT_DIR TOKENIZER (e.g. out/data/v2-seed1337/tokenizer.json) | "
+                "python hf.py export CKPT OUT_DIR (a policy or a reward model with its tokenizer)"
             )
-        write_tiny_chat_model(argv[1], argv[2])
 
-    run_main(tiny_chat, sys.argv[1:])
+    run_main(command, sys.argv[1:])

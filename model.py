@@ -161,6 +161,30 @@ def response_forward(model, query, query_mask, response, response_mask, temperat
     return logits, None if scores is None else scores[:, P - 1 : -1].float()
 
 
+def left_pack(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows (B, W) whose real tokens (mask 1.0) have gaps (a left-padded prompt, then a right-padded response) -> the
+    same tokens in the same order, left-padded and as wide as the longest row's real tokens (one host sync): each
+    row needs only its own prompt and response to fit the context. A stable sort of the mask puts every padding slot
+    first; a row's last real token lands in the last column."""
+    order = torch.sort(mask, dim=1, stable=True).indices  # (B, W)
+    width = max(1, int(mask.sum(1).max()))
+    return ids.gather(1, order)[:, -width:], mask.gather(1, order)[:, -width:]
+
+
+def packed_response_logits(model, ids: Tensor, mask: Tensor, response_mask: Tensor, temperature: float) -> Tensor:
+    """response_forward's logits over rows packed by left_pack (ids, mask (B, W): a prompt and its response, the
+    response's tokens last): the lm head on the last positions only, each row's logits gathered so response token t
+    of row b is at [b, t], as in response_forward (response_mask (B, T) right-padded). Returns logits / temperature
+    (B, T, V), fp32 or wider; meaningless where response_mask is 0."""
+    T = response_mask.size(1)
+    keep = min(T, ids.size(1) - 1) + 1  # a response of R tokens is predicted from the last R + 1 positions but one
+    lengths = response_mask.sum(1).long()  # (B,)
+    logits, _ = model(ids, mask, logits_to_keep=keep)
+    index = ((keep - 1 - lengths)[:, None] + torch.arange(T, device=ids.device)).clamp(0, keep - 1)  # (B, T)
+    logits = logits.gather(1, index[:, :, None].expand(-1, -1, logits.size(-1))).float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
 def last_token_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """scores, mask (B, T) -> (B,): the score at the last real token of each row (the EOS), wherever the padding is
     (left-padded prompts, right-padded responses)."""

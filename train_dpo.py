@@ -23,11 +23,12 @@ import torch
 import torch.nn.functional as F
 
 import checkpoints
+import cli
 import common
 import hf
 import parallel
 from common import UserError, format_sample, print0
-from data import Order, encode_prefs, encode_prompts, pad_right, read_jsonl, read_train_eval
+from data import Order, drop_tied, encode_prefs, encode_prompts, pad_right, read_jsonl, read_train_eval
 from generate import sample
 from lora import BaseView
 from model import logprobs_from_logits, response_forward
@@ -37,7 +38,7 @@ from tokenizer import Tokenizer, load_tokenizer
 DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5}  # --beta None resolves here (IPO's β works on per-token mean log-probs)
 
 
-@common.stage_args
+@cli.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/dpo"
@@ -297,6 +298,7 @@ class Data:
     evals: list  # the first --eval-pairs held-out ones
     prompts: list  # held-out prompts to sample from (built-in task), or empty
     too_long: int  # training records skipped for the context
+    tied: int  # training records dropped for a tie (chosen equal to rejected)
 
 
 def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
@@ -307,6 +309,8 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     train_path = task["pairs"] if builtin else args.data
     eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)
     train_rows, eval_rows = read_train_eval(train_path, eval_path, "pairs")
+    train_rows, tied = drop_tied(train_rows)
+    eval_rows, _ = drop_tied(eval_rows)
     task_tok = load_tokenizer(task["tokenizer"]) if builtin else None
     model, tok, _ = hf.load_init(args.init, tokenizer=task_tok, score_head=False, kind=checkpoints.POLICY_KINDS)
     if builtin and tok.state() != task_tok.state():
@@ -320,7 +324,7 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
             f"{train_path}: no preference record (or no held-out one) fits the context ({block_size} tokens)"
         )
     prompts = [row["prompt"] for row in read_jsonl(task["eval_prompts"], "prompts")] if builtin else []
-    return model, tok, init_hash, Data(train, evals[: args.eval_pairs], prompts, too_long)
+    return model, tok, init_hash, Data(train, evals[: args.eval_pairs], prompts, too_long, tied)
 
 
 def main(args: Args) -> None:
@@ -347,8 +351,9 @@ def main(args: Args) -> None:
     d = parallel.setup_dist(args.device)
     dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, int(args.epochs * len(train)) // args.batch_size)
+    common.size_warnings(args.batch_size, "--batch-size", len(train), len(evals), args.warmup_steps, max_steps)
     print0(
-        f"dpo: {len(train)} train / {len(evals)} eval records ({data.too_long} too long, skipped) | "
+        f"dpo: {len(train)} train / {len(evals)} eval records ({data.too_long} too long, {data.tied} tied, skipped) | "
         f"{model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
         f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | loss {args.loss} beta {args.beta:g} "
         f"label_smoothing {args.label_smoothing:g} nll_coef {args.nll_coef:g} | device {d.device} {dtype}"
@@ -359,13 +364,12 @@ def main(args: Args) -> None:
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps, min_lr_ratio=0.0)
     trained = common.Trained("model", model, optimizer, schedule, args.grad_clip)
-    generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
     order = Order(len(train), args.seed)  # the global record order, the same on every rank
     guard = common.StepGuard()
     run = checkpoints.Run("dpo", args, d, tok, [trained], started=t_start)
     step = 0
     if args.resume:
-        ckpt = run.resume({"init_hash": (f"--init {args.init}", init_hash)}, generator)
+        ckpt = run.resume({"init_hash": (f"--init {args.init}", init_hash)})
         step = ckpt["step"]
         order = Order(**ckpt["data_state"]["order"])
         guard.skipped = ckpt["data_state"]["skipped"]
@@ -386,6 +390,8 @@ def main(args: Args) -> None:
         samples = []
         if builtin:
             my_prompts = prompts[d.rank : n_samples : d.world_size]
+            # the same draws at every evaluation: its samples depend on the model only, never on a stop and a resume
+            generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
             with amp:  # the reference's forward (bf16 weights under --dtype bfloat16)
                 samples = sample_responses(
                     raw_model, ref, tok, my_prompts, args.temperature, args.max_new_tokens, generator
@@ -443,6 +449,10 @@ def main(args: Args) -> None:
             window_steps = 0
         final = step == max_steps
         with throughput.paused():  # perf/ counts training time only
+            if stopping:  # a signal: the save first, inside the grace period (this step's evaluation is skipped)
+                run.save(step, dict(order=order.state_dict(), skipped=guard.skipped), init_hash=init_hash)
+                logger.close()
+                stop.exit(stopping, run.path)
             if common.every(step, args.eval_every) or final:
                 with parallel.gathered(raw_model), parallel.gathered(ref):  # ranks run unequal numbers of forwards
                     metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
@@ -451,12 +461,8 @@ def main(args: Args) -> None:
                 logger.text("samples", "\n\n".join(shown[:8]), step)
             if final:
                 logger.samples(step, samples)
-            if common.every(step, args.save_every) or final or stopping:
-                data_state = dict(order=order.state_dict(), skipped=guard.skipped)
-                run.save(step, data_state, generator, init_hash=init_hash)
-        if stopping:
-            logger.close()
-            stop.exit(stopping, run.path)
+            if common.every(step, args.save_every) or final:
+                run.save(step, dict(order=order.state_dict(), skipped=guard.skipped), init_hash=init_hash)
 
     stop.close()
     # 4. a few samples to look at, and the numbers that matter
@@ -476,4 +482,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.cli(Args))
+    common.run_main(main, cli.parse(Args))

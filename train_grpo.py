@@ -31,12 +31,13 @@ import torch
 import torch.distributed as dist
 
 import checkpoints
+import cli
 import common
 import parallel
 import roles
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
-from data import Order, PromptStream, PtxStream, load_prompts
+from data import Order, PromptStream, PtxStream, load_prompts, prompt_text
 from model import lm_loss, masked_mean
 from roles import Models
 from tokenizer import Tokenizer
@@ -58,15 +59,21 @@ RECIPES = {
         group_size=1, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="rollout", loss_agg="token_mean"
     ),
 }
+# what a flag left at None becomes, for --help: each estimator's value
+RECIPE_DEFAULTS = {
+    key: "None: the recipe's, " + ", ".join(f"{name} {row[key]}" for name, row in RECIPES.items())
+    for key in RECIPES["grpo"]
+}
+RECIPE_DEFAULTS["kl_estimator"] = "None: k3 with the KL in the loss, k1 in the reward"
 GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages from comparing a prompt's G responses: G >= 2 (step 5: ADVANTAGES)
 
 
-@common.stage_args
+@cli.stage_args
 @dataclass
 class Args(rollout.RolloutArgs):
     out_dir: str = "out/grpo"
     """where ckpt.pt, TensorBoard event files and samples.jsonl go"""
-    # --- the estimator; a flag left at None takes its RECIPES value, printed at start-up
+    # --- the estimator; a flag left at None takes the estimator's recipe, printed at start-up
     estimator: Literal[tuple(RECIPES)] = "grpo"
     """grpo | rloo | reinforce_pp (REINFORCE++)"""
     group_size: Optional[int] = None
@@ -645,6 +652,7 @@ def update_metrics(totals: dict, updates: int, guard: common.StepGuard, device) 
 
 CONSOLE = (
     "objective/score",
+    "objective/reward_fn",
     "objective/gold",
     "objective/kl",
     "rollout/response_len",
@@ -669,21 +677,32 @@ def main(args: Args) -> None:
     # checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
     sft, ref, rms = checkpoints.load_inputs(args)
     tok = Tokenizer.from_state(sft["tokenizer"])
-    reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    data = load_prompts(args, tok, sft["model_config"]["block_size"])
+    prompts, ptx = data.prompts, data.ptx
+    reward_fn = common.load_reward_fn(args.reward_fn, prompt_text(tok, prompts[0])) if args.reward_fn else None
     actor_model, reference = roles.build_policy(args, sft, ref)
     models = Models(actor_model, reference, roles.build_reward_models(args, rms))
-    prompts, too_long, ptx, gold_fn = load_prompts(args, tok, models.actor.config.block_size)
 
     # sizes, distributed set-up, placement, optimizer, the loop's state
     sizes = parallel.rollout_split(args, args.group_size, has_ptx=bool(ptx) and args.ptx_coef > 0)
     d = parallel.setup_dist(args.device)
     dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
+    prompts_per_iteration = args.rollout_batch_size // args.group_size
+    common.size_warnings(
+        prompts_per_iteration,
+        "--rollout-batch-size / --group-size",
+        len(prompts),
+        None,
+        args.warmup_steps,
+        max_steps,
+    )
     print0(
-        f"grpo: {len(prompts)} prompts ({too_long} too long, skipped) | {len(ptx)} ptx texts | policy "
-        f"{models.actor.num_params() / 1e6:.2f} M | rollout {args.rollout_batch_size} = {d.world_size} ranks x "
-        f"{args.num_minibatches} minibatches x {sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | "
-        f"{max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}"
+        f"grpo: {len(prompts)} prompts ({data.too_long} too long, skipped) | {len(ptx)} ptx texts "
+        f"({data.ptx_too_long} too long, skipped) | policy {models.actor.num_params() / 1e6:.2f} M | rollout "
+        f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x "
+        f"{sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | "
+        f"device {d.device} {dtype}"
     )
     print0(
         f"estimator {args.estimator}: {sizes.prompts_per_rank * d.world_size} prompts x group_size {args.group_size} "
@@ -691,6 +710,7 @@ def main(args: Args) -> None:
         f"adv_whiten {args.adv_whiten} | loss_agg {args.loss_agg} | cliprange {args.cliprange}/"
         f"{args.cliprange_high or args.cliprange} dual_clip {args.dual_clip} | mask_truncated {args.mask_truncated}"
     )
+    print0(f"a response without EOS scores {rollout.missing_eos_rule(args)}")
     models = roles.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
     optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps)
@@ -708,11 +728,12 @@ def main(args: Args) -> None:
     if args.resume:
         ckpt = loop.resume(run, hashes)
         reward_moments.load_state_dict(ckpt["reward_moments"])
+        roles.refresh_sampler(models)  # the resumed actor into its bf16 copy, before it samples
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     forward = models.compiled(args.compile, d.device)
     replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
     actor.forward = parallel.replicate(forward.actor, d) if replicated else forward.actor
-    engine = rollout.Engine(forward, tok, args, sizes.micro_batch_size, generator, dtype, reward_fn, gold_fn)
+    engine = rollout.Engine(forward, tok, args, sizes.micro_batch_size, generator, dtype, reward_fn, data.gold_fn)
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
 
@@ -753,8 +774,8 @@ def main(args: Args) -> None:
             "train/skipped_steps": loop.guard.skipped,
         }
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
-            logprob_error = metrics["rollout/logprob_err"]
-            print0(f"step {step}: generation vs training-forward log-probs, max |diff| {logprob_error:.1e}")
+            largest, mean = metrics["rollout/logprob_err"], metrics["rollout/logprob_err_mean"]
+            print0(f"step {step}: generation vs training-forward log-probs, |diff| max {largest:.1e} mean {mean:.1e}")
         logger.log(step, metrics, max_steps, console=common.every(step, args.log_every) or step == max_steps)
         if common.every(step, args.sample_every) or step == max_steps:
             logger.sample_table(step, records)
@@ -778,4 +799,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.cli(Args))
+    common.run_main(main, cli.parse(Args, RECIPE_DEFAULTS))

@@ -46,6 +46,7 @@ from typing import Callable, Literal, Optional
 import torch
 
 import checkpoints
+import cli
 import common
 import hf
 from common import UserError, print0, write_atomic, write_jsonl
@@ -341,17 +342,25 @@ def label_pairs(to_label: list[dict], args: Args, labels_path: str, seed: int) -
 
 def saved_args(args: Args) -> Args:
     """The arguments a run in --out-dir keeps (args.json), written on its first start: a rerun takes the saved value
-    of every flag its command line does not give (common.cli) and refuses a given one that differs (more --rounds
-    excepted); --overwrite starts over."""
+    of every flag its command line does not give (cli.parse) and refuses a given one that differs (more --rounds
+    excepted), and a folder whose args.json lacks a flag (an older train_online.py's: today's default need not be
+    the value it ran with); --overwrite starts over."""
     path = os.path.join(args.out_dir, "args.json")
+    fresh = args.overwrite or not os.path.exists(path)
+    if fresh:
+        check_args(args)
     if args.overwrite and os.path.isdir(args.out_dir):
         shutil.rmtree(args.out_dir)
     os.makedirs(args.out_dir, exist_ok=True)
     current = {name: value for name, value in asdict(args).items() if name != "overwrite"}
-    if not os.path.exists(path):
+    if fresh:
         write_atomic(path, json.dumps(current, indent=2))
         return args
     saved = json.load(open(path))
+    missing = [name for name in current if name not in saved]
+    if missing:  # an older train_online.py's run: today's defaults need not be what it ran with
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in missing)
+        raise UserError(f"{path}: written by an older train_online.py, without {flags} (--overwrite starts over)")
     given = getattr(args, "given", None)  # None from Python: a field at its default counts as not given
     defaults = Args()
     for name in current:
@@ -364,6 +373,7 @@ def saved_args(args: Args) -> Args:
     ]
     if changed:
         raise UserError(f"{path}: {', '.join(changed)}: this run was started otherwise (--overwrite starts over)")
+    check_args(Args(**current))
     write_atomic(path, json.dumps(current, indent=2))
     return Args(**current)
 
@@ -389,15 +399,19 @@ def held_out_pairs(args: Args, task: Optional[dict], offline: list[dict]) -> tup
     return path, offline[:-n_eval]
 
 
-def main(args: Args) -> None:
-    started = time.time()
+def check_args(args: Args) -> None:
+    """Settings no run can mean, on the flags the run goes on with (a rerun's merged with args.json): one line."""
     if args.rounds < 1 or args.pairs_per_round < 2 or args.ensemble < 1:
         raise UserError("--rounds, --ensemble >= 1 and --pairs-per-round >= 2")
     if not 0 <= args.tilted_frac <= 1 or args.tilt_samples < 2 or not args.tilt_betas or min(args.tilt_betas) <= 0:
         raise UserError("--tilted-frac in [0, 1], --tilt-samples >= 2 and --tilt-betas > 0")
     if not args.rl_betas or "--kl-coef" in args.rl_flags:
         raise UserError("each round's --kl-coef is --rl-betas (one value or more), not in --rl-flags")
-    args = saved_args(args)
+
+
+def main(args: Args) -> None:
+    started = time.time()
+    args = saved_args(args)  # checked (check_args) before it is written
     Child.install()
     task = build_task(args.task_dir, args.task_seed) if args.data is None or args.prompts is None else None
     offline = read_jsonl(args.data or task["pairs"], "pairs", "--data")
@@ -483,4 +497,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.cli(Args))
+    common.run_main(main, cli.parse(Args))

@@ -25,19 +25,20 @@ import torch
 import torch.distributed as dist
 
 import checkpoints
+import cli
 import common
 import hf
 import parallel
 import roles
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
-from data import Order, PromptStream, PtxStream, load_prompts
+from data import Order, PromptStream, PtxStream, load_prompts, prompt_text
 from model import lm_loss, masked_mean, response_forward
 from roles import Models
 from tokenizer import Tokenizer
 
 
-@common.stage_args
+@cli.stage_args
 @dataclass
 class Args(rollout.RolloutArgs):
     out_dir: str = "out/ppo"
@@ -540,6 +541,7 @@ def build_optimizers(args: Args, models: Models, critic, max_steps: int, device_
 
 CONSOLE = (
     "objective/score",
+    "objective/reward_fn",
     "objective/gold",
     "objective/kl",
     "rollout/response_len",
@@ -566,24 +568,30 @@ def main(args: Args) -> None:
     # checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
     sft, ref, rms = checkpoints.load_inputs(args)
     tok = Tokenizer.from_state(sft["tokenizer"])
-    reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    data = load_prompts(args, tok, sft["model_config"]["block_size"])
+    prompts, ptx = data.prompts, data.ptx
+    reward_fn = common.load_reward_fn(args.reward_fn, prompt_text(tok, prompts[0])) if args.reward_fn else None
     actor_model, reference = roles.build_policy(args, sft, ref)
     critic_model = build_critic(args, sft, rms)
     models = Models(actor_model, reference, roles.build_reward_models(args, rms, rm_base=critic_model))
-    prompts, too_long, ptx, gold_fn = load_prompts(args, tok, models.actor.config.block_size)
 
     # sizes, distributed set-up, placement, optimizers, the loop's state
     sizes = parallel.rollout_split(args, group_size=1, has_ptx=bool(ptx) and args.ptx_coef > 0)
     d = parallel.setup_dist(args.device)
     dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
-    print0(
-        f"ppo: {len(prompts)} prompts ({too_long} too long, skipped) | {len(ptx)} ptx texts | actor "
-        f"{models.actor.num_params() / 1e6:.2f} M, critic {critic_model.num_params() / 1e6:.2f} M | rollout "
-        f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x "
-        f"{sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | "
-        f"kl_coef {args.kl_coef} | device {d.device} {dtype}"
+    actor_steps = max_steps - args.critic_warmup_steps  # the actor warms up after the critic's warm-up
+    common.size_warnings(
+        args.rollout_batch_size, "--rollout-batch-size", len(prompts), None, args.warmup_steps, actor_steps
     )
+    print0(
+        f"ppo: {len(prompts)} prompts ({data.too_long} too long, skipped) | {len(ptx)} ptx texts "
+        f"({data.ptx_too_long} too long, skipped) | actor {models.actor.num_params() / 1e6:.2f} M, critic "
+        f"{critic_model.num_params() / 1e6:.2f} M | rollout {args.rollout_batch_size} = {d.world_size} ranks x "
+        f"{args.num_minibatches} minibatches x {sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | "
+        f"{max_steps} iterations | rm {args.rm_ckpt} | kl_coef {args.kl_coef} | device {d.device} {dtype}"
+    )
+    print0(f"a response without EOS scores {rollout.missing_eos_rule(args)}")
     models = roles.place(models, args, d, dtype, critic=critic_model)  # under bf16, a bf16 sampler copy of the actor
     actor, critic = build_optimizers(args, models, critic_model, max_steps, d.device.type)
     generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
@@ -602,13 +610,14 @@ def main(args: Args) -> None:
         reward_moments.load_state_dict(ckpt["reward_moments"])
         kl_controller.load_state_dict(ckpt["kl_ctl"])
         detector.load_state_dict(ckpt["data_state"]["collapse"])
+        roles.refresh_sampler(models)  # the resumed actor into its bf16 copy, before it samples
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     forward = models.compiled(args.compile, d.device)
     critic_forward = roles.compile_role(critic_model) if parallel.use_compile(args.compile, d.device) else critic_model
     replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
     actor.forward = parallel.replicate(forward.actor, d) if replicated else forward.actor
     critic.forward = parallel.replicate(critic_forward, d) if replicated else critic_forward
-    engine = rollout.Engine(forward, tok, args, sizes.micro_batch_size, generator, dtype, reward_fn, gold_fn)
+    engine = rollout.Engine(forward, tok, args, sizes.micro_batch_size, generator, dtype, reward_fn, data.gold_fn)
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
 
@@ -651,8 +660,8 @@ def main(args: Args) -> None:
             "collapse/alarm": float(alarm),
         }
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
-            logprob_error = metrics["rollout/logprob_err"]
-            print0(f"step {step}: generation vs training-forward log-probs, max |diff| {logprob_error:.1e}")
+            largest, mean = metrics["rollout/logprob_err"], metrics["rollout/logprob_err_mean"]
+            print0(f"step {step}: generation vs training-forward log-probs, |diff| max {largest:.1e} mean {mean:.1e}")
         logger.log(step, metrics, max_steps, console=common.every(step, args.log_every) or step == max_steps or alarm)
         if common.every(step, args.sample_every) or step == max_steps:
             logger.sample_table(step, records)
@@ -681,4 +690,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.cli(Args))
+    common.run_main(main, cli.parse(Args))

@@ -21,12 +21,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoints
+import cli
 import common
 import hf
 import parallel
 from common import UserError, print0
 from data import (
     Order,
+    drop_tied,
     encode_prefs,
     pad_right,
     read_jsonl,
@@ -39,7 +41,7 @@ from task import PROBE_KINDS, build_task, gold_reward, is_task_prompt, probe_tex
 from tokenizer import Tokenizer, load_tokenizer
 
 
-@common.stage_args
+@cli.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/rm"
@@ -282,6 +284,7 @@ class Data:
     probes: list  # (kind, ids) of the hackability probe (built-in task), or empty
     golds: Optional[list]  # the gold of every held-out response (built-in task), or None
     too_long: int  # training records skipped for the context
+    tied: int  # training records dropped for a tie (chosen equal to rejected)
 
 
 def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
@@ -292,6 +295,8 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     train_path = task["pairs"] if builtin else args.data
     eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)
     train_rows, eval_rows = read_train_eval(train_path, eval_path, "pairs")
+    train_rows, tied = drop_tied(train_rows)
+    eval_rows, _ = drop_tied(eval_rows)
     calib_rows = read_calibration(args, task, train_rows)
     if args.init == "scratch" and not builtin:
         raise UserError("--init scratch only works on the built-in task; pass an SFT checkpoint or gpt2")
@@ -318,7 +323,7 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
             print0("probe: skipped (the task's prompts are not the built-in reviews task's)")
         golds = [[gold_reward(ex[4]["prompt"], text, True) for text in responses_of(ex[4])] for ex in evals]
     init_hash = checkpoints.init_fingerprint(args.init)  # what this run started from
-    return model, tok, init_hash, Data(train, evals, calib, probes, golds, too_long)
+    return model, tok, init_hash, Data(train, evals, calib, probes, golds, too_long, tied)
 
 
 def main(args: Args) -> None:
@@ -339,11 +344,12 @@ def main(args: Args) -> None:
     d = parallel.setup_dist(args.device)
     dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.epochs * len(train) // args.batch_size)
+    common.size_warnings(args.batch_size, "--batch-size", len(train), len(evals), args.warmup_steps, max_steps)
     print0(
-        f"rm: {len(train)} train / {len(evals)} eval records ({data.too_long} too long, skipped) | {len(calib)} "
-        f"calibration | {model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
-        f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | lm_coef {args.lm_coef} | "
-        f"device {d.device} {dtype}"
+        f"rm: {len(train)} train / {len(evals)} eval records ({data.too_long} too long, {data.tied} tied, skipped) | "
+        f"{len(calib)} calibration | {model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = "
+        f"{d.world_size} ranks x {grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | "
+        f"lm_coef {args.lm_coef} | device {d.device} {dtype}"
     )
     parallel.prepare_model(model, args)
     parallel.place_model(model, args, d, dtype)
@@ -472,4 +478,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.cli(Args))
+    common.run_main(main, cli.parse(Args))

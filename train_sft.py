@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 import checkpoints
+import cli
 import common
 import hf
 import parallel
@@ -36,7 +37,7 @@ from task import build_task, is_valid
 from tokenizer import load_tokenizer
 
 
-@common.stage_args
+@cli.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/sft"
@@ -162,6 +163,7 @@ def main(args: Args) -> None:
     d = parallel.setup_dist(args.device)
     dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.epochs * len(train) // args.batch_size)
+    common.size_warnings(args.batch_size, "--batch-size", len(train), len(evals), args.warmup_steps, max_steps)
     print0(
         f"sft: {len(train)} train / {len(evals)} eval examples ({n_too_long} too long, skipped) | "
         f"{model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
@@ -172,13 +174,12 @@ def main(args: Args) -> None:
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps)
     trained = common.Trained("model", model, optimizer, schedule, args.grad_clip)
-    generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
     order = Order(len(train), args.seed)  # the global sample order, the same on every rank
     guard = common.StepGuard()
     run = checkpoints.Run("sft", args, d, tok, [trained], started=t_start)
     step = 0
     if args.resume:
-        ckpt = run.resume({"init_hash": (f"--init {args.init}", init_hash)}, generator)
+        ckpt = run.resume({"init_hash": (f"--init {args.init}", init_hash)})
         step = ckpt["step"]
         order = Order(**ckpt["data_state"]["order"])
         guard.skipped = ckpt["data_state"]["skipped"]
@@ -201,6 +202,8 @@ def main(args: Args) -> None:
             sums["nll"] += lm_loss(logits, targets, target_mask, denom=1.0)
             sums["tokens"] += target_mask.sum()
         my_prompts = prompts[d.rank : n_samples : d.world_size]
+        # the same draws at every evaluation: its samples depend on the model only, never on a stop and a resume
+        generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
         samples = sample_responses(raw_model, tok, my_prompts, args.temperature, args.max_new_tokens, generator)
         if builtin:
             sums["valid"] = sum(is_valid(response, ended) for _, response, ended in samples)
@@ -249,6 +252,10 @@ def main(args: Args) -> None:
             window_steps = 0
         final = step == max_steps
         with throughput.paused():  # perf/ counts training time only
+            if stopping:  # a signal: the save first, inside the grace period (this step's evaluation is skipped)
+                run.save(step, dict(order=order.state_dict(), skipped=guard.skipped), init_hash=init_hash)
+                logger.close()
+                stop.exit(stopping, run.path)
             if common.every(step, args.eval_every) or final:
                 with parallel.gathered(raw_model):  # no collectives inside: ranks run unequal numbers of forwards
                     metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
@@ -261,12 +268,8 @@ def main(args: Args) -> None:
                     valid = is_valid(response, ended) if builtin else None
                     records.append({"prompt": prompt, "response": response, "ended": ended, "valid": valid})
                 logger.samples(step, records)
-            if common.every(step, args.save_every) or final or stopping:
-                data_state = dict(order=order.state_dict(), skipped=guard.skipped)
-                run.save(step, data_state, generator, init_hash=init_hash)
-        if stopping:
-            logger.close()
-            stop.exit(stopping, run.path)
+            if common.every(step, args.save_every) or final:
+                run.save(step, dict(order=order.state_dict(), skipped=guard.skipped), init_hash=init_hash)
 
     stop.close()
     # 4. a few samples to look at
@@ -283,4 +286,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.cli(Args))
+    common.run_main(main, cli.parse(Args))

@@ -20,6 +20,7 @@ import torch
 from conftest import exits_2_with_one_line, offline, run
 
 import checkpoints
+import cli
 import common
 import rollout
 import train_grpo
@@ -187,6 +188,31 @@ def test_logger_resume_keeps_the_checkpoint_step_and_hides_later_ones(tmp_path):
     assert [(event.step, event.value) for event in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
 
 
+def test_start_up_warns_of_sizes_that_run_but_mislead(capsys):
+    """Printed once at start-up: a batch of more records than the data holds, a held-out set of one record, a
+    warm-up as long as the run; nothing for sizes that make sense."""
+    common.size_warnings(64, "--batch-size", 10, 1, 5, 5)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "warning: --batch-size 64 is more than the 10 records the data holds: a step repeats some",
+        "warning: the held-out set is one record: its metrics say little",
+        "warning: --warmup-steps 5 >= the 5 steps that warm up: the learning rate never reaches --lr",
+    ]
+    common.size_warnings(8, "--batch-size", 10, 4, 2, 5)
+    assert capsys.readouterr().out == ""
+
+
+def test_the_stop_message_gives_the_whole_command_to_continue():
+    """After a signal's save: the command that continues the run, the script's own flags without --overwrite, its
+    --out-dir (added when the default was used) and --resume, quoted for a shell."""
+    argv = ["/repo/train_ppo.py", "--rl-flags", "--kl-coef 0.1", "--overwrite", "--max-steps", "9"]
+    assert common.resume_command("out/ppo/ckpt.pt", argv) == (
+        "python train_ppo.py --rl-flags '--kl-coef 0.1' --max-steps 9 --out-dir out/ppo --resume"
+    )
+    argv = ["train_sft.py", "--out-dir=runs/a", "--resume"]
+    assert common.resume_command("runs/a/ckpt.pt", argv) == "python train_sft.py --out-dir=runs/a --resume"
+
+
 # -----------------------------------------------------------------------------
 # stopping on a signal (docs/design.md §8): common.StopSignal's handlers
 
@@ -272,12 +298,12 @@ def test_an_optional_flag_given_as_none_parses_to_none(monkeypatch):
     list ["none"]), and every flag spelled counts as given (the --resume rule)."""
     argv = ["train_ppo.py", "--cliprange", "none", "--max-steps=none", "--reward-clip", "None", "--rm-ckpt", "none"]
     monkeypatch.setattr(sys, "argv", argv)
-    args = common.cli(train_ppo.Args)
+    args = cli.parse(train_ppo.Args)
     assert (args.cliprange, args.max_steps, args.reward_clip) == (None, None, None)
     assert args.rm_ckpt == ["none"] and args.cliprange_value == 0.2  # untouched flags keep their defaults
     assert args.given == {"cliprange", "max_steps", "reward_clip", "rm_ckpt"}
     monkeypatch.setattr(sys, "argv", ["train_ppo.py", "--cliprange", "0.1", "--export-hf", "none"])
-    args = common.cli(train_ppo.Args)
+    args = cli.parse(train_ppo.Args)
     assert args.cliprange == 0.1 and args.export_hf is None and args.given == {"cliprange", "export_hf"}
 
 
@@ -287,7 +313,7 @@ def test_none_as_a_literal_choice_is_kept(monkeypatch):
     which resolve_args would replace by REINFORCE++'s "norm"."""
     argv = ["train_grpo.py", "--estimator", "reinforce_pp", "--reward-norm", "none", "--adv-whiten", "none"]
     monkeypatch.setattr(sys, "argv", argv)
-    resolved = train_grpo.resolve_args(common.cli(train_grpo.Args))
+    resolved = train_grpo.resolve_args(cli.parse(train_grpo.Args))
     assert (resolved.reward_norm, resolved.adv_whiten) == ("none", "none")
 
 
@@ -466,7 +492,7 @@ def help_options(script: str) -> tuple[str, list]:
     assert r.returncode == 0, r.stderr[-2000:]
     names = []
     for line in r.stdout.splitlines():
-        match = re.match(r"^(?:│ )?(--[a-z][a-z0-9-]*)", line)  # an option's own line, not a wrapped description
+        match = re.match(r"^ {4}(--[a-z][a-z0-9-]*)", line)  # an option's own line, not its description (8 spaces)
         if match and match.group(1) != "--help":
             names.append(match.group(1)[2:].replace("-", "_"))
     return r.stdout, names
@@ -488,8 +514,9 @@ def declaring_class(name: str, classes: tuple) -> int:
 )
 def test_help_lists_the_stage_flags_first_and_points_at_no_code(script, classes):
     """--help: a stage's own flags (what to train from, the algorithm) first, then RolloutArgs' (what an RL stage
-    starts from and samples), then the shared ones (--compile, --fsdp, --lora-*, ...), every field once; help texts
-    name values, not code (no "see RECIPES"); --init lists hf:<name-or-path>."""
+    starts from and samples), then the shared ones (--compile, --fsdp, --lora-*, ...), each group under its heading,
+    every field once; help texts name values, not code (no "see RECIPES"): a None that takes the estimator's recipe
+    names each estimator's value; --init lists hf:<name-or-path>."""
     text, names = help_options(script)
     fields = [f.name for f in dataclasses.fields(classes[0])]
     assert sorted(names) == sorted(fields), script  # every flag listed once
@@ -498,8 +525,13 @@ def test_help_lists_the_stage_flags_first_and_points_at_no_code(script, classes)
     own = "--init" if script == "train_sft.py" else "--sft-ckpt"
     assert text.index(own) < text.index("--compile") < text.index("--fsdp"), script
     assert "ESTIMATOR_DEFAULTS" not in text and "RECIPES" not in text, script
+    headings = [f"{script}'s own flags", "Flags both RL stages share", "Flags every stage shares"]
+    headings = [heading for heading in headings if heading in text]
+    assert len(headings) == len(classes) and headings == sorted(headings, key=text.index), script
+    if script == "train_grpo.py":  # a None that means the recipe says so, with each estimator's value
+        assert "--group-size INT|None  (default: None: the recipe's, grpo 4, rloo 4, reinforce_pp 1)" in text
     if script == "train_sft.py":
-        assert "hf:<name-or-path>" in text.replace("│", "").replace(" ", "").replace("\n", "")
+        assert "hf:<name-or-path>" in text.replace(" ", "").replace("\n", "")
 
 
 # -----------------------------------------------------------------------------

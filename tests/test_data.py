@@ -6,6 +6,7 @@ token, HH's layout without a template, and every stage on messages data with a t
 has a chat template. (task.py: test_task.py.)"""
 
 import base64
+import dataclasses
 import hashlib
 import json
 import os
@@ -201,6 +202,19 @@ def _write(path, content: bytes):
         ("sft", b'{"prompt": "", "response": "b"}\n', 1, "field 'prompt' is empty"),
         ("pairs", b'{"prompt": "", "chosen": "a", "rejected": "b"}\n', 1, "field 'prompt' is empty"),
         ("pairs", b'{"prompt": "", "responses": ["a", "b"], "ranking": [1, 0]}\n', 1, "field 'prompt' is empty"),
+        # a record names one thing once: which of two values would be meant is the reader's guess
+        ("sft", b'{"prompt": "a", "response": "b", "completion": "c"}\n', 1, "'response' and 'completion'"),
+        ("sft", b'{"messages": [{"role": "user", "content": "a"}], "prompt": "a", "response": "b"}\n', 1, "'messages'"),
+        ("sft", b'{"prompt": "a", "response": "b", "response": "c"}\n', 1, "the key 'response' appears twice"),
+        (
+            "pairs",
+            b'{"prompt": "p", "chosen": "a", "rejected": "b", "responses": ["a", "b"], "ranking": [0, 1]}\n',
+            1,
+            "a ranking or a pair",
+        ),
+        # TRL's unpaired KTO layout: SFT would learn the undesirable completions too
+        ("sft", b'{"prompt": "a", "completion": "b", "label": false}\n', 1, "field 'label'"),
+        ("prompts", b'{"prompt": null}\n', 1, "must be a string or a list of messages, got NoneType"),
     ],
 )
 def test_read_jsonl_errors(tmp_path, kind, content, lineno, what):
@@ -209,6 +223,41 @@ def test_read_jsonl_errors(tmp_path, kind, content, lineno, what):
         data.read_jsonl(path, kind)
     msg = str(e.value)
     assert msg.startswith(f"{path}:{lineno}: ") and what in msg and "\n" not in msg
+
+
+def test_a_tied_pair_is_dropped_and_counted():
+    """A pair whose chosen equals its rejected (or a ranking holding one response twice) says nothing: drop_tied
+    drops it and counts it, and the stages print the count beside the records too long."""
+    rows = [
+        {"prompt": "p", "chosen": "a", "rejected": "b"},
+        {"prompt": "p", "chosen": "a", "rejected": "a"},
+        {"prompt": "p", "responses": ["a", "b", "a"], "ranking": [0, 1, 2]},
+        {
+            "prompt": "p",
+            "chosen": [{"role": "assistant", "content": "x"}],
+            "rejected": [{"role": "assistant", "content": "x"}],
+        },
+    ]
+    kept, tied = data.drop_tied(rows)
+    assert kept == rows[:1] and tied == 3
+
+
+def test_ptx_texts_too_long_are_counted_and_none_left_is_an_error(tmp_path, task_dir):
+    """--ptx-data: the texts longer than the context are counted at start-up; none left while --ptx-coef asks for a
+    ptx loss is a one-line error naming the flag (it was "0 ptx texts" and a run without its ptx loss)."""
+    import train_ppo
+
+    tok = tokenizer.load_tokenizer(task.build_task(task_dir, 1337)["tokenizer"])
+    prompts = _write(tmp_path / "prompts.jsonl", b'{"prompt": "Review of"}\n')
+    ptx = tmp_path / "ptx.jsonl"
+    ptx.write_text(json.dumps({"text": "the plot was good. " * 40}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    args = train_ppo.Args(prompts=prompts, ptx_data=str(ptx), task_dir=task_dir, max_new_tokens=8)
+    loaded = data.load_prompts(args, tok, block_size=64)
+    assert len(loaded.ptx) == 1 and loaded.ptx_too_long == 1
+    ptx.write_text(json.dumps({"text": "the plot was good. " * 40}) + "\n")
+    with pytest.raises(UserError, match=r"--ptx-data .*ptx.jsonl: all 1 texts are longer than the context"):
+        data.load_prompts(args, tok, block_size=64)
+    assert data.load_prompts(dataclasses.replace(args, ptx_coef=0.0), tok, block_size=64).ptx == []
 
 
 def test_read_jsonl_empty_missing_and_ok(tmp_path):

@@ -207,6 +207,29 @@ def test_kwise_records_expand_to_weighted_pairs(task_dir):
 # runs
 
 
+def test_a_signal_saves_before_the_evaluation(tmp_path, task_dir, tiny_ckpts, monkeypatch):
+    """As in SFT: a SIGTERM seen at the end of an --eval-every step saves it and exits 143 before the held-out
+    sampling runs."""
+    requests, evaluations = [], []
+
+    def requested(self, device):
+        requests.append(1)
+        return 15 if len(requests) == 3 else 0
+
+    def recording(*args, **kwargs):
+        evaluations.append(len(requests))
+        return real(*args, **kwargs)
+
+    real = train_dpo.sample_responses
+    monkeypatch.setattr(common.StopSignal, "requested", requested)
+    monkeypatch.setattr(train_dpo, "sample_responses", recording)
+    out = str(tmp_path / "dpo")
+    with pytest.raises(SystemExit) as stopped:
+        train_dpo.main(train_dpo.Args(out_dir=out, task_dir=task_dir, init=tiny_ckpts[0], **TINY))
+    assert stopped.value.code == 143
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 3 and evaluations == []
+
+
 def test_dpo_smoke(tmp_path, task_dir, tiny_ckpts):
     out = str(tmp_path / "dpo")
     hf_dir = str(tmp_path / "hf")

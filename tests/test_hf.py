@@ -217,6 +217,37 @@ def test_sampled_logprobs_equal_a_full_forward(llama_dir):
     assert (logprobs[response_mask == 0] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("grad_ckpt", [False, True], ids=["plain", "grad_ckpt"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_an_hf_model_decodes_with_its_cache_whatever_grad_ckpt(arch, grad_ckpt, dtype, llama_dir, gpt2_dir):
+    """An hf: model with --grad-ckpt keeps its wrapped model in train mode (transformers checkpoints activations in
+    train mode only), and transformers' GPT-2 drops its KV cache in train mode with checkpointing on: every decode
+    step would see one token. The decode runs the wrapped model in eval mode (HFCausalLM.decoding), so the sampled
+    tokens' log-probs equal the training forward's (fp32: 1e-5; bf16 autocast: its rounding, a mean under 0.02
+    a token, where a decode without its cache was off by far more), with the flag on and off, the mode restored."""
+    model = load_init(f"hf:{llama_dir if arch == 'llama' else gpt2_dir}")[0]
+    model.set_grad_ckpt(grad_ckpt)
+    model.eval()  # the RL stages' models: eval mode, the wrapped one training under --grad-ckpt
+    assert model.hf.training == grad_ckpt
+    idx, mask = left_pad(prompts([6, 3, 10]), V + 5)
+    amp = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    with torch.no_grad(), amp:
+        g = torch.Generator().manual_seed(0)
+        response, response_mask, logprobs = generate(
+            model, idx, mask, 12, eos_id=EOS, pad_id=V + 5, temperature=1.0, generator=g
+        )
+        logits, _ = model(torch.cat([idx, response], 1), torch.cat([mask, response_mask.long()], 1))
+    assert model.hf.training == grad_ckpt  # restored
+    P = idx.size(1)
+    ref = logprobs_from_logits(logits[:, P - 1 : -1].float(), response) * response_mask
+    error = (ref - logprobs).abs() * response_mask
+    if dtype == torch.float32:
+        assert error.max() <= 1e-5
+    else:
+        assert error.sum() / response_mask.sum() <= 0.02
+
+
 # -----------------------------------------------------------------------------
 # checkpoints and export
 
@@ -322,6 +353,20 @@ def test_load_init_reads_checkpoints_through_model_from_checkpoint(tiny_ckpts, m
     monkeypatch.setattr(hf, "model_from_checkpoint", spy)
     model, _, ckpt = load_init(tiny_ckpts[0], score_head=True)
     assert calls == [dict(lm_head=True, score_head=True)] and type(model) is GPT and model.score_head is not None
+
+
+def test_a_checkpoint_exports_with_its_tokenizer(tmp_path, tiny_ckpts):
+    """hf.export_checkpoint (python hf.py export CKPT DIR), the README's export of a checkpoint on disk, writes the
+    tokenizer beside the weights as --export-hf does: AutoTokenizer loads the same ids (it built an empty GPT-2
+    tokenizer before: 'hello' was [])."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = str(tmp_path / "hf")
+    hf.export_checkpoint(tiny_ckpts[0], out)
+    tok = tokenizer.Tokenizer.from_state(torch.load(tiny_ckpts[0], weights_only=False)["tokenizer"])
+    text = "Review of The Silent River (music): the music was very good."
+    assert AutoTokenizer.from_pretrained(out).encode(text) == tok.encode(text) != []
+    assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == tok.vocab_size
 
 
 def test_hf_export_round_trip(llama_dir, tmp_path):

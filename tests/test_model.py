@@ -9,7 +9,16 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from model import GPT, GPTConfig, aggregate_rm_scores, logprobs_from_logits, padded_causal_mask
+from model import (
+    GPT,
+    GPTConfig,
+    aggregate_rm_scores,
+    left_pack,
+    logprobs_from_logits,
+    packed_response_logits,
+    padded_causal_mask,
+    response_forward,
+)
 
 V = 97  # vocab size of every tiny model
 PAD = V  # pad id outside the embedding, like GPT-2's tiktoken tokenizer
@@ -141,6 +150,30 @@ def test_forward_heads_and_padding_invariance():
         # pad ids outside the vocab never reach the embedding, with or without a mask
         assert torch.isfinite(model(torch.full((2, 4), PAD))[0]).all()
         assert torch.isfinite(model(padded, pmask)[0]).all()
+
+
+def test_packed_rows_give_the_response_forward_logits():
+    """left_pack puts each row's prompt (left-padded) and response (right-padded) together at the right end, as wide
+    as the longest row's real tokens; packed_response_logits then gives response_forward's logits at every real
+    response position (float64), for ragged prompts and responses (an empty response included)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=16)).double().eval()
+    q_len, r_len = torch.tensor([5, 1, 3, 2]), torch.tensor([2, 6, 0, 4])
+    query_mask = (torch.arange(5) >= 5 - q_len[:, None]).double()
+    response_mask = (torch.arange(6) < r_len[:, None]).double()
+    query = torch.randint(0, 50, (4, 5)).masked_fill(query_mask == 0, 50)
+    response = torch.randint(0, 50, (4, 6)).masked_fill(response_mask == 0, 50)
+    ids, mask = left_pack(torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1))
+    assert ids.size(1) == int((q_len + r_len).max())  # 7, not 5 + 6
+    for row in range(4):
+        real = torch.cat([query[row][query_mask[row].bool()], response[row][response_mask[row].bool()]])
+        assert torch.equal(ids[row][mask[row].bool()], real) and mask[row, -len(real) :].all()
+    with torch.no_grad():
+        want, _ = response_forward(model, query, query_mask, response, response_mask, 0.7)
+        got = packed_response_logits(model, ids, mask, response_mask, 0.7)
+    assert got.shape == want.shape
+    real = response_mask.bool()
+    assert torch.allclose(got[real], want[real], atol=1e-10)
 
 
 def test_logprobs_from_logits():

@@ -2,6 +2,7 @@
 rerun's changed argument refused; --overwrite; the labelers: people's labels.jsonl (a bad line is one error naming it),
 the task's simulated human, a judge of yours."""
 
+import dataclasses
 import json
 import os
 import random
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import checkpoints
-import common
+import cli
 import train_online
 
 TINY_PPO = (
@@ -210,10 +211,37 @@ def test_a_changed_argument_of_a_kept_run_is_refused_unless_overwrite(tmp_path, 
     argv = ["train_online.py", "--out-dir", out, "--pairs-per-round", "6000"]  # given at its default: still a change
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(train_online.UserError, match=r"--pairs-per-round 24 -> 6000: this run was started otherwise"):
-        train_online.saved_args(common.cli(train_online.Args))
+        train_online.saved_args(cli.parse(train_online.Args))
     fresh = train_online.saved_args(train_online.Args(out_dir=out, pairs_per_round=12, overwrite=True))
     assert fresh.pairs_per_round == 12 and sorted(os.listdir(out)) == ["args.json"]
     assert json.load(open(os.path.join(out, "args.json")))["pairs_per_round"] == 12
+
+
+def test_a_folder_resumes_only_what_its_args_json_says(tmp_path):
+    """An args.json written by an older train_online.py (no --tilted-frac, --tilt-betas, ...: today's defaults need
+    not be what it ran with) is refused in one line naming the flags it lacks; the --rl-flags check runs on the flags
+    merged with the saved ones, so a saved --rl-flags holding --kl-coef is refused too, not run beside --rl-betas."""
+    out = tmp_path / "old"
+    out.mkdir()
+    saved = {name: value for name, value in dataclasses.asdict(train_online.Args(out_dir=str(out))).items()}
+    for name in ("overwrite", "tilted_frac", "tilt_betas", "tilt_samples", "rl_betas"):
+        saved.pop(name)
+    (out / "args.json").write_text(json.dumps(saved))
+    with pytest.raises(train_online.UserError) as error:
+        train_online.main(train_online.Args(out_dir=str(out)))
+    message = str(error.value)
+    assert (
+        "written by an older train_online.py, without --tilted-frac, --tilt-betas, --tilt-samples, --rl-betas"
+        in (message)
+        and "\n" not in message
+    )
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    saved = dataclasses.asdict(train_online.Args(out_dir=str(kept), rl_flags="--kl-coef 0.15"))
+    saved.pop("overwrite")
+    (kept / "args.json").write_text(json.dumps(saved))
+    with pytest.raises(train_online.UserError, match="each round's --kl-coef is --rl-betas"):
+        train_online.main(train_online.Args(out_dir=str(kept)))  # --rl-flags not given: the saved one applies
 
 
 def test_tilted_pairs_follow_the_tilt_and_skip_what_never_ended(tmp_path, tiny_ckpts):

@@ -621,6 +621,44 @@ def test_ppo_starts_from_a_dpo_checkpoint(tmp_path, task_dir, trained_sft):
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 1
 
 
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            "def score(prompt, response):\n    return 1.0\n",
+            r"score\(the first prompt, '', ended=True\) raised TypeError",
+        ),
+        ("def score(prompt, response, ended):\n    return None\n", r"returned None: expected a finite number"),
+        ("def score(prompt, response, ended):\n    return float('nan')\n", r"returned nan: expected a finite number"),
+        (
+            "def score(prompt, response, ended):\n    return 1.0 if ended else {}['x']\n",
+            r"ended=False\) raised KeyError",
+        ),
+    ],
+    ids=["signature", "none", "nan", "raises"],
+)
+def test_a_reward_function_is_tried_before_any_model_loads(tmp_path, task_dir, trained_sft, body, message, monkeypatch):
+    """--reward-fn is called at start-up on the run's first prompt and an empty response, ended and not: a wrong
+    signature, an exception or a value that is no finite number is one line naming the function, before any model
+    loads (it was a 33-line traceback after the first rollout)."""
+    import hf
+
+    (tmp_path / "myreward.py").write_text(body)
+    monkeypatch.setattr(hf, "model_from_checkpoint", lambda *a, **k: pytest.fail("a model was built"))
+    args = train_ppo.Args(
+        out_dir=str(tmp_path / "ppo"),
+        task_dir=task_dir,
+        sft_ckpt=trained_sft,
+        rm_ckpt=["none"],
+        reward_fn=f"{tmp_path}/myreward.py:score",
+    )
+    with pytest.raises(common.UserError, match=message) as error:
+        train_ppo.main(args)
+    assert str(error.value).startswith(f"--reward-fn {tmp_path}/myreward.py:score: score(") and "\n" not in str(
+        error.value
+    )
+
+
 @pytest.mark.slow
 def test_reward_fn_from_a_file_or_a_module_beside_the_working_folder(tmp_path, task_dir, trained_sft):
     """--reward-fn path/to/file.py:fn loads the file; module:fn finds a module in the working folder when the script
@@ -819,7 +857,7 @@ TERM_FLAGS = (
 @pytest.mark.slow
 def test_ppo_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, task_dir, tiny_ckpts):
     """SIGTERM (a cluster's preemption, docs/design.md §8) sent to train_ppo.py after its first logged iteration: it
-    finishes that iteration, saves it, prints one line that says to continue with --resume and exits 128 + 15; the rerun
+    finishes that iteration, saves it, prints one line with the command that continues it and exits 128 + 15; the rerun
     with --resume finishes, and its final actor and critic are bit-for-bit those of an uninterrupted run with the same
     flags (CPU, one thread: the stop is at an iteration boundary, like a --save-every checkpoint)."""
     sft, rm = tiny_ckpts
@@ -843,7 +881,8 @@ def test_ppo_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, task_dir, tin
     printed = "".join(lines)
     assert code == 128 + signal.SIGTERM, printed[-2000:] + (tmp_path / "stderr.txt").read_text()[-2000:]
     told = [line for line in lines if "--resume" in line]
-    assert told == [f"stopped by SIGTERM with {out}/ckpt.pt saved: continue with --resume\n"], printed[-2000:]
+    continued = common.resume_command(f"{out}/ckpt.pt", shlex.split(f"{base} --out-dir {out}")[1:])
+    assert told == [f"stopped by SIGTERM with {out}/ckpt.pt saved; continue with: {continued}\n"], printed[-2000:]
     stopped_at = torch.load(out / "ckpt.pt", weights_only=False)["step"]
     assert 1 <= stopped_at < 8
     r = run(f"{base} --out-dir {out} --resume")

@@ -70,3 +70,51 @@ def test_the_bf16_sampler_is_the_actor_in_bf16_and_refreshes_in_place(task_tok, 
     assert all(torch.equal(actor_after[name], tensor) for name, tensor in actor_before.items())
     assert all(p.dtype == torch.float32 for p in trained) and bool(lora_layers(actor)) == lora
     roles.refresh_sampler(plain)  # no sampler: nothing to do
+
+
+@pytest.mark.parametrize("stage, lora", [("ppo", False), ("grpo", True)], ids=["ppo", "grpo_lora"])
+def test_a_resumed_bf16_run_samples_from_the_resumed_actor(tmp_path, task_dir, tiny_ckpts, monkeypatch, stage, lora):
+    """--resume under bf16: before the first rollout of the resumed sitting, the sampler copy is the resumed actor
+    (LoRA merged) cast to bf16, not the --sft-ckpt weights it was built from; the first rollout's mean log-prob
+    error a token stays at bf16 rounding."""
+    import rollout
+    import train_grpo
+    import train_ppo
+    from lora import merged_state_dict
+
+    module = train_ppo if stage == "ppo" else train_grpo
+    flags = dict(
+        out_dir=str(tmp_path / stage),
+        task_dir=task_dir,
+        sft_ckpt=tiny_ckpts[0],
+        rm_ckpt=[tiny_ckpts[1]],
+        dtype="bfloat16",
+        rollout_batch_size=8,
+        num_minibatches=1,
+        micro_batch_size=8,
+        max_new_tokens=8,
+        warmup_steps=1,
+        lr=5e-2,  # large steps: the actor moves far from its init
+        log_every=1,
+        max_steps=2,
+    )
+    flags |= dict(critic_warmup_steps=0) if stage == "ppo" else dict(group_size=2)
+    flags |= dict(lora_rank=4, lora_alpha=8.0) if lora else {}
+    module.main(module.Args(**flags))
+    seen = []
+    real = rollout.rollout
+
+    def first_rollout(engine, prompts, *args, **kwargs):
+        if not seen:  # copies: both are updated in place later
+            sampler = {name: value.clone() for name, value in engine.models.sampler.state_dict().items()}
+            actor = {name: value.clone() for name, value in merged_state_dict(engine.models.actor).items()}
+            seen.append((sampler, actor))
+        return real(engine, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(rollout, "rollout", first_rollout)
+    module.main(module.Args(**(flags | dict(resume=True, max_steps=3))))
+    sampler, actor = seen[0]
+    for name, want in actor.items():
+        assert torch.equal(sampler[name], want.to(sampler[name].dtype)), name
+    init = torch.load(tiny_ckpts[0], weights_only=False)["model"]
+    assert any(not torch.equal(actor[name], init[name]) for name in init)  # the actor had moved

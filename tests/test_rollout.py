@@ -217,6 +217,67 @@ def test_rollout_raises_on_logprob_mismatch(task_tok, monkeypatch):
         run_rollout(Models(actor, actor, []), task_tok, ["Review of"] * 4, reward_fn=lambda p, r, e: 0.0)
 
 
+def test_the_bf16_check_bounds_the_mean_error_a_token():
+    """Under bf16 the sampler-versus-trainer check stops a run whose mean |error| a token cannot come from rounding
+    (rollout.BF16_LOGPROB_BOUND), with one line naming the likely causes; a single token far off (bf16 moves some)
+    only shows in the max, which is reported; fp32 keeps its bound on the max."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(4, 16)
+    logprobs = -torch.rand(4, 16, generator=g) * 3
+    rounding = logprobs + 2e-3 * torch.randn(4, 16, generator=g)
+    rounding[0, 0] += 0.3  # one token far off
+    largest, mean = rollout.check_logprobs(rounding, logprobs, mask, torch.bfloat16)
+    assert largest == pytest.approx(0.3, abs=0.01) and mean < 0.01
+    stale = logprobs + 0.2 * torch.randn(4, 16, generator=g)  # another model sampled (a stale copy)
+    with pytest.raises(RuntimeError, match="a sampler copy that is not the actor, or a model that decodes without"):
+        rollout.check_logprobs(stale, logprobs, mask, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="> 1e-4 in fp32"):
+        rollout.check_logprobs(rounding, logprobs, mask, torch.float32)
+    largest, mean = rollout.check_logprobs(logprobs + 1e-6, logprobs, mask, torch.float32)
+    assert largest == pytest.approx(1e-6, rel=0.1) and mean == pytest.approx(1e-6, rel=0.1)
+
+
+@pytest.mark.parametrize(
+    "rm, reward_fn, penalty, want",
+    [
+        (True, False, None, "rm: -1"),
+        (True, True, None, "rm: -1, plus the function"),
+        (False, True, None, "the function"),
+        (True, True, -3.0, "-3"),
+        (False, True, -3.0, "-3"),
+    ],
+)
+def test_how_a_response_without_eos_scores(task_tok, rm, reward_fn, penalty, want):
+    """--missing-eos-penalty None: an RM's part of the score of a response without EOS is -1 (it reads its score at
+    the EOS) and the reward function adds its own value, given ended=False; with the function alone, it decides. A
+    number: every such response scores it. An ended response's score is untouched."""
+    tok = task_tok
+    actor = boost_eos(tiny_gpt(tok, 0), tok.eos_id)
+    models = Models(actor, actor, [tiny_gpt(tok, 2, score_head=True)] if rm else [])
+
+    def fn(prompt, response, ended):
+        return 0.5 if ended else -0.25
+
+    settings = dict(missing_eos_penalty=penalty, rm_ckpt=["rm.pt"] if rm else ["none"])
+    engine = engine_of(models, tok, reward_fn=fn if reward_fn else None, **settings)
+    if reward_fn:  # the flag the start-up line reads
+        engine.args = dataclasses.replace(engine.args, reward_fn="test:fn")
+    exp, _, _ = rollout.rollout(engine, PROMPTS)
+    ended = exp["ended"].bool()
+    assert ended.any() and not ended.all(), "want responses with and without EOS"
+    expected = {"rm: -1": -1.0, "rm: -1, plus the function": -1.0 - 0.25, "the function": -0.25, "-3": -3.0}[want]
+    assert torch.allclose(exp["scores"][~ended], torch.full(((~ended).sum(),), expected))
+    if not rm:  # the ended ones: the function's own value
+        assert torch.allclose(exp["scores"][ended], torch.full((ended.sum(),), 0.5))
+    rule = rollout.missing_eos_rule(engine.args)  # what the start-up line says
+    said = {
+        "rm: -1": "-1 (the RM",
+        "rm: -1, plus the function": "-1 for the RM's part",
+        "the function": "--reward-fn's",
+    }
+    assert rule.startswith(said.get(want, "-3"))
+
+
 def _logprob_check_worker(rank: int, port: int, tokenizer_state: dict, queue) -> None:
     """Rank 0's sampler disagrees with its training forward, rank 1's agrees: both must raise, none may hang."""
     import torch.distributed as dist

@@ -63,6 +63,32 @@ def test_sft_smoke(tmp_path, task_dir):
     assert len(samples) == 16 and {"prompt", "response", "ended", "valid"} <= set(samples[0])
 
 
+def test_a_signal_saves_before_the_evaluation(tmp_path, task_dir, monkeypatch):
+    """A SIGTERM seen at the end of an --eval-every step (step 2) saves that step first and exits 143: the sampling
+    evaluation, which could outlast a cluster's grace period, does not run. (Evaluations draw from a generator of
+    their own, seeded the same each time, so the skipped one changes no later one: a resume stays exact.)"""
+    import common
+
+    requests, evaluations = [], []
+
+    def requested(self, device):  # called once at the end of every step: the signal arrives during step 2
+        requests.append(1)
+        return 15 if len(requests) == 2 else 0
+
+    def recording(*args, **kwargs):
+        evaluations.append(len(requests))
+        return real(*args, **kwargs)
+
+    real = train_sft.sample_responses
+    monkeypatch.setattr(common.StopSignal, "requested", requested)
+    monkeypatch.setattr(train_sft, "sample_responses", recording)
+    out = str(tmp_path / "sft")
+    with pytest.raises(SystemExit) as stopped:
+        train_sft.main(train_sft.Args(out_dir=out, task_dir=task_dir, **(TINY | {"eval_every": 2})))
+    assert stopped.value.code == 143
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 2 and evaluations == []
+
+
 def test_sft_masks_prompt_on_user_data(tmp_path, task_dir):
     """From a checkpoint on user data the prompt is masked: only response tokens + EOS are targets."""
     from data import encode_sft
