@@ -47,9 +47,9 @@ from generate import sample
 from model import (
     aggregate_rm_scores,
     calibration_error,
-    last_token_scores,
+    left_pack,
     logprobs_from_logits,
-    response_forward,
+    packed_response_logits,
     score_sequences,
 )
 from task import build_task, gold_reward, is_task_prompt, is_valid
@@ -217,21 +217,22 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
         )
     response, response_mask = samples.response, samples.mask
     lengths = response_mask.sum(1).long()
+    # each row's prompt and response packed: a row needs only its own to fit the context (as the RL rollout scores)
+    ids, mask = left_pack(torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1))
     kl = torch.zeros(len(prompts), device=device)
     if ref is not None:  # k1 summed over the sequence, at the sampling temperature
         with amp:
-            ref_logits = response_forward(ref, query, query_mask, response, response_mask, args.temperature)[0]
+            ref_logits = packed_response_logits(ref, ids, mask, response_mask, args.temperature)
         ref_logprobs = logprobs_from_logits(ref_logits, response)
         kl = ((samples.logprobs - ref_logprobs) * response_mask).sum(1)
     score = torch.full((len(prompts),), float("nan"), device=device)
     member_scores = torch.zeros(0, len(prompts), device=device)
     if rms:
-        mask = torch.cat([query_mask, response_mask], 1)
         members = []
         for rm in rms:
             with amp:
-                token_scores = rm(torch.cat([query, response], 1), mask, logits=False)[1]
-            members.append(last_token_scores(token_scores.float(), mask))
+                token_scores = rm(ids, mask, logits=False)[1]
+            members.append(token_scores[:, -1].float())  # packed: every row's last token is its last column
         member_scores = torch.stack(members)  # (K, B)
         score = aggregate_rm_scores(member_scores, args.rm_agg, args.rm_uwo_coef)
     return {

@@ -31,6 +31,7 @@ from model import (
     left_pack,
     logprobs_from_logits,
     masked_mean,
+    packed_response_logits,
     response_forward,
 )
 from roles import Models
@@ -144,6 +145,7 @@ class Responses:
     prompt_texts: list[str]  # each prompt as the reward function and the logs see it (a conversation rendered)
     samples: Samples  # the whole responses: a prefix given, then the tokens sampled
     sampled: torch.Tensor  # (B, T) 1.0 on the tokens this call sampled (samples.mask without a prefix)
+    packed: tuple  # (ids, mask) (B, W): each row's prompt and response together (model.left_pack), what is scored
 
 
 @torch.no_grad()
@@ -173,7 +175,8 @@ def generate_responses(engine: Engine, prompts: list, prefix: Optional[tuple] = 
     if prefix is not None:
         samples, sampled = join_samples(tok, prefix_ids, prefix_mask, samples)
     prompt_texts = [prompt_text(tok, prompt) for prompt in prompts]
-    return Responses(query, query_mask, prompt_texts, samples, sampled)
+    packed = left_pack(torch.cat([query, samples.response], 1), torch.cat([query_mask, samples.mask], 1))
+    return Responses(query, query_mask, prompt_texts, samples, sampled, packed)
 
 
 def continuation_budget(prefix_ids, prefix_mask, max_new_tokens: int, eos_id: int) -> torch.Tensor:
@@ -208,11 +211,13 @@ def join_samples(tok: Tokenizer, prefix_ids, prefix_mask, continued: Samples) ->
 
 
 def micro_batches(responses: Responses, micro_batch_size: int):
-    """(rows, query, query_mask, response, mask) of each micro-batch of a rollout, in order."""
+    """(rows, ids, mask, response, response_mask) of each micro-batch of a rollout, in order: each row's prompt and
+    response packed (Responses.packed), so a row needs only its own to fit the context; its response as generated."""
+    ids, mask = responses.packed
     samples = responses.samples
-    for start in range(0, samples.response.size(0), micro_batch_size):
+    for start in range(0, ids.size(0), micro_batch_size):
         rows = slice(start, start + micro_batch_size)
-        yield rows, responses.query[rows], responses.query_mask[rows], samples.response[rows], samples.mask[rows]
+        yield rows, ids[rows], mask[rows], samples.response[rows], samples.mask[rows]
 
 
 # -----------------------------------------------------------------------------
@@ -224,21 +229,19 @@ MISSING_EOS_RM_SCORE = -1.0  # an RM's part of the score of a response without E
 
 @torch.no_grad()
 def response_scores(engine: Engine, responses: Responses, amp):
-    """Step 2's score of each response (B,): each RM's score read at the last real token (its calibration folded
-    into its head), aggregated over an ensemble (--rm-agg), + coef * reward_fn(prompt, response,
+    """Step 2's score of each response (B,): each RM's score read at the last real token of the packed row (its
+    calibration folded into its head), aggregated over an ensemble (--rm-agg), + coef * reward_fn(prompt, response,
     ended); a response without EOS scores as --missing-eos-penalty says (missing_eos_rule). Returns (scores, the
     parts logged apart: rm_score and reward_fn when there are two, score_std for an ensemble's spread)."""
     args = engine.args
     samples = responses.samples
-    eos_position = responses.query.size(1) + samples.last[:, None]  # (B, 1)
     members = []  # (K, micro-batch) each
-    for rows, query, query_mask, response, mask in micro_batches(responses, engine.micro_batch_size):
-        sequence, sequence_mask = torch.cat([query, response], 1), torch.cat([query_mask, mask], 1)
+    for _, ids, mask, _, _ in micro_batches(responses, engine.micro_batch_size):
         member_scores = []
         for reward_model in engine.models.reward_models:
             with amp:
-                _, token_scores = reward_model(sequence, sequence_mask, logits=False)
-            member_scores.append(token_scores.float().gather(1, eos_position[rows]).squeeze(1))
+                _, token_scores = reward_model(ids, mask, logits=False)
+            member_scores.append(token_scores[:, -1].float())  # packed: every row's last token is its last column
         if member_scores:
             members.append(torch.stack(member_scores))
     scores = torch.zeros(samples.response.size(0), device=samples.response.device)
@@ -278,15 +281,14 @@ def missing_eos_rule(args: RolloutArgs) -> str:
 
 @torch.no_grad()
 def policy_and_reference_logprobs(engine: Engine, responses: Responses, amp) -> dict:
-    """Step 3's no-grad passes of the training forward, per micro-batch: the policy's and the reference's log-probs
-    of the response tokens and the policy's entropy, (B, T) each, masked."""
+    """Step 3's no-grad passes of the training forward over the packed rows, per micro-batch: the policy's and the
+    reference's log-probs of the response tokens and the policy's entropy, (B, T) each, masked."""
     models, temperature = engine.models, engine.args.temperature
     chunks = {"logprobs": [], "ref_logprobs": [], "entropy": []}
-    for _, *micro_batch in micro_batches(responses, engine.micro_batch_size):
-        response = micro_batch[2]
+    for _, ids, mask, response, response_mask in micro_batches(responses, engine.micro_batch_size):
         with amp:
-            logits, _ = response_forward(models.actor, *micro_batch, temperature)
-            ref_logits, _ = response_forward(models.ref, *micro_batch, temperature)
+            logits = packed_response_logits(models.actor, ids, mask, response_mask, temperature)
+            ref_logits = packed_response_logits(models.ref, ids, mask, response_mask, temperature)
         chunks["logprobs"].append(logprobs_from_logits(logits, response))
         chunks["ref_logprobs"].append(logprobs_from_logits(ref_logits, response))
         chunks["entropy"].append(entropy_from_logits(logits))

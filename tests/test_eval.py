@@ -462,6 +462,27 @@ def test_a_prompt_with_no_room_for_a_response_is_skipped_and_changes_no_other_re
     assert json.dumps(results, sort_keys=True) == json.dumps(baseline, sort_keys=True)
 
 
+def test_a_batch_of_ragged_prompts_is_scored_row_by_row(tmp_path, task_dir, tiny_ckpts, capsys):
+    """One prompt of about 112 tokens among short ones, a 128-token context, 64 new tokens: every row fits on its own
+    (the long one's budget is its 16 tokens left), so the reference's and the RM's passes read each row's prompt and
+    response packed and nothing crashes (before: a pass over the whole batch's widest prompt plus its widest response,
+    `sequence of length > block_size`). Off the built-in task, the table says why gold and its columns are empty."""
+    short = [f"Tell me about river {i} and its music." for i in range(15)]
+    sft, rm = tiny_ckpts
+    from tokenizer import Tokenizer
+
+    tok = Tokenizer.from_state(torch.load(sft, weights_only=False)["tokenizer"])
+    long_prompt = tok.decode(tok.encode(" ".join(short * 3))[:112])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [long_prompt] + short))
+    args = ev.Args(policy=[sft], names=["p"], ref=sft, rm=[rm], prompts=str(prompts), num_samples=16, task_dir=task_dir)
+    assert 100 <= len(tok.encode(long_prompt)) < 128 - 8
+    capsys.readouterr()
+    results = ev.main(args)
+    assert results["p"]["num_samples"] == 16 and results["p"]["score"] is not None
+    assert "gold, valid_frac, win_rate_vs_ref: - (the built-in task's gold reward" in capsys.readouterr().out
+
+
 def test_kl_optimal_warnings_name_the_check_that_failed():
     """Each row's warning says which check failed: kl within 1 nat of log M, the mean ess under 4, or a tenth of the
     prompts at ess under 2 (a mean over prompts hides prompts where one sample dominates); none when all pass."""

@@ -278,6 +278,29 @@ def test_how_a_response_without_eos_scores(task_tok, rm, reward_fn, penalty, wan
     assert rule.startswith(said.get(want, "-3"))
 
 
+def test_a_ragged_batch_is_scored_row_by_row(task_tok):
+    """The rollout's RM score and log-probs read each row's own prompt and response packed (model.left_pack): a
+    batch whose longest prompt plus longest response is wider than the context scores (no row needs another's
+    width), and every row's score and log-probs equal those of the row alone."""
+    tok = task_tok
+    actor = tiny_gpt(tok, 0).double()  # context 64
+    rm = tiny_gpt(tok, 2, score_head=True).double()
+    long_prompt = "Review of " + " ".join(["The Silent River"] * 14) + ":"
+    prompts = [long_prompt, "Review of"]
+    assert len(tok.encode(long_prompt)) + 24 > 64 >= len(tok.encode(long_prompt)) + 4
+    exp, _, records = rollout.rollout(engine_of(Models(actor, actor, [rm]), tok, max_new_tokens=24), prompts)
+    assert exp["query"].size(1) + exp["mask"].size(1) > 64  # unpacked, the batch would not fit
+    for row, prompt in enumerate(prompts):
+        n = int(exp["mask"][row].sum())
+        ids = torch.tensor([tok.encode(prompt) + exp["response"][row, :n].tolist()])
+        with torch.no_grad():
+            logits, scores = actor(ids)[0], rm(ids, logits=False)[1]
+        want = logprobs_from_logits(logits[0, -n - 1 : -1] / 0.9, ids[0, -n:])
+        assert torch.allclose(exp["logprobs"][row, :n], want, atol=1e-10)
+        if records[row]["ended"]:
+            assert exp["scores"][row].item() == pytest.approx(scores[0, -1].item(), abs=1e-6)
+
+
 def _logprob_check_worker(rank: int, port: int, tokenizer_state: dict, queue) -> None:
     """Rank 0's sampler disagrees with its training forward, rank 1's agrees: both must raise, none may hang."""
     import torch.distributed as dist
