@@ -34,7 +34,7 @@ from data import (
 from generate import sample
 from model import lm_loss
 from task import build_task, is_valid
-from tokenizer import load_tokenizer
+from tokenizer import Tokenizer, load_tokenizer
 
 
 @cli.stage_args
@@ -124,13 +124,20 @@ def sample_responses(model, tok, prompts: list, temperature: float, max_new_toke
 # main
 
 
-def main(args: Args) -> None:
-    t_start = time.time()
-    # --resume: the run's own flags, a changed one refused (docs/design.md §8)
-    args = checkpoints.resume_args(args, "sft")
-    checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
-    common.seed_everything(args.seed)
-    # 1. data, tokenizer and model (user mistakes surface here, before any process group)
+@dataclass
+class Data:
+    """SFT's records, encoded for its tokenizer and context (load)."""
+
+    builtin: bool  # the built-in task (gold and valid_frac), or --data
+    train: list  # encode_sft's examples
+    evals: list
+    prompts: list  # the held-out prompts the evaluation samples
+    too_long: int  # training records skipped for the context
+
+
+def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
+    """Step 1: the data, tokenizer and model, checked before any process group; returns them and the init's
+    fingerprint (--resume compares it)."""
     builtin = args.data is None
     task = build_task(args.task_dir, args.task_seed) if builtin else None
     train_path = task["sft"] if builtin else args.data
@@ -152,10 +159,22 @@ def main(args: Args) -> None:
     # from scratch on the built-in task the model learns the language too: no prompt masking
     mask_prompt = not (builtin and args.init == "scratch")
     block_size = model.config.block_size
-    train, n_too_long = encode_sft(tok, train_rows, block_size, mask_prompt)
+    train, too_long = encode_sft(tok, train_rows, block_size, mask_prompt)
     evals, _ = encode_sft(tok, eval_rows, block_size, mask_prompt)
     if not train:
         raise UserError(f"{args.data}: every example is longer than the context ({block_size} tokens)")
+    return model, tok, init_hash, Data(builtin, train, evals, prompts, too_long)
+
+
+def main(args: Args) -> None:
+    t_start = time.time()
+    # --resume: the run's own flags, a changed one refused (docs/design.md §8)
+    args = checkpoints.resume_args(args, "sft")
+    checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
+    common.seed_everything(args.seed)
+    # 1. data, tokenizer and model (user mistakes surface here, before any process group)
+    model, tok, init_hash, data = load(args)
+    builtin, train, evals, prompts = data.builtin, data.train, data.evals, data.prompts
 
     # 2. distributed set-up, sizes, optimizer, resume
     # sizes first, against the launched world size: a mistake ends here, before any process group
@@ -165,7 +184,7 @@ def main(args: Args) -> None:
     max_steps = args.max_steps or max(1, args.epochs * len(train) // args.batch_size)
     common.size_warnings(args.batch_size, "--batch-size", len(train), len(evals), args.warmup_steps, max_steps)
     print0(
-        f"sft: {len(train)} train / {len(evals)} eval examples ({n_too_long} too long, skipped) | "
+        f"sft: {len(train)} train / {len(evals)} eval examples ({data.too_long} too long, skipped) | "
         f"{model.num_params() / 1e6:.2f} M params | batch {args.batch_size} = {d.world_size} ranks x "
         f"{grad_accum_steps} accum x {micro_batch_size} | {max_steps} steps | device {d.device} {dtype}"
     )
