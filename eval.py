@@ -2,12 +2,14 @@
 
 Policy mode: each --policy samples one response per held-out prompt and seed (seeds --seed ... --seed + --seeds - 1,
 temperature 1 by default); we report the gold reward, the RM score, the KL to the reference, length, perplexity, EOS
-and grammatical fractions, distinct-2 and the gold-judged win rate against the reference, which answers the same
-prompts with the same seeds. Every number comes with its standard error (`<metric>_se` in the JSON, `mean ± se` in the
-table), clustered by prompt: the samples of one prompt (one per seed) count as one draw, so the error covers the
-choice of prompts and the sampling noise together.
-- means (gold, score, kl, response_len, eos_frac, valid_frac, win_rate_vs_ref): the cluster-robust standard error of
-  a mean (`ratio_mean`); with --seeds 1 it is std(ddof=1)/sqrt(n), with N seeds the same over the per-prompt means.
+and grammatical fractions, off_aspect (the share of responses praising an aspect the prompt did not name:
+task.off_aspect_praise; gold scores it 0), distinct-2 and the gold-judged win rate against the reference, which
+answers the same prompts with the same seeds. Every number comes with its standard error (`<metric>_se` in the JSON,
+`mean ± se` in the table), clustered by prompt: the samples of one prompt (one per seed) count as one draw, so the
+error covers the choice of prompts and the sampling noise together.
+- means (gold, score, kl, response_len, eos_frac, valid_frac, off_aspect, win_rate_vs_ref): the cluster-robust
+  standard error of a mean (`ratio_mean`); with --seeds 1 it is std(ddof=1)/sqrt(n), with N seeds the same over the
+  per-prompt means.
 - perplexity = exp(Σ nll / Σ tokens): the same formula for the ratio (linearisation), then the delta method,
   se(exp R) = exp(R)·se(R).
 - distinct_2 (unique / all bigrams, not a mean of per-sample values): the delete-one-prompt jackknife, conservative in
@@ -52,7 +54,7 @@ from model import (
     packed_response_logits,
     score_sequences,
 )
-from task import build_task, gold_reward, is_task_prompt, is_valid
+from task import build_task, gold_reward, is_task_prompt, is_valid, off_aspect_praise
 
 
 @dataclass
@@ -282,6 +284,7 @@ def policy_metrics(samples: dict, builtin: bool, ref_gold: Optional[list]) -> tu
     ended = samples["ended"]
     gold = [gold_reward(p, r, e) for p, r, e in zip(samples["prompt"], responses, ended)] if builtin else None
     valid = [float(is_valid(r, e)) for r, e in zip(responses, ended)] if builtin else None
+    off_aspect = [float(off_aspect_praise(p, r)) for p, r in zip(samples["prompt"], responses)] if builtin else None
     scored = [(x, c) for x, c in zip(samples["score"], cluster) if not math.isnan(x)]
     stats = {
         "gold": mean_se(gold, cluster) if builtin else None,
@@ -291,6 +294,7 @@ def policy_metrics(samples: dict, builtin: bool, ref_gold: Optional[list]) -> tu
         "perplexity": perplexity_se(samples["logprob_sum"], samples["n"], cluster),
         "eos_frac": mean_se([float(e) for e in ended], cluster),
         "valid_frac": mean_se(valid, cluster) if builtin else None,
+        "off_aspect": mean_se(off_aspect, cluster) if builtin else None,
         "distinct_2": distinct_n_se(samples["tokens"], cluster, 2),
         "win_rate_vs_ref": mean_se(win_outcomes(gold, ref_gold), cluster) if builtin and ref_gold else None,
         "reward_fn": mean_se(samples["reward_fn"], cluster) if "reward_fn" in samples else None,
@@ -361,6 +365,7 @@ def kl_optimal_rows(name: str, samples: dict, betas: list, builtin: bool, missin
         gold = [gold_reward(p, r, e) for p, r, e in zip(samples["prompt"], samples["response"], ended)]
         values["gold"] = grid(gold)
         values["valid_frac"] = grid([is_valid(r, e) for r, e in zip(samples["response"], ended)])
+        values["off_aspect"] = grid([off_aspect_praise(p, r) for p, r in zip(samples["prompt"], samples["response"])])
         signals["gold"] = values["gold"]
     if not math.isnan(samples["score"][0]):  # NaN: no RM (--rm none), no score to tilt by or report
         values["score"] = grid([s if e else missing_eos_penalty for s, e in zip(samples["score"], ended)])
@@ -370,7 +375,7 @@ def kl_optimal_rows(name: str, samples: dict, betas: list, builtin: bool, missin
         for beta in betas:
             estimates = tilted_estimates(rewards, values, beta)
             row = {}
-            for key in ("gold", "score", "kl", "valid_frac"):
+            for key in ("gold", "score", "kl", "valid_frac", "off_aspect"):
                 stat = mean_se(estimates[key].tolist(), list(range(num_prompts))) if key in estimates else None
                 row[key] = None if stat is None else stat["value"]
                 row[f"{key}_se"] = None if stat is None else stat["se"]
@@ -428,6 +433,7 @@ def print_table(results: dict) -> None:
         "perplexity",
         "eos_frac",
         "valid_frac",
+        "off_aspect",
         "distinct_2",
         "win_rate_vs_ref",
         "num_samples",
@@ -441,7 +447,11 @@ def print_table(results: dict) -> None:
             print(f"| {name} | " + " | ".join(format_value(entry, c) for c in cols) + " |")
     policies = [entry for name, entry in results.items() if name != "rm"]
     reasons = (  # why a column is empty for every policy
-        ("gold", "gold, valid_frac, win_rate_vs_ref", "the built-in task's gold reward scores its own prompts only"),
+        (
+            "gold",
+            "gold, valid_frac, off_aspect, win_rate_vs_ref",
+            "the built-in task's gold reward scores its own prompts only",
+        ),
         ("score", "score", "no reward model: --rm none"),
     )
     for key, columns, why in reasons:
@@ -550,7 +560,7 @@ def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) 
 
 def print_limit_table(rows: dict) -> None:
     """The --kl-optimal rows as a markdown table."""
-    cols = ["beta", "gold", "score", "kl", "valid_frac", "ess", "ess_p10", "samples"]
+    cols = ["beta", "gold", "score", "kl", "valid_frac", "off_aspect", "ess", "ess_p10", "samples"]
     print("| tilted | " + " | ".join(cols) + " | warning |\n|---|" + "---|" * (len(cols) + 1))
     for name, row in rows.items():
         print(f"| {name} | " + " | ".join(format_value(row, c) for c in cols) + f" | {row['warning'] or ''} |")

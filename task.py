@@ -167,6 +167,29 @@ def gold_reward(prompt: str, response: str, ended: bool) -> float:
     return sum(math.tanh(s) for s in scores) / len(aspects)
 
 
+def off_aspect_praise(prompt: str, response: str) -> bool:
+    """A positive clause about an aspect the prompt did not name, sentence by sentence (a sentence the grammar does not
+    produce is skipped, so an invalid response counts too): S1 with a positive adjective, S2 with a positive verb,
+    either half of S3. "overall it was ..." (S4) names no aspect and never counts: gold gives half of it to every
+    requested aspect. Gold scores such praise 0; the KL pays for it."""
+    requested = prompt_aspects(prompt)
+    for sentence in response.strip().rstrip(".").split(". "):
+        for name, pattern in SENTENCE_RES.items():
+            match = pattern.fullmatch(sentence)
+            if match is None or name == "S4":
+                continue
+            f = match.groupdict()
+            if name == "S2":
+                clauses = [(f["aspect"], VERBS[f["verb"]])]
+            else:
+                clauses = [(f["aspect"], ADJECTIVES[f["adj"]])]
+            if name == "S3":
+                clauses.append((f["aspect2"], ADJECTIVES[f["adj2"]]))
+            if any(value > 0 and aspect not in requested for aspect, value in clauses):
+                return True
+    return False
+
+
 def split_titles(task_seed: int) -> tuple[list[str], list[str]]:
     """(train_titles, eval_titles): a deterministic ~15 % of the 256 titles is held out for eval prompts."""
     titles = [f"The {a} {n}" for a in TITLE_ADJS for n in TITLE_NOUNS]

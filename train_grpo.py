@@ -6,9 +6,12 @@ them (reward model(s) and/or --reward-fn), and gives every token of response i o
 with its group's: GRPO (Shao et al. 2024) A_i = (R_i - mean_group R) / (std_group R + 1e-4); Dr. GRPO (Liu et al.
 2025) without the division and with the loss summed over a fixed length; RLOO (Ahmadian et al. 2024) A_i = R_i - the
 mean of the group's other responses; REINFORCE++ (Hu 2025) the reward-to-go of per-token rewards, whitened over the
-rollout (with G > 1 the group mean subtracted first). Then clipped policy-gradient steps: DAPO's clip-higher, dynamic
-sampling and overlong filtering, dual-clip, three loss aggregations, the KL in the loss (k3 or k2) or in the reward
-(k1), and ptx as in PPO-max. What both RL stages do the same is rollout.py's (steps 1-3: generate, score, log-probs;
+rollout (with G > 1 the group mean subtracted first); VinePPO (Kazemnejad et al. 2024) Monte-Carlo values in place
+of a critic: a step's (a sentence's) advantage is its rewards + V(after it) - V(before it), V(s) the mean return of
+--vine-k continuations sampled from s; REBEL (Gao et al. 2024) no surrogate but a least-squares regression of a
+pair's log-ratio gap onto its reward gap. Then clipped policy-gradient steps: DAPO's clip-higher, dynamic sampling
+and overlong filtering, dual-clip, three loss aggregations, the KL in the loss (k3 or k2) or in the reward (k1), and
+ptx as in PPO-max. What both RL stages do the same is rollout.py's (steps 1-3: generate, score, log-probs;
 docs/design.md §5b says more); this file writes the formulas it shares with train_ppo.py again (cleanrl's way).
 
 Departures from the papers: sizes and beta are tuned for the built-in task (GRPO's G = 64 and beta = 0.04 are a
@@ -20,6 +23,8 @@ python train_grpo.py --estimator rloo                                 # RLOO
 python train_grpo.py --estimator reinforce_pp                         # REINFORCE++ (--group-size 4: a group baseline)
 python train_grpo.py --loss-agg token_mean --cliprange-high 0.28 --dynamic-sampling --mask-truncated   # DAPO
 python train_grpo.py --no-grpo-std-norm --kl-coef 0 --loss-agg token_mean --cliprange None           # nanochat's
+python train_grpo.py --estimator vineppo --vine-k 4                   # VinePPO: values from 4 continuations a step
+python train_grpo.py --estimator rebel --rebel-eta 1.0                # REBEL: pairs of responses, least squares
 """
 
 import math
@@ -58,6 +63,17 @@ RECIPES = {
     "reinforce_pp": dict(
         group_size=1, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="rollout", loss_agg="token_mean"
     ),
+    # VinePPO: one response a prompt, its credit from Monte-Carlo values (--vine-k continuations from each step's
+    # start); the KL in the reward as PPO-max has it (k1, beta 0.3 on normalised scores), no whitening (the values are
+    # the baseline). Cost: --vine-k x (steps a response) continuations, each the rest of a response
+    "vineppo": dict(
+        group_size=1, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="none", loss_agg="token_mean"
+    ),
+    # REBEL: pairs of responses to one prompt, a least-squares regression of the log-ratio gap onto the reward gap;
+    # the KL in the reward (k1), as the paper has it; rewards on the normalised scale, as --rebel-eta is
+    "rebel": dict(
+        group_size=2, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="none", loss_agg="pair_mean"
+    ),
 }
 # what a flag left at None becomes, for --help: each estimator's value
 RECIPE_DEFAULTS = {
@@ -75,13 +91,20 @@ class Args(rollout.RolloutArgs):
     """where ckpt.pt, TensorBoard event files and samples.jsonl go"""
     # --- the estimator; a flag left at None takes the estimator's recipe, printed at start-up
     estimator: Literal[tuple(RECIPES)] = "grpo"
-    """grpo | rloo | reinforce_pp (REINFORCE++)"""
+    """grpo | rloo | reinforce_pp (REINFORCE++) | vineppo (Monte-Carlo values) | rebel (pairwise regression)"""
     group_size: Optional[int] = None
     """responses sampled per prompt, consecutive rows of one rank; prompts per iteration = rollout_batch_size / G"""
     grpo_std_norm: bool = True
     """grpo only: divide by the group's std (--no-grpo-std-norm: Dr. GRPO, with --loss-agg seq_sum_norm)"""
     gamma: float = 1.0
     """reinforce_pp: the discount of the reward-to-go"""
+    vine_k: int = 4
+    """vineppo: continuations sampled from each step's start; V(s) is the mean of their returns"""
+    vine_chunk: int = 16
+    """vineppo off the built-in task: a step is this many tokens (on the built-in task: a sentence, through its '.')"""
+    rebel_eta: float = 1.0
+    """rebel: eta of the regression (1/eta)(log-ratio gap) ~ (reward gap), rewards on the normalised scale
+    (--reward-norm) minus beta * sum k1: a smaller eta takes smaller steps"""
     # --- scores and KL
     reward_norm: Optional[Literal["none", "scale", "norm"]] = None
     """normalise scores with running moments over all history: scale = s/std, norm = (s-mean)/std"""
@@ -96,9 +119,9 @@ class Args(rollout.RolloutArgs):
     """the KL in the loss: k3 = (r - 1) - log r, r = ref_p / p, or k2 = d^2 / 2 with d = logp - ref_logp (None: k3;
     in the reward only k1 = d, the one whose expected gradient there is the KL's: docs/design.md §5d)"""
     # --- the policy loss
-    loss_agg: Optional[Literal["token_mean", "seq_mean", "seq_sum_norm"]] = None
+    loss_agg: Optional[Literal["token_mean", "seq_mean", "seq_sum_norm", "pair_mean"]] = None
     """the loss over the step's global batch: mean over tokens, mean over sequences of their token mean, or sum over
-    tokens / (max_new_tokens * sequences) (Dr. GRPO)"""
+    tokens / (max_new_tokens * sequences) (Dr. GRPO); rebel's alone: the mean over pairs"""
     adv_whiten: Optional[Literal["rollout", "none"]] = None
     """whiten advantages over the whole rollout with global statistics (REINFORCE++'s normalisation), or not"""
     cliprange: Optional[float] = 0.2
@@ -167,6 +190,18 @@ def check_args(args: Args) -> None:
         raise UserError(f"--max-sample-rounds {args.max_sample_rounds}: it applies to --dynamic-sampling only")
     if not args.grpo_std_norm and estimator != "grpo":
         raise UserError(f"--no-grpo-std-norm applies to --estimator grpo, not {estimator}")
+    if estimator != "vineppo" and (args.vine_k, args.vine_chunk) != (Args.vine_k, Args.vine_chunk):
+        raise UserError(f"--vine-k and --vine-chunk apply to --estimator vineppo, not {estimator}")
+    if args.vine_k < 1 or args.vine_chunk < 1:
+        raise UserError(f"--vine-k {args.vine_k} --vine-chunk {args.vine_chunk}: use >= 1")
+    if estimator != "rebel" and args.rebel_eta != Args.rebel_eta:
+        raise UserError(f"--rebel-eta applies to --estimator rebel, not {estimator}")
+    if args.rebel_eta <= 0:
+        raise UserError(f"--rebel-eta {args.rebel_eta}: the regression divides by it, use > 0")
+    if (args.loss_agg == "pair_mean") != (estimator == "rebel"):
+        raise UserError(f"--loss-agg {args.loss_agg} with {estimator}: rebel's loss is a mean over pairs (pair_mean)")
+    if estimator == "rebel":
+        check_rebel_args(args)
     if args.cliprange is not None and args.cliprange <= 0:
         raise UserError(f"--cliprange {args.cliprange}: use > 0 (None: no clip)")
     if args.cliprange_high is not None and (args.cliprange is None or args.cliprange_high <= 0):
@@ -181,6 +216,29 @@ def check_args(args: Args) -> None:
         raise UserError(f"--ppo-epochs {args.ppo_epochs}: passes over each rollout, use >= 1")
     if not 0 <= args.gamma <= 1:
         raise UserError(f"--gamma {args.gamma}: a discount lies in [0, 1]")
+
+
+def check_rebel_args(args: Args) -> None:
+    """REBEL regresses whole pairs with the KL in the reward: the flags that clip, reweight or drop tokens, or move
+    the KL, are refused, each in one line."""
+    if args.group_size % 2:
+        raise UserError(
+            f"--group-size {args.group_size}: rebel pairs a group's responses (1st with 2nd, 3rd with 4th, "
+            "...), use an even size"
+        )
+    refused = {
+        "--cliprange": (args.cliprange != Args.cliprange, "its regression has no ratio to clip"),
+        "--cliprange-high": (args.cliprange_high is not None, "its regression has no ratio to clip"),
+        "--dual-clip": (args.dual_clip is not None, "its regression has no ratio to clip"),
+        "--kl-penalty loss": (args.kl_penalty == "loss", "the KL goes in its reward (k1), as the paper has it"),
+        "--adv-whiten rollout": (args.adv_whiten == "rollout", "whitening would rescale its regression targets"),
+        "--mask-truncated": (args.mask_truncated, "a pair is regressed whole, no response's tokens dropped"),
+        "--dynamic-sampling": (args.dynamic_sampling, "a pair is regressed whole, no group kept without a loss"),
+        "--tis-cap": (args.tis_cap is not None, "its loss is over sequences, with no token weights"),
+    }
+    for flag, (given, why) in refused.items():
+        if given:
+            raise UserError(f"{flag} with --estimator rebel: {why}")
 
 
 # -----------------------------------------------------------------------------
@@ -317,6 +375,8 @@ def loss_weights(mask, agg: str, n_seq, n_tok, max_new_tokens: int) -> tuple[tor
         return mask / lengths, n_seq
     if agg == "seq_sum_norm":
         return mask, max_new_tokens * n_seq
+    if agg == "pair_mean":  # rebel: its loss is a sum over pairs (rebel_loss)
+        return mask, n_seq / 2
     raise ValueError(f"unknown loss aggregation {agg!r}")
 
 
@@ -376,28 +436,100 @@ def ptx_loss(actor, ptx_batch: tuple, ptx_tokens) -> torch.Tensor:
     return lm_loss(logits, targets, target_mask, denom=ptx_tokens)
 
 
+# VinePPO (Kazemnejad et al. 2024): the value of a state is the mean return of --vine-k continuations sampled from it
+
+
+def vine_steps(response, mask, boundary_id: Optional[int], chunk: int) -> torch.Tensor:
+    """response, mask (B, T) -> (B, T) long: the step of each token, from 0 in each row, -1 on padding. A step ends
+    with a boundary token (boundary_id: the built-in task's '.', so a step is a sentence and the EOS a step of its
+    own: stopping is a choice too) or, with boundary_id None, every `chunk` tokens."""
+    if boundary_id is None:
+        steps = torch.arange(mask.size(1), device=mask.device).expand(mask.size(0), -1) // chunk
+    else:
+        ends = ((response == boundary_id) & mask.bool()).long()
+        steps = ends.cumsum(1) - ends  # a boundary belongs to the step it ends
+    return steps.masked_fill(~mask.bool(), -1)
+
+
+def step_starts(steps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """steps (B, T) (vine_steps) -> (rows, step, start), (S,) each: every step of every row, row-major, and the column
+    of its first token (the length of the prefix before it: the state a value is estimated at)."""
+    before = torch.cat([steps.new_full((steps.size(0), 1), -1), steps[:, :-1]], 1)
+    first = (steps != before) & (steps >= 0)
+    rows, starts = first.nonzero(as_tuple=True)
+    return rows, steps[rows, starts], starts
+
+
+def continuation_returns(scores, logprobs, ref_logprobs, sampled, kl_coef: float) -> torch.Tensor:
+    """(N,) the return of each continuation: its (normalised) score minus kl_coef * k1 summed over the tokens it
+    sampled (sampled (N, T); the prefix's rewards are the rollout's own)."""
+    return scores - kl_coef * kl_estimate(logprobs, ref_logprobs, sampled, "k1").sum(1)
+
+
+def vine_advantages(rewards, mask, steps, values) -> torch.Tensor:
+    """rewards, mask, steps (B, T) (shape_rewards, vine_steps), values (B, M) V(s) at the start of each row's steps (0
+    past its last) -> (B, T): every token of a step takes the step's advantage, the sum of its rewards + V(the next
+    step's start) - V(its start), V = 0 after the last step."""
+    index = steps.clamp(min=0)
+    step_rewards = torch.zeros_like(values).scatter_add(1, index, rewards * mask)
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
+    return (step_rewards + next_values - values).gather(1, index) * mask
+
+
+# REBEL (Gao et al. 2024): a pair's log-ratio gap regressed onto its reward gap
+
+
+def pair_gaps(rewards) -> torch.Tensor:
+    """rewards (N,), rows (2j, 2j + 1) a pair -> (N,): each row's reward minus its partner's."""
+    pairs = rewards.view(-1, 2)
+    return torch.stack([pairs[:, 0] - pairs[:, 1], pairs[:, 1] - pairs[:, 0]], 1).flatten()
+
+
+def rebel_loss(logprobs, old_logprobs, gaps, mask, eta: float, denom):
+    """REBEL's loss on a micro-batch whose rows (2j, 2j + 1) are pairs (y, y') of one prompt: per pair
+    ((1/eta) [(log pi(y) - log pi_old(y)) - (log pi(y') - log pi_old(y'))] - (r(y) - r(y')))^2, log pi summed over
+    each response's tokens (mask (B, T)), gaps (B,) r(y) - r(y') on a pair's first row (pair_gaps); summed over the
+    pairs, over denom (the step's global pair count). stats as policy_loss's (nothing is clipped)."""
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)
+    sequence_log_ratio = log_ratio.sum(1).view(-1, 2)
+    predicted = (sequence_log_ratio[:, 0] - sequence_log_ratio[:, 1]) / eta
+    loss = ((predicted - gaps.view(-1, 2)[:, 0]) ** 2).sum() / denom
+    with torch.no_grad():
+        ratio = torch.exp(log_ratio)
+        zero = torch.zeros((), device=mask.device)
+        stats = {
+            "clipfrac": zero,
+            "clipfrac_low": zero,
+            "clipfrac_high": zero,
+            "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
 # -----------------------------------------------------------------------------
 # one iteration: rollout (steps 1-5), DAPO's dynamic sampling, update (step 6)
 
 
 # step 5 of each estimator, under its name: (engine, this rank's prompts, the experience with its rewards, the
-# normalised scores) -> advantages (B, T); an estimator of RECIPES without one is refused at start-up (check_args)
+# normalised scores, the reward moments) -> (advantages (B, T), this rank's sums of the estimator's own metrics,
+# logged as rollout/<name>); an estimator of RECIPES without one is refused at start-up (check_args)
 ADVANTAGES = {}
 
 
-def group_baseline_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm) -> torch.Tensor:
+def group_baseline_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm, moments) -> tuple:
     """grpo, rloo: one advantage per response (group_advantages) from R_i = s_i - beta * sum_t k1, every token."""
     args = engine.args
     sequence_rewards = experience["rewards"].sum(1)  # (B,)
     advantages = group_advantages(sequence_rewards, args.group_size, args.estimator, args.grpo_std_norm)
-    return advantages[:, None] * experience["mask"]
+    return advantages[:, None] * experience["mask"], {}
 
 
 ADVANTAGES["grpo"] = group_baseline_advantages
 ADVANTAGES["rloo"] = group_baseline_advantages
 
 
-def reinforce_pp_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm) -> torch.Tensor:
+def reinforce_pp_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm, moments) -> tuple:
     """REINFORCE++: the reward-to-go of the per-token rewards (whitened over the rollout in the update); with G > 1
     the group mean as baseline, s_i - mean_group(s) in place of s_i."""
     args = engine.args
@@ -407,10 +539,52 @@ def reinforce_pp_advantages(engine: rollout.Engine, prompts: list, experience: d
         centred = group_advantages(score_norm, args.group_size, "reinforce_pp")
         reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
         rewards = shape_rewards(centred, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
-    return reward_to_go(rewards, mask, args.gamma)
+    return reward_to_go(rewards, mask, args.gamma), {}
 
 
 ADVANTAGES["reinforce_pp"] = reinforce_pp_advantages
+
+
+def vineppo_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm, moments) -> tuple:
+    """VinePPO: the value of the state before each step of each response (the prompt alone before the first) is the
+    mean return of --vine-k continuations the policy samples from it (continuation_returns: scores normalised with
+    the run's moments, which they do not update), and each step's tokens take its advantage (vine_advantages)."""
+    args, tok = engine.args, engine.tok
+    t_start = time.time()
+    response, mask = experience["response"], experience["mask"]
+    boundary_id = tok.encode(".")[0] if engine.gold_fn is not None else None  # the built-in task: sentences
+    steps = vine_steps(response, mask, boundary_id, args.vine_chunk)
+    rows, step, starts = step_starts(steps)
+    width = max(1, int(starts.max()))
+    prefix_mask = (torch.arange(width, device=mask.device) < starts[:, None]).to(mask.dtype)
+    state_prompts = [prompts[row] for row in rows.tolist()]
+    prefix = (response[rows, :width], prefix_mask)
+    continued, _, _ = rollout.rollout(engine, state_prompts, prefix, k=args.vine_k)  # (S * k, ...), k a state
+    continued_starts = starts.repeat_interleave(args.vine_k)[:, None]
+    sampled = continued["mask"] * (torch.arange(continued["mask"].size(1), device=mask.device) >= continued_starts)
+    scores = continued["scores"]
+    if args.reward_norm != "none":
+        scores = normalize_scores(scores, moments.mean, moments.std, args.reward_norm, args.reward_clip)
+    reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
+    returns = continuation_returns(scores, continued["logprobs"], continued["ref_logprobs"], sampled, reward_kl_coef)
+    values = torch.zeros(mask.size(0), int(steps.max()) + 1, device=mask.device)
+    values[rows, step] = returns.view(-1, args.vine_k).mean(1)
+    advantages = vine_advantages(experience["rewards"], mask, steps, values)
+    sums = {"vine_tokens": sampled.sum(), "vine_responses": float(len(returns)), "vine_s": time.time() - t_start}
+    return advantages, sums
+
+
+ADVANTAGES["vineppo"] = vineppo_advantages
+
+
+def rebel_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm, moments) -> tuple:
+    """REBEL's regression targets, on every token of each row: its reward R_i = s_i - beta * sum_t k1 minus its
+    pair partner's (pair_gaps: rows 2j and 2j + 1 of a group)."""
+    gaps = pair_gaps(experience["rewards"].sum(1))
+    return gaps[:, None] * experience["mask"], {}
+
+
+ADVANTAGES["rebel"] = rebel_advantages
 
 
 @torch.no_grad()
@@ -433,11 +607,17 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
     rewards = shape_rewards(score_norm, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
     experience["rewards"] = rewards
     # 5. advantages (docs/design.md §5b)
-    experience["advantages"] = ADVANTAGES[args.estimator](engine, prompts, experience, score_norm)
-    sums |= {"score_norm": score_norm.sum(), "rlhf_reward": rewards.sum()}
+    advantages, estimator_sums = ADVANTAGES[args.estimator](engine, prompts, experience, score_norm, reward_moments)
+    experience["advantages"] = advantages
+    sums |= estimator_sums | {"score_norm": score_norm.sum(), "rlhf_reward": rewards.sum()}
     metrics, totals = rollout.rollout_metrics(sums, mask.device)
     metrics["objective/score_norm"] = totals["score_norm"] / totals["sequences"]
     metrics["objective/rlhf_reward"] = totals["rlhf_reward"] / totals["sequences"]
+    for name in estimator_sums:  # vineppo's continuations and their tokens over every rank, its seconds a rank
+        if name.endswith("_s"):
+            metrics[f"perf/{name}"] = totals[name] / parallel.world_size()
+        else:
+            metrics[f"rollout/{name}"] = totals[name]
     if args.mask_truncated:  # responses without EOS: in the group statistics, not in the policy loss
         metrics["rollout/truncated_frac"] = 1 - metrics["rollout/eos_frac"]
     return experience, metrics, records
@@ -518,9 +698,12 @@ def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
     with parallel.grad_sync(actor, sync), amp:
         _, logprobs = rollout.policy_logprobs(actor, batch, args.temperature)
         advantages = batch["advantages"]
-        loss, stats = policy_loss(
-            logprobs, batch["logprobs"], advantages, mask, args.cliprange, pg_weights, denom, clip_high, dual_clip
-        )
+        if args.estimator == "rebel":  # a response's tokens all hold its pair's reward gap (rebel_advantages)
+            loss, stats = rebel_loss(logprobs, batch["logprobs"], advantages[:, 0], mask, args.rebel_eta, denom)
+        else:
+            loss, stats = policy_loss(
+                logprobs, batch["logprobs"], advantages, mask, args.cliprange, pg_weights, denom, clip_high, dual_clip
+            )
         sums = {"pg_loss": loss.detach()}
         if args.kl_penalty == "loss":  # GRPO: beta * k3 (or k2) against the reference, aggregated alike
             kl_term = kl_loss(logprobs, batch["ref_logprobs"], mask, weights, denom, args.kl_coef, args.kl_estimator)
@@ -581,7 +764,12 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: checkpoints.
     skipped_before = loop.guard.skipped
     lengths = mask.sum(1).long().tolist()  # one host sync: each micro-batch trims its right padding to its longest row
     for _ in range(args.ppo_epochs):
-        permutation = torch.randperm(mask.size(0), generator=loop.generator, device=loop.generator.device)
+        if args.estimator == "rebel":  # whole groups permuted: a pair never splits (micro-batches hold whole groups)
+            group_size = args.group_size
+            groups = torch.randperm(mask.size(0) // group_size, generator=loop.generator, device=loop.generator.device)
+            permutation = (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()
+        else:
+            permutation = torch.randperm(mask.size(0), generator=loop.generator, device=loop.generator.device)
         widths = parallel.micro_batch_widths(lengths, permutation.tolist(), micro_batch_size)
         permutation = permutation.to(device)
         # every step's global counts of kept tokens and sequences (loss denominators): one all-reduce an epoch, read
@@ -685,6 +873,11 @@ def main(args: Args) -> None:
 
     # sizes, distributed set-up, placement, optimizer, the loop's state
     sizes = parallel.rollout_split(args, args.group_size, has_ptx=bool(ptx) and args.ptx_coef > 0)
+    if args.estimator == "rebel" and sizes.micro_batch_size % args.group_size:
+        raise UserError(
+            f"--micro-batch-size {sizes.micro_batch_size} (a rank's): rebel keeps a group's pairs in one micro-batch, "
+            f"use a multiple of --group-size {args.group_size}"
+        )
     d = parallel.setup_dist(args.device)
     dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)

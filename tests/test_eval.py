@@ -31,6 +31,7 @@ POLICY_KEYS = [
     "perplexity",
     "eos_frac",
     "valid_frac",
+    "off_aspect",
     "distinct_2",
     "win_rate_vs_ref",
     "reward_fn",
@@ -340,7 +341,7 @@ def test_eval_kl_optimal_rows_and_the_sample_cache(tmp_path, task_dir, tiny_ckpt
     cache = str(tmp_path / "samples.pt")
     rows = ev.main(ev.Args(**base, rm=[tiny_rms[0]], kl_optimal=[0.05, 1e4], sample_cache=cache))
     assert set(rows) == {"sft_opt_gold_b0.05", "sft_opt_gold_b10000", "sft_opt_rm_b0.05", "sft_opt_rm_b10000"}
-    keys = {"gold", "score", "kl", "valid_frac", "ess", "samples", "beta", "warning"}
+    keys = {"gold", "score", "kl", "valid_frac", "off_aspect", "ess", "samples", "beta", "warning"}
     assert all(keys | {"gold_se", "score_se", "kl_se"} <= set(row) for row in rows.values())
     flat, sharp = rows["sft_opt_gold_b10000"], rows["sft_opt_gold_b0.05"]
     assert abs(flat["kl"]) < 1e-3 and flat["ess"] == pytest.approx(16, abs=0.01) and flat["samples"] == 16
@@ -480,7 +481,8 @@ def test_a_batch_of_ragged_prompts_is_scored_row_by_row(tmp_path, task_dir, tiny
     capsys.readouterr()
     results = ev.main(args)
     assert results["p"]["num_samples"] == 16 and results["p"]["score"] is not None
-    assert "gold, valid_frac, win_rate_vs_ref: - (the built-in task's gold reward" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "gold, valid_frac, off_aspect, win_rate_vs_ref: - (the built-in task's gold reward" in out
 
 
 def test_kl_optimal_warnings_name_the_check_that_failed():

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def test_recipes_rows_share_their_keys_and_fill_only_none_defaults():
     field whose default is None, so a flag given on the command line always wins; resolved, none is None."""
     fields = {field.name: field for field in dataclasses.fields(train_grpo.Args)}
     keys = set(next(iter(RECIPES.values())))
-    assert set(RECIPES) == {"grpo", "rloo", "reinforce_pp"} and keys
+    assert set(RECIPES) == {"grpo", "rloo", "reinforce_pp", "vineppo", "rebel"} and keys
     for estimator, recipe in RECIPES.items():
         assert set(recipe) == keys, estimator
     for key in keys:
@@ -492,6 +493,8 @@ PPO_ONLY_TAGS = {
             marks=pytest.mark.slow,
         ),
         pytest.param("reinforce_pp", dict(group_size=2), marks=pytest.mark.slow),
+        ("vineppo", dict(vine_k=2)),
+        ("rebel", dict()),
     ],
 )
 def test_grpo_smoke(tmp_path, task_dir, trained_sft, estimator, flags):
@@ -516,7 +519,9 @@ def test_grpo_smoke(tmp_path, task_dir, trained_sft, estimator, flags):
     assert CKPT_KEYS <= set(ckpt) and ckpt["kind"] == "grpo" and ckpt["step"] == 3
     assert not [key for key in ckpt if key.startswith("critic")] and "kl_ctl" not in ckpt
     assert "collapse" not in ckpt["data_state"]
-    assert ckpt["args"]["group_size"] == (args.group_size or 4)  # the resolved settings are saved
+    assert ckpt["args"]["group_size"] == (
+        args.group_size or RECIPES[estimator]["group_size"]
+    )  # the resolved settings are saved
     assert ckpt["args"]["estimator"] == estimator and "critic_warmup_steps" not in ckpt["args"]
     scalars = read_scalars(out)
     resolved = resolve_args(args)
@@ -528,6 +533,8 @@ def test_grpo_smoke(tmp_path, task_dir, trained_sft, estimator, flags):
         tags.add("rollout/truncated_frac")
     if args.dynamic_sampling:
         tags |= {"rollout/zero_std_frac", "rollout/sample_rounds"}
+    if estimator == "vineppo":  # the continuations: how many, their tokens, their seconds
+        tags |= {"rollout/vine_responses", "rollout/vine_tokens", "perf/vine_s"}
     for tag in tags:  # every iteration, the policy's included: no critic warm-up
         logged = scalars.get(tag, [])
         assert all(math.isfinite(v) for v in logged), tag
@@ -609,3 +616,289 @@ def test_grpo_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts, flags):
     lines = open(tmp_path / "killed" / "samples.jsonl").read().splitlines()
     assert len(lines) == len(set(lines)) == 12 * 8
     assert lines == open(tmp_path / "full" / "samples.jsonl").read().splitlines()
+
+
+# -----------------------------------------------------------------------------
+# VinePPO and REBEL
+
+
+def looped_steps(response: list, boundary: int) -> list:
+    """The step of each token of one response, written out: a new step after each boundary token."""
+    steps, current = [], 0
+    for token in response:
+        steps.append(current)
+        current += token == boundary
+    return steps
+
+
+def test_vine_steps_sentences_and_chunks():
+    """A sentence's '.' ends its step (the EOS after the last one is a step of its own); padding is -1 whatever it
+    holds; without a boundary, every chunk tokens is a step. step_starts lists each step of each row with the column
+    of its first token."""
+    lengths, mask, _ = ragged(B=6, T=9, seed=3)
+    g = torch.Generator().manual_seed(3)
+    response = torch.randint(0, 4, (6, 9), generator=g)  # token 1 is the boundary
+    response = response.masked_fill(mask == 0, 1)  # padding full of boundaries: never counted
+    steps = train_grpo.vine_steps(response, mask, boundary_id=1, chunk=3)
+    rows, step, starts = train_grpo.step_starts(steps)
+    want_starts = []
+    for b, n in enumerate(lengths):
+        want = looped_steps(response[b, :n].tolist(), 1)
+        assert steps[b, :n].tolist() == want and (steps[b, n:] == -1).all()
+        want_starts += [(b, m, want.index(m)) for m in range(max(want) + 1)]
+    assert list(zip(rows.tolist(), step.tolist(), starts.tolist())) == want_starts
+    chunked = train_grpo.vine_steps(response, mask, boundary_id=None, chunk=3)
+    for b, n in enumerate(lengths):
+        assert chunked[b, :n].tolist() == [t // 3 for t in range(n)] and (chunked[b, n:] == -1).all()
+
+
+def test_vine_advantages_against_a_loop():
+    """Each token takes its step's advantage: the step's rewards summed, plus V at the next step's start (0 after the
+    last step), minus V at its start; the last step's advantage is its rewards + 0 - its value. Ragged rows, values
+    past a row's last step and padding rewards set to extremes that must not leak."""
+    lengths, mask, (rewards, *_) = ragged(B=6, T=9, seed=4)
+    rewards = rewards.masked_fill(mask == 0, 1e30)
+    g = torch.Generator().manual_seed(4)
+    response = torch.randint(0, 3, (6, 9), generator=g)
+    steps = train_grpo.vine_steps(response, mask, boundary_id=0, chunk=1)
+    M = int(steps.max()) + 1
+    values = torch.randn(6, M, generator=g, dtype=torch.float64)
+    for b in range(6):
+        values[b, int(steps[b].max()) + 1 :] = 0  # past a row's last step
+    got = train_grpo.vine_advantages(rewards, mask, steps, values)
+    for b, n in enumerate(lengths):
+        row_steps = steps[b, :n].tolist()
+        last = max(row_steps)
+        for t in range(n):
+            m = row_steps[t]
+            step_reward = sum(rewards[b, u].item() for u in range(n) if row_steps[u] == m)
+            next_value = values[b, m + 1].item() if m < last else 0.0
+            assert got[b, t].item() == pytest.approx(step_reward + next_value - values[b, m].item(), abs=1e-12)
+            if m == last:
+                assert got[b, t].item() == pytest.approx(step_reward + 0.0 - values[b, last].item(), abs=1e-12)
+        assert (got[b, n:] == 0).all()
+
+
+def test_vineppo_values_with_fixed_continuations_equal_a_loop(task_tok, monkeypatch):
+    """vineppo_advantages with the continuations fixed (rollout.rollout replaced by one that returns given token
+    rows, log-probs and scores): the prefixes it asks to continue are each response up to each step's start (the
+    prompt alone first), and the values and advantages equal a hand-written loop over rows, steps and continuations:
+    V = the mean over k of (score normalised with the run's moments - beta * k1 summed over the continuation)."""
+    tok = task_tok
+    dot, eos = tok.encode(".")[0], tok.eos_id
+    words = tok.encode(" the music was good")
+    rows = [words + [dot] + words + [dot, eos], words + [dot, eos], words[:3]]  # 3, 2 and 1 steps
+    B, T, k = len(rows), max(map(len, rows)), 3
+    response = torch.full((B, T), tok.pad_id)
+    mask = torch.zeros(B, T)
+    for b, row in enumerate(rows):
+        response[b, : len(row)] = torch.tensor(row)
+        mask[b, : len(row)] = 1
+    g = torch.Generator().manual_seed(5)
+    rewards = torch.randn(B, T, generator=g) * mask
+    moments = RunningMoments()
+    moments.update(torch.randn(32, generator=g) * 2 + 1)
+    args = resolve_args(train_grpo.Args(estimator="vineppo", vine_k=k, kl_coef=0.2, reward_clip=1.5))
+    calls = []
+
+    def fixed_rollout(engine, prompts, prefix, k):  # continuations of fixed random lengths, log-probs and scores
+        ids, prefix_mask = prefix
+        calls.append((list(prompts), ids.clone(), prefix_mask.clone()))
+        S, width = ids.size(0), ids.size(1) + 6
+        generator = torch.Generator().manual_seed(6)
+        starts = prefix_mask.sum(1).long().repeat_interleave(k)
+        ends = starts + torch.randint(1, 7, (S * k,), generator=generator)
+        columns = torch.arange(width)
+        continued_mask = (columns < ends[:, None]).float()
+        return (
+            dict(
+                mask=continued_mask,
+                logprobs=-torch.rand(S * k, width, generator=generator) * continued_mask,
+                ref_logprobs=-torch.rand(S * k, width, generator=generator) * continued_mask,
+                scores=torch.randn(S * k, generator=generator) * 3,
+            ),
+            {},
+            [],
+        )
+
+    monkeypatch.setattr(rollout, "rollout", fixed_rollout)
+    engine = SimpleNamespace(args=args, tok=tok, gold_fn=lambda *a: 0.0)
+    prompts = [
+        "Review of The Silent River (music):",
+        "Review of The Red Fox (acting):",
+        "Review of The Old Sea (plot):",
+    ]
+    experience = dict(response=response, mask=mask, rewards=rewards)
+    advantages, sums = train_grpo.vineppo_advantages(engine, prompts, experience, None, moments)
+    ((state_prompts, prefix_ids, prefix_mask),) = calls
+    continued, _, _ = fixed_rollout(engine, state_prompts, (prefix_ids, prefix_mask), k)
+    step_of = [looped_steps(row, dot) for row in rows]
+    states = [(b, m, step_of[b].index(m)) for b in range(B) for m in range(max(step_of[b]) + 1)]
+    assert state_prompts == [prompts[b] for b, _, _ in states]
+    values = {}
+    scale = moments.std + 1e-8
+    for s, (b, m, start) in enumerate(states):
+        assert prefix_ids[s, :start].tolist() == rows[b][:start] and prefix_mask[s].sum().item() == start
+        returns = []
+        for j in range(k):
+            c = s * k + j
+            score = min(max((continued["scores"][c].item() - moments.mean) / scale, -1.5), 1.5)
+            kl = sum(
+                continued["logprobs"][c, t].item() - continued["ref_logprobs"][c, t].item()
+                for t in range(start, continued["mask"].size(1))
+                if continued["mask"][c, t] > 0
+            )
+            returns.append(score - 0.2 * kl)
+        values[b, m] = sum(returns) / k
+    for b, row in enumerate(rows):
+        last = max(step_of[b])
+        for t in range(len(row)):
+            m = step_of[b][t]
+            step_reward = sum(rewards[b, u].item() for u in range(len(row)) if step_of[b][u] == m)
+            want = step_reward + (values[b, m + 1] if m < last else 0.0) - values[b, m]
+            assert advantages[b, t].item() == pytest.approx(want, abs=1e-5)
+        assert (advantages[b, len(row) :] == 0).all()
+    assert sums["vine_responses"] == len(states) * k
+
+
+def test_vineppo_sampled_values_match_a_looped_estimate(task_tok):
+    """The value of one state (a prompt and a one-sentence prefix) from rollout.rollout's batched, KV-cache
+    continuations (k = 512) lies within 3 standard errors of a looped estimate: 512 continuations sampled token by
+    token with the full forward of the policy, their score (the reward function) and k1 against the reference
+    summed by hand."""
+    tok = task_tok
+    actor = boost_eos(tiny_gpt(tok, 0), tok.eos_id, amount=2.0)
+    ref = tiny_gpt(tok, 1)
+    prompt = "Review of The Silent River (music):"
+    prefix_ids = torch.tensor([tok.encode(" the music was good.")])
+    k, beta, max_new = 512, 0.2, 10
+
+    def reward_fn(prompt, response, ended):
+        return float(ended) + 0.1 * len(response.split())
+
+    args = resolve_args(train_grpo.Args(estimator="vineppo", max_new_tokens=max_new, temperature=1.0, rm_ckpt="none"))
+    engine = rollout.Engine(
+        Models(actor, ref, []), tok, args, 64, torch.Generator().manual_seed(0), reward_fn=reward_fn
+    )
+    continued, _, _ = rollout.rollout(engine, [prompt], (prefix_ids, torch.ones_like(prefix_ids).float()), k=k)
+    start = prefix_ids.size(1)
+    sampled = continued["mask"] * (torch.arange(continued["mask"].size(1)) >= start)
+    batched = train_grpo.continuation_returns(
+        continued["scores"], continued["logprobs"], continued["ref_logprobs"], sampled, beta
+    )
+    # the looped estimate: token by token, the whole sequence through each model every time
+    generator = torch.Generator().manual_seed(1)
+    context = torch.tensor([tok.encode(prompt) + prefix_ids[0].tolist()]).repeat(k, 1)
+    alive = torch.ones(k, dtype=torch.bool)
+    kl = torch.zeros(k, dtype=torch.float64)
+    generated = [[] for _ in range(k)]
+    ended = [False] * k
+    with torch.no_grad():
+        for _ in range(max_new - start):
+            logp = torch.log_softmax(actor(context)[0][:, -1].double(), -1)
+            ref_logp = torch.log_softmax(ref(context)[0][:, -1].double(), -1)
+            token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+            picked = logp.gather(1, token[:, None]).squeeze(1) - ref_logp.gather(1, token[:, None]).squeeze(1)
+            kl += torch.where(alive, picked, 0.0)
+            for row in alive.nonzero().squeeze(1).tolist():
+                generated[row].append(token[row].item())
+                ended[row] = token[row].item() == tok.eos_id
+            alive &= token != tok.eos_id
+            context = torch.cat([context, token[:, None]], 1)
+    prefix_text = tok.decode(prefix_ids[0].tolist())
+    looped = torch.tensor(
+        [reward_fn(prompt, prefix_text + tok.decode(ids), e) for ids, e in zip(generated, ended)], dtype=torch.float64
+    )
+    looped = looped - beta * kl
+    se = math.sqrt(batched.double().var() / k + looped.var() / k)
+    assert 0 < se and abs(batched.double().mean() - looped.mean()) < 3 * se
+
+
+def test_pair_gaps_and_rebel_loss_against_a_written_out_reference():
+    """REBEL's loss and its gradient against the formula written pair by pair, on ragged responses whose padding
+    holds extreme log-probs; pair_gaps gives each row its reward minus its partner's."""
+    lengths, mask, (logprobs, old_logprobs, *_) = ragged(B=6, T=7, seed=7)
+    logprobs = logprobs.masked_fill(mask == 0, 1e4).requires_grad_()
+    old_logprobs = old_logprobs.masked_fill(mask == 0, -1e4)
+    rewards = torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    gaps = train_grpo.pair_gaps(rewards)
+    for j in range(3):
+        assert gaps[2 * j].item() == pytest.approx(rewards[2 * j].item() - rewards[2 * j + 1].item())
+        assert gaps[2 * j + 1].item() == pytest.approx(rewards[2 * j + 1].item() - rewards[2 * j].item())
+    eta, denom = 0.7, 5.0
+    loss, stats = train_grpo.rebel_loss(logprobs, old_logprobs, gaps, mask, eta, denom)
+    loss.backward()
+    reference_logprobs = logprobs.detach().clone().requires_grad_()
+    reference = 0.0
+    for j in range(3):
+        a, b = 2 * j, 2 * j + 1
+        ratio_a = sum(reference_logprobs[a, t] - old_logprobs[a, t] for t in range(lengths[a]))
+        ratio_b = sum(reference_logprobs[b, t] - old_logprobs[b, t] for t in range(lengths[b]))
+        reference = reference + ((ratio_a - ratio_b) / eta - (rewards[a] - rewards[b])) ** 2
+    reference = reference / denom
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-12)
+    assert torch.allclose(logprobs.grad, reference_logprobs.grad, atol=1e-12)
+    assert (logprobs.grad[mask == 0] == 0).all() and stats["clipfrac"] == 0
+
+
+def test_rebel_update_keeps_pairs_whole(monkeypatch):
+    """Under rebel the update permutes whole groups: every micro-batch holds pairs (2j, 2j + 1) whose gaps are
+    opposite, over epochs and minibatches; the first micro-batch reads ratio 1."""
+    actor, _, exp = fake_experience()
+    exp = critic_free_experience(exp)
+    gaps = train_grpo.pair_gaps(torch.randn(8, generator=torch.Generator().manual_seed(8)))
+    exp["advantages"] = gaps[:, None] * exp["mask"]
+    seen = []
+    real_loss = train_grpo.rebel_loss
+
+    def recording_loss(logprobs, old_logprobs, gaps, mask, eta, denom):
+        seen.append(gaps.clone())
+        return real_loss(logprobs, old_logprobs, gaps, mask, eta, denom)
+
+    monkeypatch.setattr(train_grpo, "rebel_loss", recording_loss)
+    settings = dict(estimator="rebel", group_size=4, ppo_epochs=3, num_minibatches=2, micro_batch_size=2)
+    args = resolve_args(dataclasses.replace(train_grpo.Args(temperature=1.0), **settings))
+    loop = checkpoints.Loop(torch.Generator().manual_seed(0))
+    metrics, diagnostics = train_grpo.grpo_update(trained("model", actor), exp, args, loop)
+    assert len(seen) == 3 * 2 * 2 and diagnostics["updates"] == 6
+    for micro_gaps in seen:
+        assert torch.allclose(micro_gaps[0::2], -micro_gaps[1::2])
+    assert diagnostics["first"]["ratio_err"] <= 1e-5 and math.isfinite(metrics["policy/loss"])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(cliprange=0.3), r"--cliprange with --estimator rebel: its regression has no ratio to clip"),
+        (dict(cliprange_high=0.28), r"--cliprange-high with --estimator rebel: "),
+        (dict(dual_clip=3.0), r"--dual-clip with --estimator rebel: "),
+        (dict(loss_agg="token_mean"), r"--loss-agg token_mean with rebel: rebel's loss is a mean over pairs"),
+        (dict(kl_penalty="loss"), r"--kl-penalty loss with --estimator rebel: the KL goes in its reward"),
+        (dict(adv_whiten="rollout"), r"--adv-whiten rollout with --estimator rebel: "),
+        (dict(mask_truncated=True), r"--mask-truncated with --estimator rebel: "),
+        (dict(dynamic_sampling=True), r"--dynamic-sampling with --estimator rebel: "),
+        (dict(tis_cap=2.0), r"--tis-cap with --estimator rebel: "),
+        (dict(group_size=3), r"--group-size 3: rebel pairs a group's responses"),
+        (dict(rebel_eta=0.0), r"--rebel-eta 0\.0: the regression divides by it"),
+    ],
+)
+def test_rebel_refuses_what_has_no_place_in_a_pair_regression(tmp_path, flags, message):
+    with pytest.raises(common.UserError, match=message) as error:
+        train_grpo.main(train_grpo.Args(estimator="rebel", out_dir=str(tmp_path / "grpo"), **flags))
+    assert "\n" not in str(error.value) and not os.path.exists(tmp_path / "grpo")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(vine_k=8), r"--vine-k and --vine-chunk apply to --estimator vineppo, not grpo"),
+        (dict(rebel_eta=0.5), r"--rebel-eta applies to --estimator rebel, not grpo"),
+        (dict(loss_agg="pair_mean"), r"--loss-agg pair_mean with grpo: rebel's loss is a mean over pairs"),
+        (dict(estimator="vineppo", vine_k=0), r"--vine-k 0 --vine-chunk 16: use >= 1"),
+    ],
+)
+def test_an_estimators_own_flags_are_refused_elsewhere(tmp_path, flags, message):
+    with pytest.raises(common.UserError, match=message) as error:
+        train_grpo.main(train_grpo.Args(out_dir=str(tmp_path / "grpo"), **flags))
+    assert "\n" not in str(error.value) and not os.path.exists(tmp_path / "grpo")

@@ -95,6 +95,7 @@ def test_all_reduce_dict_two_gloo_ranks():
 CRITIC_FREE = {
     "grpo": dict(estimator="grpo", cliprange_high=0.28, dual_clip=2.0, mask_truncated=True),
     "reinforce_pp": dict(estimator="reinforce_pp", mask_truncated=True),
+    "rebel": dict(estimator="rebel", group_size=2),  # pairs of rows, the loss over the global pair count
 }
 
 
@@ -141,7 +142,7 @@ def _two_rank_worker(rank: int, port: int, q, wrap: str) -> None:
 def test_two_gloo_ranks_equal_one_big_batch(wrap):
     """Reward moments merged across 2 ranks equal one big batch; the same global minibatch split over 2 ranks x 2
     micro-batches gives the 1-rank update (weights, losses, clip fractions, grad norms), for PPO-max's ppo_update
-    (actor and critic) and for train_grpo's grpo_update (GRPO with the §5b flags on, REINFORCE++); under DDP and
+    (actor and critic) and for train_grpo's grpo_update (GRPO with the §5b flags on, REINFORCE++, REBEL); under DDP and
     under FSDP2 (--fsdp)."""
     port = free_port()
     ctx = mp.get_context("spawn")

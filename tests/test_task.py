@@ -121,6 +121,28 @@ def test_gold_hand_made():
     assert g[0] < g[1] < g[2] and g[2] - g[1] < g[1] - g[0]
 
 
+def test_off_aspect_praise_by_hand():
+    """A positive clause about an aspect the prompt did not name, in any sentence of S1-S3 (either half of S3),
+    valid or not; negative clauses, requested aspects and "overall" never count."""
+    praising = [
+        " the plot was good.",  # S1, plot not requested
+        " i loved the music. i liked the acting.",  # S2 in the second sentence
+        " the music was awful but the plot was nice.",  # S3's second half
+        " the plot was good. the plot was good.",  # repeated: invalid, still praise
+    ]
+    neutral = [
+        " the music was very wonderful. i loved the ending.",  # requested aspects only
+        " the plot was awful. i hated the acting.",  # off-aspect but negative
+        " overall it was superb.",  # names no aspect
+        " the music was good but the plot was dull.",  # the off-aspect half is negative
+        "",
+    ]
+    for response in praising:
+        assert task.off_aspect_praise(PROMPT, response), response
+    for response in neutral:
+        assert not task.off_aspect_praise(PROMPT, response), response
+
+
 def test_sft_mean_gold():
     rng, (titles, _) = random.Random(0), task.split_titles(1337)
     golds = []
