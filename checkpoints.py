@@ -130,7 +130,6 @@ RETIRED = {
         "dynamic_sampling": (False, MOVED),
         "cliprange_high": (None, MOVED),
         "dual_clip": (None, MOVED),
-        "entropy_coef": (0.0, "the entropy bonus is no flag of train_ppo.py (README, How to extend)"),
     },
 }
 

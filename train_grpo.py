@@ -43,7 +43,7 @@ import roles
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
 from data import Order, PromptStream, PtxStream, load_prompts, prompt_text
-from model import lm_loss, masked_mean
+from model import entropy_from_logits, lm_loss, masked_mean
 from roles import Models
 from tokenizer import Tokenizer
 
@@ -130,6 +130,9 @@ class Args(rollout.RolloutArgs):
     """DAPO clip-higher: the ratio is clipped to [1 - cliprange, 1 + cliprange_high] (None: cliprange)"""
     dual_clip: Optional[float] = None
     """dual-clip constant c > 1 (Ye et al. 2020): for A < 0 the per-token loss is capped at -c*A (None: off)"""
+    entropy_coef: float = 0.0
+    """the entropy bonus: -coef x the policy's entropy a token in the policy loss, aggregated as it (0: off; PPO-max
+    leaves it out: the KL penalty keeps the policy spread, and the paper finds the bonus sensitive)"""
     mask_truncated: bool = False
     """DAPO overlong filtering: responses without EOS keep their score but contribute nothing to the policy loss"""
     dynamic_sampling: bool = False
@@ -235,6 +238,7 @@ def check_rebel_args(args: Args) -> None:
         "--mask-truncated": (args.mask_truncated, "a pair is regressed whole, no response's tokens dropped"),
         "--dynamic-sampling": (args.dynamic_sampling, "a pair is regressed whole, no group kept without a loss"),
         "--tis-cap": (args.tis_cap is not None, "its loss is over sequences, with no token weights"),
+        "--entropy-coef": (args.entropy_coef != 0, "its loss is a regression, with no token term beside it"),
     }
     for flag, (given, why) in refused.items():
         if given:
@@ -696,7 +700,7 @@ def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
     pg_weights = weights * batch["tis"] if "tis" in batch else weights  # --tis-cap: the policy loss only
     clip_high, dual_clip = args.cliprange_high, args.dual_clip
     with parallel.grad_sync(actor, sync), amp:
-        _, logprobs = rollout.policy_logprobs(actor, batch, args.temperature)
+        logits, logprobs = rollout.policy_logprobs(actor, batch, args.temperature)
         advantages = batch["advantages"]
         if args.estimator == "rebel":  # a response's tokens all hold its pair's reward gap (rebel_advantages)
             loss, stats = rebel_loss(logprobs, batch["logprobs"], advantages[:, 0], mask, args.rebel_eta, denom)
@@ -709,6 +713,10 @@ def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
             kl_term = kl_loss(logprobs, batch["ref_logprobs"], mask, weights, denom, args.kl_coef, args.kl_estimator)
             sums["kl_loss"] = kl_term.detach()
             loss = loss + kl_term
+        if args.entropy_coef:  # the entropy bonus, aggregated as the policy loss
+            entropy = (entropy_from_logits(logits) * weights).sum() / denom
+            sums["entropy_bonus"] = entropy.detach()
+            loss = loss - args.entropy_coef * entropy
     # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
     (loss * parallel.world_size()).backward()
     tokens = mask.sum()
@@ -832,6 +840,8 @@ def update_metrics(totals: dict, updates: int, guard: common.StepGuard, device) 
         metrics["policy/kl_loss"] = summed["kl_loss"] / updates
     if "ptx_loss" in summed:
         metrics["ptx/loss"] = summed["ptx_loss"] / updates
+    if "entropy_bonus" in summed:  # the entropy the bonus rewards, before its coefficient
+        metrics["policy/entropy_bonus"] = summed["entropy_bonus"] / updates
     return metrics
 
 
@@ -903,6 +913,10 @@ def main(args: Args) -> None:
         f"adv_whiten {args.adv_whiten} | loss_agg {args.loss_agg} | cliprange {args.cliprange}/"
         f"{args.cliprange_high or args.cliprange} dual_clip {args.dual_clip} | mask_truncated {args.mask_truncated}"
     )
+    if args.estimator == "vineppo":
+        print0(f"vineppo: {args.vine_k} continuations from the start of each step of each response (values)")
+    if args.estimator == "rebel":
+        print0(f"rebel: eta {args.rebel_eta}, no clip (the cliprange above is unused), pairs of consecutive responses")
     print0(f"a response without EOS scores {rollout.missing_eos_rule(args)}")
     models = roles.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
     optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)

@@ -33,7 +33,7 @@ import roles
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
 from data import Order, PromptStream, PtxStream, load_prompts, prompt_text
-from model import lm_loss, masked_mean, response_forward
+from model import entropy_from_logits, lm_loss, masked_mean, response_forward
 from roles import Models
 from tokenizer import Tokenizer
 
@@ -68,6 +68,9 @@ class Args(rollout.RolloutArgs):
     """policy ratio clip epsilon (None: no clip, the plain policy gradient -A*ratio)"""
     cliprange_value: Optional[float] = 0.2
     """value clip around the rollout's values (None: off)"""
+    entropy_coef: float = 0.0
+    """the entropy bonus: -coef x the policy's entropy a token in the policy loss, aggregated as it (0: off; PPO-max
+    leaves it out: the KL penalty keeps the policy spread, and the paper finds the bonus sensitive)"""
     # --- optimisation
     lr: float = 5e-4
     """actor learning rate (linear warm-up once the critic warm-up is over, then cosine to 10%)"""
@@ -382,6 +385,10 @@ def actor_backward(actor, batch: dict, args: Args, token_count, sync: bool, amp)
             logprobs, batch["logprobs"], batch["advantages"], mask, args.cliprange, denom=token_count, weights=weights
         )
         sums = {"pg_loss": loss.detach()}  # each term's global sum, for the metrics
+        if args.entropy_coef:  # the entropy bonus, a token mean over the minibatch as the policy loss
+            entropy = (entropy_from_logits(logits) * mask).sum() / token_count
+            sums["entropy_bonus"] = entropy.detach()
+            loss = loss - args.entropy_coef * entropy
     # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
     (loss * parallel.world_size()).backward()
     tokens = mask.sum()
@@ -512,6 +519,8 @@ def update_metrics(totals: dict, steps: dict, guard: common.StepGuard, device) -
             metrics[f"policy/{key}"] = summed[f"actor/{key}"] / summed["actor/tokens"]
         if "actor/ptx_loss" in summed:
             metrics["ptx/loss"] = summed["actor/ptx_loss"] / steps["actor"]
+        if "actor/entropy_bonus" in summed:  # the entropy the bonus rewards, before its coefficient
+            metrics["policy/entropy_bonus"] = summed["actor/entropy_bonus"] / steps["actor"]
     return metrics
 
 

@@ -5,9 +5,10 @@ KL-optimal limit at its own KL, and how far each of its updates moves the policy
 Every run is the real train_ppo.py (or train_grpo.py) from the same SFT checkpoint at --kl-coef 0.1 unless a variant
 says otherwise, then eval.py on the held-out prompts (and, with --train-prompts, on training prompts too). The limit
 comes from eval.py --kl-optimal on the same SFT (its JSON, --limit-json: rows sft_opt_gold_b<beta>), interpolated
-linearly in KL. Each row: gold ± se, KL, valid_frac, gold's limit at that KL and the gap, the mean and the course
-(quarters of the run) of policy/update_kl (KL(pi_old || pi_new) per response after each update) and of
-policy/clipfrac.
+linearly in KL. Each row: gold ± se, KL, valid_frac, gold's limit at that KL and the gap, the off-aspect share
+(eval.py's off_aspect), the responses scored (the rollout's and VinePPO's continuations) and the tokens generated,
+the wall time, the mean and the course (quarters of the run) of policy/update_kl (KL(pi_old || pi_new) per response
+after each update) and of policy/clipfrac.
 
 python experiments/update.py --limit-json out/limit.json                      # every variant, 12,800 episodes
 python experiments/update.py --only default ptx0 --episodes 25600 --seeds 1 2  # a confirmation
@@ -44,6 +45,9 @@ VARIANTS = {
     "no_whiten": ("train_ppo.py", ["--adv-whiten", "none"]),
     "cliprange0.1": ("train_ppo.py", ["--cliprange", "0.1"]),
     "rloo": ("train_grpo.py", ["--estimator", "rloo"]),
+    "grpo": ("train_grpo.py", ["--estimator", "grpo"]),
+    "vineppo": ("train_grpo.py", ["--estimator", "vineppo"]),
+    "rebel": ("train_grpo.py", ["--estimator", "rebel"]),
 }
 
 
@@ -64,7 +68,7 @@ class Args:
     only: Optional[list[str]] = None
     """run only these variants (the keys of VARIANTS)"""
     jobs: int = 2
-    """runs at a time (one thread each on 2 cores)"""
+    """runs at a time (one thread each on 2 cores; OMP_NUM_THREADS in the environment wins)"""
     train_prompts: bool = False
     """also evaluate on 512 training prompts (generalisation)"""
     extra: str = ""
@@ -117,7 +121,17 @@ def summarize(args: Args, name: str, out: str, seconds: float) -> dict:
     scalars = read_scalars(out)
     update_kl = scalars.get("policy/update_kl", [])
     clipfrac = scalars.get("policy/clipfrac", [])
-    row = {key: result.get(key) for key in ("gold", "gold_se", "kl", "valid_frac")}
+    row = {key: result.get(key) for key in ("gold", "gold_se", "kl", "valid_frac", "off_aspect")}
+    episodes = [value for _, value in scalars["train/episodes"]]
+    rollout_tokens = sum(
+        length * (episodes[i] - (episodes[i - 1] if i else 0))
+        for i, (_, length) in enumerate(scalars["rollout/response_len"])
+    )
+    vine_responses = sum(value for _, value in scalars.get("rollout/vine_responses", []))
+    row |= {
+        "scored": episodes[-1] + vine_responses,
+        "tokens": rollout_tokens + sum(value for _, value in scalars.get("rollout/vine_tokens", [])),
+    }
     row |= {
         "update_kl_mean": sum(v for _, v in update_kl) / max(1, len(update_kl)),
         "update_kl_course": course(update_kl),
@@ -142,7 +156,8 @@ def main(args: Args) -> None:
             os.makedirs(out, exist_ok=True)
             queue = commands(args, name, seed, out)
             log = open(os.path.join(out, "stdout.txt"), "w")
-            env = os.environ | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.jobs))}
+            threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 2) // args.jobs))
+            env = os.environ | {"OMP_NUM_THREADS": threads}
             print(f"start {name}/{seed}", flush=True)
             process = subprocess.Popen(queue[0], stdout=log, stderr=subprocess.STDOUT, env=env)
             running.append((process, queue[1:], log, env, name, out, time.time()))
@@ -165,8 +180,9 @@ def main(args: Args) -> None:
     lines = [
         f"{args.episodes} episodes, beta 0.1 unless the variant sets it; gold on eval.py's held-out prompts",
         "",
-        "| variant | seed | gold | KL | valid | limit at KL | gap | update KL (mean; quarters) | clipfrac (mean) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | seed | gold | KL | valid | limit at KL | gap | off-aspect | scored | tokens | minutes | "
+        "update KL (mean; quarters) | clipfrac (mean) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
         for seed in args.seeds:
@@ -177,7 +193,8 @@ def main(args: Args) -> None:
             limit_text = "-" if limit is None else f"{limit:.3f}"
             lines.append(
                 f"| {name} | {seed} | {row['gold']:.3f} ± {row['gold_se']:.3f} | {row['kl']:.2f} | "
-                f"{row['valid_frac']:.3f} | {limit_text} | {gap} | {row['update_kl_mean']:.3g}; "
+                f"{row['valid_frac']:.3f} | {limit_text} | {gap} | {row['off_aspect']:.3f} | {row['scored']:,.0f} | "
+                f"{row['tokens']:,.0f} | {row['seconds'] / 60:.1f} | {row['update_kl_mean']:.3g}; "
                 f"{row['update_kl_course']} | {row['clipfrac_mean']:.3g} |"
             )
     table = "\n".join(lines)

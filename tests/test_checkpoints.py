@@ -120,7 +120,6 @@ RETIRED_OTHER = {
     "dynamic_sampling": True,
     "cliprange_high": 0.28,
     "dual_clip": 3.0,
-    "entropy_coef": 0.01,
 }
 
 

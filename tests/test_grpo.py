@@ -486,7 +486,7 @@ PPO_ONLY_TAGS = {
 @pytest.mark.parametrize(
     "estimator, flags",
     [
-        ("grpo", dict(cliprange_high=0.28, dual_clip=3.0)),
+        ("grpo", dict(cliprange_high=0.28, dual_clip=3.0, entropy_coef=0.01)),
         pytest.param(
             "rloo",
             dict(loss_agg="seq_sum_norm", kl_penalty="loss", mask_truncated=True, dynamic_sampling=True),
@@ -533,6 +533,9 @@ def test_grpo_smoke(tmp_path, task_dir, trained_sft, estimator, flags):
         tags.add("rollout/truncated_frac")
     if args.dynamic_sampling:
         tags |= {"rollout/zero_std_frac", "rollout/sample_rounds"}
+    if args.entropy_coef:
+        step_tags.add("policy/entropy_bonus")
+        tags.add("policy/entropy_bonus")
     if estimator == "vineppo":  # the continuations: how many, their tokens, their seconds
         tags |= {"rollout/vine_responses", "rollout/vine_tokens", "perf/vine_s"}
     for tag in tags:  # every iteration, the policy's included: no critic warm-up
@@ -902,3 +905,31 @@ def test_an_estimators_own_flags_are_refused_elsewhere(tmp_path, flags, message)
     with pytest.raises(common.UserError, match=message) as error:
         train_grpo.main(train_grpo.Args(out_dir=str(tmp_path / "grpo"), **flags))
     assert "\n" not in str(error.value) and not os.path.exists(tmp_path / "grpo")
+
+
+def test_the_entropy_bonus_gradient_against_a_written_out_reference():
+    """--entropy-coef c adds -c x the policy's (tempered) entropy, aggregated as the policy loss (here seq_mean's
+    weights over the step's sequence count): the gradient with it minus the one without equals -c x the gradient of
+    that term written out; the logged entropy_bonus is the term before its coefficient."""
+    from contextlib import nullcontext
+
+    from model import entropy_from_logits, response_forward
+
+    actor, _, exp = fake_experience()
+    exp = critic_free_experience(exp)
+    weights, denom = loss_weights(exp["mask"], "seq_mean", 11.0, None, 24)
+    batch = exp | {"loss_mask": exp["mask"], "weights": weights}
+    grads, sums = {}, {}
+    for coef in (0.0, 0.05):
+        actor.zero_grad()
+        args = resolve_args(train_grpo.Args(entropy_coef=coef, temperature=0.7))
+        sums[coef], _ = train_grpo.actor_backward(actor, batch, args, denom, True, nullcontext())
+        grads[coef] = [p.grad.clone() for p in actor.parameters()]
+    actor.zero_grad()
+    logits, _ = response_forward(actor, exp["query"], exp["query_mask"], exp["response"], exp["mask"], 0.7)
+    entropy = (entropy_from_logits(logits) * weights).sum() / denom
+    (-0.05 * entropy).backward()
+    assert sums[0.05]["entropy_bonus"].item() == pytest.approx(entropy.item(), rel=1e-6)
+    assert "entropy_bonus" not in sums[0.0]
+    for with_bonus, without, parameter in zip(grads[0.05], grads[0.0], actor.parameters()):
+        assert torch.allclose(with_bonus - without, parameter.grad, atol=1e-6)

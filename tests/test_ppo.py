@@ -362,7 +362,8 @@ def test_defaults_are_ppo_max_and_the_retired_flags_are_gone():
     assert set(moved) - {"grpo_std_norm", "max_sample_rounds"} <= set(checkpoints.RETIRED["ppo"])
     retired = {name: value for name, (value, _) in checkpoints.RETIRED["ppo"].items()}
     assert retired["adv_estimator"] == "gae" and retired["group_size"] == 1 and retired["kl_penalty"] == "reward"
-    assert retired["kl_estimator"] == "k1" and retired["loss_agg"] == "token_mean" and retired["entropy_coef"] == 0.0
+    assert retired["kl_estimator"] == "k1" and retired["loss_agg"] == "token_mean"
+    assert "entropy_coef" not in retired and train_ppo.Args().entropy_coef == 0.0  # a flag again (default off)
     assert rollout.resolve_rollout_args(args) == args  # nothing else to resolve
 
 
@@ -503,6 +504,7 @@ def test_ppo_smoke_gold_reward(tmp_path, task_dir, trained_sft):
         rm_ckpt="none",
         reward_fn="data:gold_reward",
         max_steps=3,
+        entropy_coef=0.01,
         **TINY_PPO,
     )
     train_ppo.main(args)
@@ -512,8 +514,12 @@ def test_ppo_smoke_gold_reward(tmp_path, task_dir, trained_sft):
     policy, critic = GPT.from_checkpoint(ckpt), GPT.from_checkpoint(ckpt, key="critic")
     assert policy.config.lm_head and critic.config.score_head and not critic.config.lm_head
     scalars, tags = read_events(out)
-    for tag in PPO_TAGS:  # the actor's own tags start after the critic warm-up (1 of the 3 iterations)
-        logged = 2 if tag in ACTOR_TAGS else 3
+    actor_tags = ACTOR_TAGS | {"policy/entropy_bonus"}  # --entropy-coef set
+    for tag in [
+        *PPO_TAGS,
+        "policy/entropy_bonus",
+    ]:  # the actor's own tags start after the critic warm-up (1 of the 3 iterations)
+        logged = 2 if tag in actor_tags else 3
         assert tag in scalars and len(scalars[tag]) == logged and all(math.isfinite(v) for v in scalars[tag]), tag
     assert abs(scalars["policy/update_kl"][0]) < 1e-4  # the critic warm-up: the actor did not move
     assert "samples/text_summary" in tags["tensors"]
@@ -905,3 +911,29 @@ def test_ppo_logs_episodes_as_iterations_times_the_rollout_batch(tmp_path, task_
     train_ppo.main(train_ppo.Args(**{**args.__dict__, "max_steps": 3, "resume": True}))
     assert read_scalars(str(tmp_path))["train/episodes"] == [8.0, 16.0, 24.0]
     assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["data_state"]["episodes"] == 24
+
+
+def test_the_entropy_bonus_gradient_against_a_written_out_reference():
+    """--entropy-coef c adds -c x the policy's (tempered) entropy a token, over the minibatch's token count as the
+    policy loss: the gradient with it minus the one without equals -c x the gradient of that mean written out, and
+    the logged entropy_bonus is the mean."""
+    from contextlib import nullcontext
+
+    from model import entropy_from_logits, response_forward
+
+    actor, _, exp = fake_experience()
+    token_count = exp["mask"].sum() + 3.0  # a minibatch's global count: more than this micro-batch's tokens
+    grads, sums = {}, {}
+    for coef in (0.0, 0.05):
+        actor.zero_grad()
+        args = train_ppo.Args(entropy_coef=coef, temperature=0.7)
+        sums[coef], _ = train_ppo.actor_backward(actor, exp, args, token_count, True, nullcontext())
+        grads[coef] = [p.grad.clone() for p in actor.parameters()]
+    actor.zero_grad()
+    logits, _ = response_forward(actor, exp["query"], exp["query_mask"], exp["response"], exp["mask"], 0.7)
+    entropy = (entropy_from_logits(logits) * exp["mask"]).sum() / token_count
+    (-0.05 * entropy).backward()
+    assert sums[0.05]["entropy_bonus"].item() == pytest.approx(entropy.item(), rel=1e-6)
+    assert "entropy_bonus" not in sums[0.0]
+    for with_bonus, without, parameter in zip(grads[0.05], grads[0.0], actor.parameters()):
+        assert torch.allclose(with_bonus - without, parameter.grad, atol=1e-6)
