@@ -43,7 +43,7 @@ import checkpoints
 import common
 import hf
 import parallel
-from common import UserError, format_sample, write_atomic
+from common import UserError, format_sample, write_atomic, write_jsonl
 from data import drop_tied, encode_prefs, encode_prompts, prompt_ids, prompt_text, read_jsonl, responses_of
 from generate import sample
 from model import (
@@ -54,7 +54,7 @@ from model import (
     packed_response_logits,
     score_sequences,
 )
-from task import build_task, gold_reward, is_task_prompt, is_valid, off_aspect_praise
+from task import build_task, gold_reward, is_task_prompt, is_valid, off_aspect_praise, prompt_title, split_titles
 
 
 @dataclass
@@ -82,7 +82,12 @@ class Args:
     """prompt JSONL ({"prompt": str or [messages]}) to sample on (None: the built-in task's held-out prompts; gold
     needs those)"""
     best_of_n: Optional[list[int]] = None
-    """best-of-N sizes: per prompt max(N) samples, the first N reranked by --rm, the best scored (rows <name>_bon<N>)"""
+    """best-of-N sizes: per prompt max(N) samples, the first N reranked by --rm (or by --reward-fn without an RM), the
+    best scored (rows <name>_bon<N>)"""
+    write_best: Optional[str] = None
+    """with one --best-of-n N: write each prompt's best of its N responses to this JSONL in the SFT layout
+    {"prompt", "response"} (a response without EOS is left out), the data of a rejection-sampling warm-up
+    (train_sft.py --init out/sft/ckpt.pt --data FILE); --prompts must be training prompts, never the held-out set"""
     kl_optimal: Optional[list[float]] = None
     """betas of the KL-regularised optimum pi* ∝ ref exp(r / beta), estimated from the --seeds samples per prompt of the
     first --policy (which must be --ref) by self-normalised importance weights, for r = the gold reward (built-in
@@ -313,20 +318,43 @@ def best_of_n_kl_bound(n: int) -> float:
     return math.log(n) - (n - 1) / n
 
 
-def best_of_n(samples: dict, n: int, first_seed: int, missing_eos_penalty: float) -> dict:
+def best_of_n(samples: dict, n: int, first_seed: int, missing_eos_penalty: float, by: str = "score") -> dict:
     """sample_policy's lists -> the same lists with one sample per prompt, in prompt order: among the prompt's samples
-    of seeds first_seed .. first_seed + n - 1, the one the RM scores highest (a response without EOS scores
-    missing_eos_penalty; a tie keeps the earlier seed). Its kl becomes the bound best_of_n_kl_bound(n) + its own kl."""
+    of seeds first_seed .. first_seed + n - 1, the one the RM scores highest (by "score": a response without EOS
+    scores missing_eos_penalty) or the reward function does (by "reward_fn": it decides about a missing EOS, as in
+    the RL stages); a tie keeps the earlier seed. Its kl becomes the bound best_of_n_kl_bound(n) + its own kl."""
     best = {}  # prompt_index -> (effective score, sample index)
     for index, (prompt_index, seed) in enumerate(zip(samples["prompt_index"], samples["seed"])):
         if not first_seed <= seed < first_seed + n:
             continue
-        score = samples["score"][index] if samples["ended"][index] else missing_eos_penalty
+        score = samples[by][index]
+        if by == "score" and not samples["ended"][index]:
+            score = missing_eos_penalty
         if prompt_index not in best or score > best[prompt_index][0]:
             best[prompt_index] = (score, index)
     picked = pick_samples(samples, [best[prompt_index][1] for prompt_index in sorted(best)])
     picked["kl"] = [best_of_n_kl_bound(n) + kl for kl in picked["kl"]]
     return picked
+
+
+def write_best(path: str, picked: dict, prompts: list, n: int, rank_by: str) -> None:
+    """best_of_n's picks as SFT records in prompt order: {"prompt", "response"} for a text prompt, {"messages": the
+    prompt's and the reply as an assistant turn} for a conversation; the ones without EOS are left out (SFT would
+    teach them an EOS they never had). Says how many of each."""
+    rows = []
+    for prompt_index, response, ended in zip(picked["prompt_index"], picked["response"], picked["ended"]):
+        prompt = prompts[prompt_index]
+        if not ended:
+            continue
+        if isinstance(prompt, str):
+            rows.append({"prompt": prompt, "response": response})
+        else:
+            rows.append({"messages": prompt + [{"role": "assistant", "content": response}]})
+    write_jsonl(path, rows)
+    left_out = len(picked["response"]) - len(rows)
+    print(
+        f"eval: wrote {path}: the best of {n} by {rank_by} for {len(rows)} prompts ({left_out} without EOS, left out)"
+    )
 
 
 def tilted_estimates(rewards: torch.Tensor, values: dict, beta: float) -> dict:
@@ -474,8 +502,14 @@ def check_args(args: Args) -> None:
         raise UserError(f"--seeds {args.seeds}: samples per prompt, use >= 1")
     if args.best_of_n and min(args.best_of_n) < 1:
         raise UserError(f"--best-of-n {min(args.best_of_n)}: N counts samples per prompt, use >= 1")
-    if args.best_of_n and not rm_paths(args):
-        raise UserError("--best-of-n reranks with a reward model: pass --rm")
+    if args.best_of_n and not rm_paths(args) and not args.reward_fn:
+        raise UserError("--best-of-n reranks by a reward model or a reward function: pass --rm or --reward-fn")
+    if args.write_best and (not args.best_of_n or len(args.best_of_n) != 1 or len(args.policy) != 1):
+        raise UserError("--write-best writes one policy's best of N: pass one --policy and one --best-of-n N")
+    if args.write_best and args.prompts is None:
+        raise UserError(
+            "--write-best writes training data: pass --prompts with training prompts (the default is the held-out set)"
+        )
     if args.kl_optimal and args.policy[0] != args.ref:
         raise UserError(
             f"--kl-optimal tilts the reference's own samples: the first --policy ({args.policy[0]}) must be --ref "
@@ -701,6 +735,14 @@ def main(args: Args) -> dict:
         raise UserError(f"--prompts: no prompt leaves room for a response in the context of {context}")
     prompts = fitting
     builtin = all(is_task_prompt(prompt) for prompt in prompts)  # the gold reward knows the built-in task's prompts
+    if args.write_best:  # training data: never from the held-out titles
+        held_out = set(split_titles(args.task_seed)[1])
+        leaked = [prompt for prompt in prompts if is_task_prompt(prompt) and prompt_title(prompt) in held_out]
+        if leaked:
+            raise UserError(
+                f"--write-best: --prompts {args.prompts} holds {len(leaked)} held-out prompts of the built-in task "
+                f"(e.g. {leaked[0]!r}): write the best of N on training prompts"
+            )
     if args.kl_optimal:  # the limit: the reference's samples, tilted by each reward signal
         samples = reference_samples(ref, ref_tok, prompts, args, device, rms)
         results = kl_optimal_rows(names[0], samples, args.kl_optimal, builtin, missing_eos_score)
@@ -723,10 +765,13 @@ def main(args: Args) -> dict:
         plain = [index for index, seed in enumerate(samples["seed"]) if seed < args.seed + args.seeds]
         metrics, _ = policy_metrics(pick_samples(samples, plain), builtin, ref_gold)
         results[name] = {**metrics, "train_seconds": train_seconds}
+        rank_by = "score" if rms else "reward_fn"  # --rm, or --reward-fn without one
         for n in args.best_of_n or []:  # one pick per prompt, against the reference's first seed
-            picked = best_of_n(samples, n, args.seed, missing_eos_score)
+            picked = best_of_n(samples, n, args.seed, missing_eos_score, rank_by)
             metrics, _ = policy_metrics(picked, builtin, ref_gold[: len(prompts)] if ref_gold else None)
             results[f"{name}_bon{n}"] = {**metrics, "kl_bound": True, "train_seconds": train_seconds}
+            if args.write_best:
+                write_best(args.write_best, picked, prompts, n, rank_by)
         for p, r, e in list(zip(samples["prompt"], samples["response"], samples["ended"]))[: args.show]:
             print(f"[{name}] {format_sample(p, r, e)}")
     print_table(results)

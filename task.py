@@ -139,6 +139,14 @@ def is_task_prompt(prompt) -> bool:
     return isinstance(prompt, str) and PROMPT_RE.fullmatch(prompt) is not None
 
 
+def prompt_title(prompt: str) -> str:
+    """The title a prompt of this task names ("The Silent River")."""
+    m = PROMPT_RE.fullmatch(prompt)
+    if m is None:
+        raise ValueError(f"not a reviews-task prompt: {prompt!r}")
+    return f"The {m.group(1)} {m.group(2)}"
+
+
 def prompt_aspects(prompt: str) -> list[str]:
     m = PROMPT_RE.fullmatch(prompt)
     if m is None:

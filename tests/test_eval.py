@@ -14,11 +14,12 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import exits_2_with_one_line
+from conftest import boost_eos, checkpoint_dict, exits_2_with_one_line, tiny_gpt
 
 import checkpoints
 import common
 import eval as ev
+from data import read_jsonl
 from model import GPT, GPTConfig, last_token_scores
 from task import build_task
 from tokenizer import load_tokenizer
@@ -272,8 +273,63 @@ def test_best_of_n_rows_in_the_json(tmp_path, task_dir, tiny_ckpts):
         assert row["kl"] == pytest.approx(ev.best_of_n_kl_bound(n), abs=1e-4)
     for key in ("gold", "score", "response_len", "win_rate_vs_ref"):
         assert res["sft_bon1"][key] == pytest.approx(res["sft"][key]), key
-    with pytest.raises(common.UserError, match="--best-of-n reranks with a reward model"):
+    with pytest.raises(common.UserError, match="--best-of-n reranks by a reward model or a reward function"):
         ev.main(ev.Args(policy=[sft], ref=sft, rm="none", best_of_n=[2], task_dir=task_dir))
+
+
+def test_best_of_n_by_the_reward_function_lets_it_decide_about_eos():
+    """Ranked by the reward function (no RM), a response without EOS keeps the function's own value: it decides."""
+    s = {
+        "prompt_index": [0, 0, 0, 1, 1, 1],
+        "seed": [5, 6, 7, 5, 6, 7],
+        "reward_fn": [0.1, 0.9, 0.5, 0.3, 0.2, 0.8],
+        "score": [float("nan")] * 6,
+        "ended": [True, False, True, True, True, True],
+        "kl": [0.0] * 6,
+        "response": ["a", "b", "c", "d", "e", "f"],
+    }
+    assert ev.best_of_n(s, 3, 5, missing_eos_penalty=-1.0, by="reward_fn")["response"] == ["b", "f"]
+    assert ev.best_of_n(s, 2, 5, missing_eos_penalty=-1.0, by="reward_fn")["response"] == ["b", "d"]
+
+
+def test_write_best_writes_sft_records_of_training_prompts_only(tmp_path, task_dir, task_tok):
+    """eval.py --best-of-n 4 --write-best F --reward-fn: one SFT record {"prompt", "response"} per prompt whose best
+    of 4 ended, read back by the SFT reader; the best of 4 scores at least the first sample; the held-out prompts,
+    no --prompts, two N or two policies are refused in one line."""
+    policy = str(tmp_path / "policy.pt")
+    model = boost_eos(tiny_gpt(task_tok, 0), task_tok.eos_id, amount=4.0)
+    checkpoints.save_checkpoint(checkpoint_dict("sft", model, task_tok), policy)
+    task = build_task(task_dir, 1337)
+    out = tmp_path / "best.jsonl"
+    args = ev.Args(
+        policy=[policy],
+        names=["sft"],
+        ref=policy,
+        rm="none",
+        prompts=task["prompts"],
+        num_samples=12,
+        best_of_n=[4],
+        write_best=str(out),
+        reward_fn="task:gold_reward",
+        task_dir=task_dir,
+        max_new_tokens=12,
+    )
+    res = ev.main(args)
+    rows = read_jsonl(str(out), "sft")
+    assert len(rows) == round(res["sft_bon4"]["eos_frac"] * 12) > 0
+    train_prompts = [row["prompt"] for row in read_jsonl(task["prompts"], "prompts")][:12]
+    assert all(set(row) == {"prompt", "response"} and row["prompt"] in train_prompts for row in rows)
+    assert res["sft_bon4"]["reward_fn"] >= res["sft"]["reward_fn"]
+    refused = [
+        (dict(prompts=task["eval_prompts"]), r"--write-best: --prompts .* holds 12 held-out prompts"),
+        (dict(prompts=None), r"--write-best writes training data: pass --prompts"),
+        (dict(best_of_n=[2, 4]), r"--write-best writes one policy's best of N"),
+        (dict(policy=[policy, policy], names=["a", "b"]), r"--write-best writes one policy's best of N"),
+    ]
+    for flags, message in refused:
+        with pytest.raises(common.UserError, match=message) as error:
+            ev.main(replace(args, **flags))
+        assert "\n" not in str(error.value)
 
 
 @pytest.mark.slow
