@@ -57,6 +57,10 @@ METHODS = {
     "reinforce_pp": Method("grpo", (0.3, 0.1, 0.03), 0.1, ("--estimator", "reinforce_pp")),
     "ppo_max_oracle": Method("ppo", (0.3, 0.1), None, ORACLE),
     "grpo_oracle": Method("grpo", (0.15, 0.05), None, ORACLE),
+    # the Monte-Carlo and the regression updates (train_grpo.py --estimator vineppo | rebel), on gold itself: do they
+    # close the optimiser's gap (docs/results.md, "The policy update, diagnosed on gold")?
+    "vineppo_oracle": Method("grpo", (0.3, 0.1), None, (*ORACLE, "--estimator", "vineppo")),
+    "rebel_oracle": Method("grpo", (0.3, 0.1), None, (*ORACLE, "--estimator", "rebel")),
     "dpo": Method("dpo", (1.0, 0.3, 0.1), 0.3),
     "best_of_n": Method("bon", (1, 4, 16, 64), 16),
     # the two limits (docs/design.md §5d): tilted by the gold reward, what any method can reach at that KL; tilted by

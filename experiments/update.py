@@ -48,6 +48,9 @@ VARIANTS = {
     "grpo": ("train_grpo.py", ["--estimator", "grpo"]),
     "vineppo": ("train_grpo.py", ["--estimator", "vineppo"]),
     "rebel": ("train_grpo.py", ["--estimator", "rebel"]),
+    "rebel_eta0.3": ("train_grpo.py", ["--estimator", "rebel", "--rebel-eta", "0.3"]),
+    "rebel_eta3": ("train_grpo.py", ["--estimator", "rebel", "--rebel-eta", "3"]),
+    "vineppo_k2": ("train_grpo.py", ["--estimator", "vineppo", "--vine-k", "2"]),
 }
 
 
@@ -73,6 +76,9 @@ class Args:
     """also evaluate on 512 training prompts (generalisation)"""
     extra: str = ""
     """more flags for every run, one string"""
+    eval_prompts: Optional[str] = None
+    """evaluate on this prompt file instead of eval.py's default (the first 512 held-out prompts): a search's own
+    prompts, e.g. held-out prompts 512-1023 cut from eval_prompts.jsonl, so the reported rows stay unseen"""
 
 
 def limit_curve(path: str) -> list[tuple[float, float]]:
@@ -99,6 +105,7 @@ def commands(args: Args, name: str, seed: int, out: str) -> list[list[str]]:
     train += [*flags, *shlex.split(args.extra)]
     evaluate = [python, os.path.join(ROOT, "eval.py"), "--task-dir", args.task_dir, "--ref", args.sft_ckpt]
     evaluate += ["--policy", os.path.join(out, "ckpt.pt"), "--names", name, "--rm", "none"]
+    evaluate += ["--prompts", args.eval_prompts] if args.eval_prompts else []
     runs = [train, evaluate + ["--json", os.path.join(out, "eval.json")]]
     if args.train_prompts:
         from task import build_task
