@@ -5,8 +5,9 @@
 #   make test-fast       ruff check and the fast tier of the suite (about a minute)
 #   make ablation        PPO-max vs vanilla vs minus-one-trick, 2 seeds, and a --kl-coef sweep (about 1.5 h;
 #                        needs out/sft and out/rm from `make demo`; resumes; table in out/ablation/ablation.md)
-#   make frontier        gold vs KL for PPO-max, GRPO, Dr. GRPO, RLOO, REINFORCE++, the gold-reward oracle, DPO and
-#                        best-of-N (about 1 h; needs `make demo`; resumes; out/frontier/frontier.md and .png)
+#   make frontier        gold vs KL for PPO-max, GRPO, Dr. GRPO, RLOO, REINFORCE++, the gold-reward oracle (VinePPO's
+#                        and REBEL's too), DPO and best-of-N (about 1 h, plus about 45 min for each of VinePPO's two
+#                        runs; needs `make demo`; resumes; out/frontier/frontier.md and .png)
 #   make online          iterated RLHF: rounds of PPO, on-policy pairs labelled by the task's simulated human and a
 #                        new reward model (needs `make demo`; 15 min on 2 cores; resumes; out/online/results.json)
 PYTHON ?= python3

@@ -109,6 +109,7 @@ def test_readme_commands(tmp_path, task_dir, offline_gpt2):
     for cmd in cmds:
         script = next(s for s in README_TINY if s in cmd)
         cmd = cmd.replace("--init gpt2", f"--init {offline_gpt2}").replace("my_sft.jsonl", str(my_sft))
+        cmd = cmd.replace("out/data/", f"{task_dir}/")  # the built-in task's files, where the tests keep them
         cmd = cmd.replace(script, os.path.join(ROOT, script)).replace("python ", f"{sys.executable} ", 1)
         cmd = cmd.replace("torchrun ", f"{sys.executable} -m torch.distributed.run ", 1)
         r = run(f"{cmd} {README_TINY[script]} --task-dir {task_dir}", cwd=tmp_path, one_thread=False)
