@@ -347,3 +347,38 @@ def sample(
     ended = (last_token == tok.eos_id) & (lengths > 0)
     texts = [tok.decode(row) for row in response.tolist()]  # decode drops the pad and EOS ids
     return Samples(response, mask, logprobs, last, ended, texts, skipped)
+
+
+# -----------------------------------------------------------------------------
+# continuing partial responses (the rollout's token prefixes)
+
+
+def continuation_budget(prefix_ids, prefix_mask, max_new_tokens: int, eos_id: int) -> torch.Tensor:
+    """(B,) long: the tokens left of max_new_tokens after each row's prefix, 0 for a prefix that ends with EOS."""
+    lengths = prefix_mask.sum(1).long()
+    last = torch.arange(prefix_ids.size(1), device=lengths.device) == (lengths - 1)[:, None]  # (B, Tp)
+    ended = ((prefix_ids == eos_id) & last).any(1)
+    return (max_new_tokens - lengths).clamp(min=0).masked_fill(ended, 0)
+
+
+def join_samples(tok, prefix_ids, prefix_mask, continued: Samples) -> tuple[Samples, torch.Tensor]:
+    """Each row's prefix (B, Tp) and its continuation, both right-padded, as one right-padded response: the
+    continuation's tokens follow the prefix's last real one, the sampler's log-probs are 0 on the prefix. Returns the
+    joined Samples and the mask of the sampled tokens (B, T), T the longest row."""
+    B, Tc = continued.mask.shape
+    columns = prefix_mask.sum(1).long()[:, None] + torch.arange(Tc, device=prefix_mask.device)  # (B, Tc)
+    continuation_mask = continued.mask.to(prefix_mask.dtype)
+    blank = torch.zeros_like(torch.cat([prefix_mask, prefix_mask.new_zeros(B, Tc)], 1))  # (B, Tp + Tc)
+    mask = torch.cat([prefix_mask, prefix_mask.new_zeros(B, Tc)], 1).scatter(1, columns, continuation_mask)
+    sampled = blank.scatter(1, columns, continuation_mask)
+    logprobs = blank.scatter(1, columns, continued.logprobs.to(blank.dtype))
+    padding = prefix_ids.new_full((B, Tc), tok.pad_id)
+    response = torch.cat([prefix_ids.masked_fill(prefix_mask == 0, tok.pad_id), padding], 1)
+    response = response.scatter(1, columns, continued.response)  # a continuation's padding lands past its row's end
+    width = max(1, int(mask.sum(1).max()))
+    response, mask, sampled, logprobs = (tensor[:, :width] for tensor in (response, mask, sampled, logprobs))
+    lengths = mask.sum(1).long()
+    last = (lengths - 1).clamp(min=0)
+    ended = (response.gather(1, last[:, None]).squeeze(1) == tok.eos_id) & (lengths > 0)
+    texts = [tok.decode(row) for row in response.tolist()]  # decode drops the pad and EOS ids
+    return Samples(response, mask, logprobs, last, ended, texts, continued.skipped), sampled
