@@ -12,8 +12,8 @@ from typing import Callable, Optional
 import torch
 
 from common import UserError, write_jsonl
-from task import build_task, gold_reward
-from tokenizer import HH_ASSISTANT, HH_NAMES, Tokenizer
+from task import builtin_task
+from tokenizer import HH_ASSISTANT, HH_NAMES, Tokenizer, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # JSONL readers
@@ -465,10 +465,17 @@ class RLData:
 
 def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
     """An RL run's data (args: rollout.RolloutArgs): --prompts and --ptx-data, or without --prompts the built-in
-    task's prompts and (without --ptx-data) its pre-training text. No prompt with room for a response, or --ptx-data
-    with no text that fits while --ptx-coef asks for a ptx loss, is a one-line error."""
+    task's (--task) prompts and (without --ptx-data) its pre-training text. No prompt with room for a response,
+    --ptx-data with no text that fits while --ptx-coef asks for a ptx loss, or a policy with another tokenizer than
+    the built-in task's, is a one-line error."""
     builtin = args.prompts is None
-    task = build_task(args.task_dir, args.task_seed) if builtin else None
+    task_module = builtin_task(args.task) if builtin else None
+    task = task_module.build_task(args.task_dir, args.task_seed) if builtin else None
+    if builtin and tok.state() != load_tokenizer(task["tokenizer"]).state():
+        raise UserError(
+            f"the policy's tokenizer is not the built-in {args.task} task's ({task['tokenizer']}): was it trained on "
+            "another --task?"
+        )
     rows = read_jsonl(task["prompts"] if builtin else args.prompts, "prompts", "--prompts")
     prompts = [row["prompt"] for row in rows]
     fitting = [prompt for prompt in prompts if len(prompt_ids(tok, prompt)) + args.max_new_tokens <= block_size]
@@ -486,7 +493,7 @@ def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
             f"--ptx-data {ptx_path}: all {ptx_too_long} texts are longer than the context ({block_size} tokens): no "
             "ptx loss (shorten them, or --ptx-coef 0)"
         )
-    gold_fn = gold_reward if builtin else None
+    gold_fn = task_module.gold_reward if builtin else None
     return RLData(fitting, len(prompts) - len(fitting), ptx, ptx_too_long, gold_fn)
 
 

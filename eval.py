@@ -34,6 +34,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from types import ModuleType
 from typing import Literal, Optional
 
 import torch
@@ -54,7 +55,7 @@ from model import (
     packed_response_logits,
     score_sequences,
 )
-from task import build_task, gold_reward, is_task_prompt, is_valid, off_aspect_praise, prompt_title, split_titles
+from task import builtin_task
 
 
 @dataclass
@@ -88,6 +89,12 @@ class Args:
     """with one --best-of-n N: write each prompt's best of its N responses to this JSONL in the SFT layout
     {"prompt", "response"} (a response without EOS is left out), the data of a rejection-sampling warm-up
     (train_sft.py --init out/sft/ckpt.pt --data FILE); --prompts must be training prompts, never the held-out set"""
+    pass_at: Optional[list[int]] = None
+    """pass@k for each k on a verifiable task (--task arith): --pass-samples responses per held-out problem, c of them
+    right (gold 1), and the unbiased estimate 1 - C(n-c, k)/C(n, k) (Chen et al. 2021,
+    https://arxiv.org/abs/2107.03374) averaged over problems (keys pass@<k> and pass@<k>_se)"""
+    pass_samples: int = 64
+    """--pass-at: n, the responses sampled per problem (seeds --seed ...), at least the largest k"""
     kl_optimal: Optional[list[float]] = None
     """betas of the KL-regularised optimum pi* ∝ ref exp(r / beta), estimated from the --seeds samples per prompt of the
     first --policy (which must be --ref) by self-normalised importance weights, for r = the gold reward (built-in
@@ -116,6 +123,9 @@ class Args:
     """prompts per generation batch"""
     seed: int = 1234
     """first sampling seed (the same for every policy)"""
+    task: Literal["reviews", "arith"] = "reviews"
+    """the built-in task whose held-out prompts and gold are used: reviews (task.py) or arith (arith.py: gold is the
+    verifier's accuracy, valid_frac the share of answers that parse)"""
     task_seed: int = 1337
     """seed of the built-in task"""
     task_dir: str = "out/data"
@@ -280,16 +290,21 @@ def pick_samples(samples: dict, indices: list) -> dict:
     return {key: [values[index] for index in indices] for key, values in samples.items()}
 
 
-def policy_metrics(samples: dict, builtin: bool, ref_gold: Optional[list]) -> tuple[dict, Optional[list]]:
+def policy_metrics(samples: dict, task: Optional[ModuleType], ref_gold: Optional[list]) -> tuple[dict, Optional[list]]:
     """(metrics, gold): the table's numbers from sample_policy's lists, each `<metric>` with its `<metric>_se`, then
-    num_samples and seeds; gold (per sample) and the gold-based metrics are None off the built-in task. ref_gold is
-    the reference's per-sample gold on the same prompts and seeds, in the same order."""
+    num_samples and seeds; gold (per sample) and the gold-based metrics are None off the built-in task (task: its
+    module, task.builtin_task; off_aspect the reviews task's only). ref_gold is the reference's per-sample gold on the
+    same prompts and seeds, in the same order."""
     cluster = samples["prompt_index"]
     responses = samples["response"]
     ended = samples["ended"]
-    gold = [gold_reward(p, r, e) for p, r, e in zip(samples["prompt"], responses, ended)] if builtin else None
-    valid = [float(is_valid(r, e)) for r, e in zip(responses, ended)] if builtin else None
-    off_aspect = [float(off_aspect_praise(p, r)) for p, r in zip(samples["prompt"], responses)] if builtin else None
+    builtin = task is not None
+    gold = [task.gold_reward(p, r, e) for p, r, e in zip(samples["prompt"], responses, ended)] if builtin else None
+    valid = [float(task.is_valid(r, e)) for r, e in zip(responses, ended)] if builtin else None
+    off_aspect_praise = getattr(task, "off_aspect_praise", None)
+    off_aspect = (
+        [float(off_aspect_praise(p, r)) for p, r in zip(samples["prompt"], responses)] if off_aspect_praise else None
+    )
     scored = [(x, c) for x, c in zip(samples["score"], cluster) if not math.isnan(x)]
     stats = {
         "gold": mean_se(gold, cluster) if builtin else None,
@@ -299,7 +314,7 @@ def policy_metrics(samples: dict, builtin: bool, ref_gold: Optional[list]) -> tu
         "perplexity": perplexity_se(samples["logprob_sum"], samples["n"], cluster),
         "eos_frac": mean_se([float(e) for e in ended], cluster),
         "valid_frac": mean_se(valid, cluster) if builtin else None,
-        "off_aspect": mean_se(off_aspect, cluster) if builtin else None,
+        "off_aspect": mean_se(off_aspect, cluster) if off_aspect else None,
         "distinct_2": distinct_n_se(samples["tokens"], cluster, 2),
         "win_rate_vs_ref": mean_se(win_outcomes(gold, ref_gold), cluster) if builtin and ref_gold else None,
         "reward_fn": mean_se(samples["reward_fn"], cluster) if "reward_fn" in samples else None,
@@ -311,6 +326,33 @@ def policy_metrics(samples: dict, builtin: bool, ref_gold: Optional[list]) -> tu
     metrics["num_samples"] = len(cluster)
     metrics["seeds"] = sorted(set(samples["seed"]))
     return metrics, gold
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one problem with c right among n samples, 1 - C(n-c, k)/C(n, k) (Chen et al. 2021), as
+    1 - prod_{i=n-c+1}^{n} (1 - k/i): no binomial coefficient overflows."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_at_metrics(samples: dict, task: ModuleType, ks: list, n: int, first_seed: int) -> dict:
+    """pass@k for each k from sample_policy's lists: per problem the samples of seeds first_seed .. first_seed + n - 1,
+    right where the task's gold is 1 (arith: the verifier says yes and the answer ends), pass_at_k over them; the mean
+    over problems with its standard error (one value per problem)."""
+    drawn, right = Counter(), Counter()
+    for index, (prompt_index, seed) in enumerate(zip(samples["prompt_index"], samples["seed"])):
+        if first_seed <= seed < first_seed + n:
+            drawn[prompt_index] += 1
+            gold = task.gold_reward(samples["prompt"][index], samples["response"][index], samples["ended"][index])
+            right[prompt_index] += gold == 1.0
+    problems = sorted(drawn)
+    metrics = {}
+    for k in ks:
+        stat = mean_se([pass_at_k(drawn[i], right[i], k) for i in problems], problems)
+        metrics[f"pass@{k}"] = stat["value"]
+        metrics[f"pass@{k}_se"] = stat["se"]
+    return metrics
 
 
 def best_of_n_kl_bound(n: int) -> float:
@@ -372,7 +414,9 @@ def tilted_estimates(rewards: torch.Tensor, values: dict, beta: float) -> dict:
     return estimates
 
 
-def kl_optimal_rows(name: str, samples: dict, betas: list, builtin: bool, missing_eos_penalty: float) -> dict:
+def kl_optimal_rows(
+    name: str, samples: dict, betas: list, task: Optional[ModuleType], missing_eos_penalty: float
+) -> dict:
     """Rows <name>_opt_gold_b<beta> (tilted by the gold reward, built-in task) and <name>_opt_rm_b<beta> (tilted by
     the RMs' aggregate score, a response without EOS scoring missing_eos_penalty as in PPO) from sample_policy's
     lists of the reference, every prompt with the same M samples. Each row: gold, score, kl and valid_frac with
@@ -389,11 +433,13 @@ def kl_optimal_rows(name: str, samples: dict, betas: list, builtin: bool, missin
     ended = [bool(e) for e in samples["ended"]]
     num_samples = len(order) // num_prompts
     values, signals = {}, {}
-    if builtin:
-        gold = [gold_reward(p, r, e) for p, r, e in zip(samples["prompt"], samples["response"], ended)]
+    if task is not None:
+        gold = [task.gold_reward(p, r, e) for p, r, e in zip(samples["prompt"], samples["response"], ended)]
         values["gold"] = grid(gold)
-        values["valid_frac"] = grid([is_valid(r, e) for r, e in zip(samples["response"], ended)])
-        values["off_aspect"] = grid([off_aspect_praise(p, r) for p, r in zip(samples["prompt"], samples["response"])])
+        values["valid_frac"] = grid([task.is_valid(r, e) for r, e in zip(samples["response"], ended)])
+        if hasattr(task, "off_aspect_praise"):
+            responses = zip(samples["prompt"], samples["response"])
+            values["off_aspect"] = grid([task.off_aspect_praise(p, r) for p, r in responses])
         signals["gold"] = values["gold"]
     if not math.isnan(samples["score"][0]):  # NaN: no RM (--rm none), no score to tilt by or report
         values["score"] = grid([s if e else missing_eos_penalty for s, e in zip(samples["score"], ended)])
@@ -469,6 +515,8 @@ def print_table(results: dict) -> None:
     ]
     if any(entry.get("reward_fn") is not None for entry in results.values()):
         cols.insert(cols.index("score") + 1, "reward_fn")
+    pass_cols = {key for entry in results.values() for key in entry if key.startswith("pass@")}
+    cols[1:1] = sorted((key for key in pass_cols if not key.endswith("_se")), key=lambda key: int(key[5:]))
     print("| policy | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
     for name, entry in results.items():
         if name != "rm":
@@ -504,6 +552,12 @@ def check_args(args: Args) -> None:
         raise UserError(f"--best-of-n {min(args.best_of_n)}: N counts samples per prompt, use >= 1")
     if args.best_of_n and not rm_paths(args) and not args.reward_fn:
         raise UserError("--best-of-n reranks by a reward model or a reward function: pass --rm or --reward-fn")
+    if args.pass_at and min(args.pass_at) < 1:
+        raise UserError(f"--pass-at {min(args.pass_at)}: k counts attempts per problem, use >= 1")
+    if args.pass_at and args.pass_samples < max(args.pass_at):
+        raise UserError(
+            f"--pass-samples {args.pass_samples}: pass@{max(args.pass_at)} needs at least that many samples"
+        )
     if args.write_best and (not args.best_of_n or len(args.best_of_n) != 1 or len(args.policy) != 1):
         raise UserError("--write-best writes one policy's best of N: pass one --policy and one --best-of-n N")
     if args.write_best and args.prompts is None:
@@ -622,14 +676,14 @@ def weighted_mean_se(values: list, weights: list, cluster: list) -> dict:
 
 
 @torch.no_grad()
-def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
+def rm_metrics(args: Args, task_files: Optional[dict], device) -> dict:
     """Reward-model mode: {"rm": metrics} of the --rm aggregate and, for an ensemble, {"rm_member<k>": ...} of each
     member (pair_metrics). Each member reads the pairs through its own tokenizer and context; the records every
     member could encode are the ones scored (the others, too long for some context, are counted)."""
     paths = rm_paths(args)
     if not paths:
         raise UserError("--pairs needs --rm")
-    rows, tied = drop_tied(read_jsonl(args.pairs_data or task["pairs_eval"], "pairs", "--pairs-data"))
+    rows, tied = drop_tied(read_jsonl(args.pairs_data or task_files["pairs_eval"], "pairs", "--pairs-data"))
     if tied:
         print(f"eval: {tied} records with chosen equal to rejected, skipped")
     dtype = parallel.resolve_dtype(args.dtype, device)
@@ -650,23 +704,23 @@ def rm_metrics(args: Args, task: Optional[dict], device) -> dict:
     examples = [encoded[0][id(row)] for row in kept]
     aggregate = aggregate_rm_scores(scores, args.rm_agg, args.rm_uwo_coef)
     train_seconds = round(sum(ckpt.get("seconds", 0.0) for _, _, ckpt in members), 1)
-    builtin = args.pairs_data is None
-    results = {"rm": pair_metrics(aggregate.tolist(), examples, builtin) | {"train_seconds": train_seconds}}
+    task = builtin_task(args.task) if args.pairs_data is None else None
+    results = {"rm": pair_metrics(aggregate.tolist(), examples, task) | {"train_seconds": train_seconds}}
     if len(members) > 1:
         for k, (member_scores, (_, _, ckpt)) in enumerate(zip(scores, members), start=1):
-            metrics = pair_metrics(member_scores.tolist(), examples, builtin)
+            metrics = pair_metrics(member_scores.tolist(), examples, task)
             results[f"rm_member{k}"] = metrics | {"train_seconds": round(ckpt.get("seconds", 0.0), 1)}
     return results
 
 
-def pair_metrics(scores: list, examples: list, builtin: bool) -> dict:
+def pair_metrics(scores: list, examples: list, task: Optional[ModuleType]) -> dict:
     """Accuracy (pair weights of K-wise records, ties 1/2), mean margin, ECE and, on the built-in task, the empirical
     Bayes ceiling (the gold reward's own accuracy on the drawn labels) on the same pairs, from the scores of every
     encoded record's sequences in order; the means with their standard errors clustered by record."""
     gaps, gold_gaps, weights, record = [], [], [], []
     start = 0
     for record_index, (seqs, _, pairs, _, row) in enumerate(examples):
-        gold = [gold_reward(row["prompt"], r, True) for r in responses_of(row)] if builtin else None
+        gold = [task.gold_reward(row["prompt"], r, True) for r in responses_of(row)] if task else None
         for chosen, rejected, weight in pairs:
             gaps.append(scores[start + chosen] - scores[start + rejected])
             gold_gaps.append(gold[chosen] - gold[rejected] if gold else 0.0)
@@ -675,7 +729,7 @@ def pair_metrics(scores: list, examples: list, builtin: bool) -> dict:
         start += len(seqs)
     accuracy = weighted_mean_se(pair_outcomes(gaps), weights, record)
     margin = weighted_mean_se(gaps, weights, record)
-    ceiling = weighted_mean_se(pair_outcomes(gold_gaps), weights, record) if builtin else None
+    ceiling = weighted_mean_se(pair_outcomes(gold_gaps), weights, record) if task else None
     return {
         "accuracy": accuracy["value"],
         "accuracy_se": accuracy["se"],
@@ -701,17 +755,17 @@ def main(args: Args) -> dict:
     )
     needs_task = args.pairs_data is None if args.pairs else args.prompts is None  # the built-in task's, on demand
     missing_eos_score = -1.0 if args.missing_eos_penalty is None else args.missing_eos_penalty
-    task = build_task(args.task_dir, args.task_seed) if needs_task else None
+    task_files = builtin_task(args.task).build_task(args.task_dir, args.task_seed) if needs_task else None
     results = {}
     if args.pairs:
-        results = rm_metrics(args, task, device)
+        results = rm_metrics(args, task_files, device)
         for name, entry in results.items():
             cells = [f"{key} {format_value(entry, key)}" for key in ("accuracy", "margin", "bayes_ceiling")]
             cells += [f"ece {entry['ece']:.3f}", f"pairs {entry['pairs']}"]
             print(f"| {name} | " + " | ".join(cells) + " |")
         return write_json(args.json, results)
     # 1. prompts, reference and reward models
-    rows = read_jsonl(args.prompts or task["eval_prompts"], "prompts", "--prompts")
+    rows = read_jsonl(args.prompts or task_files["eval_prompts"], "prompts", "--prompts")
     prompts = [r["prompt"] for r in rows][: args.num_samples]
     names = args.names or [os.path.basename(os.path.dirname(p)) or f"policy{i}" for i, p in enumerate(args.policy)]
     if len(names) != len(args.policy):
@@ -734,41 +788,49 @@ def main(args: Args) -> dict:
     if not fitting:
         raise UserError(f"--prompts: no prompt leaves room for a response in the context of {context}")
     prompts = fitting
-    builtin = all(is_task_prompt(prompt) for prompt in prompts)  # the gold reward knows the built-in task's prompts
-    if args.write_best:  # training data: never from the held-out titles
-        held_out = set(split_titles(args.task_seed)[1])
-        leaked = [prompt for prompt in prompts if is_task_prompt(prompt) and prompt_title(prompt) in held_out]
-        if leaked:
+    # the gold reward knows the built-in task's prompts: task is its module when every prompt is one
+    task = builtin_task(args.task)
+    task = task if all(task.is_task_prompt(prompt) for prompt in prompts) else None
+    if args.pass_at and task is None:
+        raise UserError(
+            f"--pass-at needs the built-in task's verifier (--task arith): --prompts {args.prompts} has none"
+        )
+    if args.write_best:  # training data: never from the held-out prompts
+        this_task = builtin_task(args.task)
+        held_out = [p for p in prompts if this_task.is_task_prompt(p) and this_task.is_held_out(p, args.task_seed)]
+        if held_out:
             raise UserError(
-                f"--write-best: --prompts {args.prompts} holds {len(leaked)} held-out prompts of the built-in task "
-                f"(e.g. {leaked[0]!r}): write the best of N on training prompts"
+                f"--write-best: --prompts {args.prompts} holds {len(held_out)} held-out prompts of the built-in task "
+                f"(e.g. {held_out[0]!r}): write the best of N on training prompts"
             )
     if args.kl_optimal:  # the limit: the reference's samples, tilted by each reward signal
         samples = reference_samples(ref, ref_tok, prompts, args, device, rms)
-        results = kl_optimal_rows(names[0], samples, args.kl_optimal, builtin, missing_eos_score)
+        results = kl_optimal_rows(names[0], samples, args.kl_optimal, task, missing_eos_score)
         print_limit_table(results)
         return write_json(args.json, results)
     # 2. the reference answers the same prompts with the same seeds (win rate), then each policy
     ref_samples = sample_policy(ref, ref_tok, prompts, args, device)
-    _, ref_gold = policy_metrics(ref_samples, builtin, None)
+    _, ref_gold = policy_metrics(ref_samples, task, None)
     for name, path in zip(names, args.policy):
         model, tok, ckpt = load_model(path, "--policy", device, dtype=dtype)
         if tok.state() != ref_tok.state():
             raise UserError(f"--policy {path}: its tokenizer differs from the reference's ({args.ref})")
         # best-of-N draws max(N) seeds per prompt once; the plain row takes the first --seeds of them
-        num_seeds = max([args.seeds, *(args.best_of_n or [])])
+        num_seeds = max([args.seeds, *(args.best_of_n or []), *([args.pass_samples] if args.pass_at else [])])
         samples = sample_policy(model, tok, prompts, replace(args, seeds=num_seeds), device, ref=ref, rms=rms)
         if reward_fn is not None:
             responses = zip(samples["prompt"], samples["response"], samples["ended"])
             samples["reward_fn"] = [float(reward_fn(p, r, e)) for p, r, e in responses]
         train_seconds = round(ckpt.get("seconds", 0.0), 1)  # the stage's wall time, from its checkpoint
         plain = [index for index, seed in enumerate(samples["seed"]) if seed < args.seed + args.seeds]
-        metrics, _ = policy_metrics(pick_samples(samples, plain), builtin, ref_gold)
+        metrics, _ = policy_metrics(pick_samples(samples, plain), task, ref_gold)
         results[name] = {**metrics, "train_seconds": train_seconds}
+        if args.pass_at:
+            results[name] |= pass_at_metrics(samples, task, args.pass_at, args.pass_samples, args.seed)
         rank_by = "score" if rms else "reward_fn"  # --rm, or --reward-fn without one
         for n in args.best_of_n or []:  # one pick per prompt, against the reference's first seed
             picked = best_of_n(samples, n, args.seed, missing_eos_score, rank_by)
-            metrics, _ = policy_metrics(picked, builtin, ref_gold[: len(prompts)] if ref_gold else None)
+            metrics, _ = policy_metrics(picked, task, ref_gold[: len(prompts)] if ref_gold else None)
             results[f"{name}_bon{n}"] = {**metrics, "kl_bound": True, "train_seconds": train_seconds}
             if args.write_best:
                 write_best(args.write_best, picked, prompts, n, rank_by)

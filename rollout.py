@@ -66,7 +66,8 @@ class RolloutArgs(common.CommonArgs):
     """pre-training text JSONL {"text": str} for the ptx loss (None: the built-in task's text; none on user prompts)"""
     # --- rollout
     total_episodes: int = 12800
-    """responses (episodes) sampled over the run (max_steps = total_episodes / rollout_batch_size unless --max-steps)"""
+    """responses (episodes) sampled over the run (max_steps = total_episodes / rollout_batch_size unless --max-steps;
+    train_grpo.py stops when its episodes, dynamic sampling's extra rounds included, reach this)"""
     rollout_batch_size: int = 64
     """responses per iteration, summed over ranks (the experience buffer: small, as PPO-max advises)"""
     num_minibatches: int = 2

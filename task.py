@@ -14,10 +14,13 @@ import math
 import os
 import random
 import re
+import sys
 from collections import Counter
+from types import ModuleType
 
 import regex
 
+import arith
 from common import write_atomic, write_jsonl
 from tokenizer import GPT2_PAT, bpe_tokenizer, train_bpe
 
@@ -204,6 +207,17 @@ def split_titles(task_seed: int) -> tuple[list[str], list[str]]:
     random.Random(task_seed).shuffle(titles)
     n_eval = round(EVAL_TITLE_FRAC * len(titles))
     return titles[n_eval:], titles[:n_eval]
+
+
+def is_held_out(prompt: str, task_seed: int) -> bool:
+    """A prompt of a held-out title (eval_prompts): training data never holds one."""
+    return prompt_title(prompt) in split_titles(task_seed)[1]
+
+
+def builtin_task(name: str) -> ModuleType:
+    """The module of a built-in task (--task): this one for reviews, arith.py for arith. Each has build_task,
+    gold_reward, is_valid, is_task_prompt and is_held_out with the same signatures."""
+    return arith if name == "arith" else sys.modules[__name__]
 
 
 def sample_prompt(rng: random.Random, titles: list[str]) -> str:

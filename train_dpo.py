@@ -32,7 +32,7 @@ from data import Order, drop_tied, encode_prefs, encode_prompts, pad_right, read
 from generate import sample
 from lora import BaseView
 from model import logprobs_from_logits, response_forward
-from task import build_task, gold_reward, is_valid
+from task import builtin_task
 from tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5}  # --beta None resolves here (IPO's β works on per-token mean log-probs)
@@ -180,10 +180,10 @@ def longest_sequence(example) -> int:
 
 
 @torch.no_grad()
-def sample_responses(policy, ref, tok, prompts: list, temperature: float, max_new_tokens: int, generator) -> list:
+def sample_responses(policy, ref, tok, prompts: list, temperature: float, max_new_tokens: int, generator, task) -> list:
     """One response per prompt (KV cache, batches of 128): {"prompt", "response" (text without EOS), "ended", "kl",
     "gold", "valid"} with kl the sum over response tokens of log π - log π_ref at the sampling temperature (k1) and
-    the built-in task's gold reward and validity."""
+    the built-in task's gold reward and validity (task: its module, task.builtin_task)."""
     device = next(policy.parameters()).device
     records = []
     for start in range(0, len(prompts), 128):
@@ -195,8 +195,8 @@ def sample_responses(policy, ref, tok, prompts: list, temperature: float, max_ne
         kl = ((samples.logprobs - ref_logprobs) * samples.mask).sum(1).tolist()
         for prompt, text, ended, row_kl in zip(chunk, samples.texts, samples.ended.tolist(), kl):
             record = {"prompt": prompt, "response": text, "ended": ended, "kl": row_kl}
-            record["gold"] = gold_reward(prompt, text, ended)
-            record["valid"] = is_valid(text, ended)
+            record["gold"] = task.gold_reward(prompt, text, ended)
+            record["valid"] = task.is_valid(text, ended)
             records.append(record)
     return records
 
@@ -305,7 +305,7 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     """Step 1: the preference data, tokenizer and policy (--init), checked before any process group; returns them and
     the init's fingerprint (--resume compares it)."""
     builtin = args.data is None
-    task = build_task(args.task_dir, args.task_seed) if builtin else None
+    task = builtin_task(args.task).build_task(args.task_dir, args.task_seed) if builtin else None
     train_path = task["pairs"] if builtin else args.data
     eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)
     train_rows, eval_rows = read_train_eval(train_path, eval_path, "pairs")
@@ -393,8 +393,9 @@ def main(args: Args) -> None:
             # the same draws at every evaluation: its samples depend on the model only, never on a stop and a resume
             generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
             with amp:  # the reference's forward (bf16 weights under --dtype bfloat16)
+                task = builtin_task(args.task)
                 samples = sample_responses(
-                    raw_model, ref, tok, my_prompts, args.temperature, args.max_new_tokens, generator
+                    raw_model, ref, tok, my_prompts, args.temperature, args.max_new_tokens, generator, task
                 )
             for key in ("gold", "kl", "valid"):
                 sums[key] = sum(sample[key] for sample in samples)

@@ -885,7 +885,10 @@ def main(args: Args) -> None:
     start_step = loop.step
     records = []
     stop = common.StopSignal()  # SIGINT/SIGTERM: save the iteration, exit 128 + signal
-    while loop.step < max_steps:
+    # the budget is --total-episodes responses sampled: dynamic sampling's extra rounds count against it, so such a
+    # run ends in fewer iterations than the LR schedule spans (--max-steps, when given, counts iterations alone)
+    last = loop.step >= max_steps or (args.max_steps is None and loop.episodes >= args.total_episodes)
+    while not last:
         t_rollout = time.time()
         experience, metrics, records = draw()
         if args.dynamic_sampling:  # DAPO: fresh groups until enough are informative on every rank (the metrics and
@@ -903,6 +906,7 @@ def main(args: Args) -> None:
         loop.updates += diagnostics["updates"]
         loop.episodes += args.rollout_batch_size * int(metrics.get("rollout/sample_rounds", 1))
         stopping = stop.requested(d.device)
+        last = loop.step >= max_steps or (args.max_steps is None and loop.episodes >= args.total_episodes)
         t_end = time.time()
 
         # 7. monitoring
@@ -919,10 +923,10 @@ def main(args: Args) -> None:
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
             largest, mean = metrics["rollout/logprob_err"], metrics["rollout/logprob_err_mean"]
             print0(f"step {step}: generation vs training-forward log-probs, |diff| max {largest:.1e} mean {mean:.1e}")
-        logger.log(step, metrics, max_steps, console=common.every(step, args.log_every) or step == max_steps)
-        if common.every(step, args.sample_every) or step == max_steps:
+        logger.log(step, metrics, max_steps, console=common.every(step, args.log_every) or last)
+        if common.every(step, args.sample_every) or last:
             logger.sample_table(step, records)
-        if common.every(step, args.save_every) or step == max_steps or stopping:
+        if common.every(step, args.save_every) or last or stopping:
             run.save(step, loop.data_state(), generator, reward_moments=reward_moments.state_dict(), **hashes)
         if stopping:
             logger.close()

@@ -37,7 +37,7 @@ from data import (
     sft_sequence,
 )
 from model import calibration_error, last_token_scores, lm_loss, score_sequences
-from task import PROBE_KINDS, build_task, gold_reward, is_task_prompt, probe_texts
+from task import PROBE_KINDS, builtin_task, is_task_prompt, probe_texts
 from tokenizer import Tokenizer, load_tokenizer
 
 
@@ -291,7 +291,8 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     """Step 1: the data, tokenizer and model (--init with a score head), checked before any process group; returns
     them and the init's fingerprint (--resume compares it)."""
     builtin = args.data is None
-    task = build_task(args.task_dir, args.task_seed) if builtin else None
+    task_module = builtin_task(args.task)
+    task = task_module.build_task(args.task_dir, args.task_seed) if builtin else None
     train_path = task["pairs"] if builtin else args.data
     eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)
     train_rows, eval_rows = read_train_eval(train_path, eval_path, "pairs")
@@ -319,9 +320,9 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
         prompts = [row["prompt"] for row in read_jsonl(task["eval_prompts"], "prompts")]
         if all(is_task_prompt(prompt) for prompt in prompts):
             probes = encode_probes(tok, prompts, args.probe_size, args.task_seed, block_size)
-        else:  # a task of your own in task.py: the probe writes reviews-task texts only
-            print0("probe: skipped (the task's prompts are not the built-in reviews task's)")
-        golds = [[gold_reward(ex[4]["prompt"], text, True) for text in responses_of(ex[4])] for ex in evals]
+        else:  # arith, or a task of your own in task.py: the probe writes reviews-task texts only
+            print0("probe: skipped (the task's prompts are not the reviews task's)")
+        golds = [[task_module.gold_reward(ex[4]["prompt"], text, True) for text in responses_of(ex[4])] for ex in evals]
     init_hash = checkpoints.init_fingerprint(args.init)  # what this run started from
     return model, tok, init_hash, Data(train, evals, calib, probes, golds, too_long, tied)
 

@@ -11,6 +11,7 @@ torchrun --standalone --nproc_per_node 8 train_sft.py --init gpt2 --data my_sft.
 import math
 import time
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -33,7 +34,7 @@ from data import (
 )
 from generate import sample
 from model import lm_loss
-from task import build_task, is_valid
+from task import builtin_task
 from tokenizer import Tokenizer, load_tokenizer
 
 
@@ -128,7 +129,7 @@ def sample_responses(model, tok, prompts: list, temperature: float, max_new_toke
 class Data:
     """SFT's records, encoded for its tokenizer and context (load)."""
 
-    builtin: bool  # the built-in task (gold and valid_frac), or --data
+    task: Optional[ModuleType]  # the built-in task's module (its is_valid: val/valid_frac), or None on --data
     train: list  # encode_sft's examples
     evals: list
     prompts: list  # the held-out prompts the evaluation samples
@@ -139,7 +140,8 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     """Step 1: the data, tokenizer and model, checked before any process group; returns them and the init's
     fingerprint (--resume compares it)."""
     builtin = args.data is None
-    task = build_task(args.task_dir, args.task_seed) if builtin else None
+    task_module = builtin_task(args.task) if builtin else None
+    task = task_module.build_task(args.task_dir, args.task_seed) if builtin else None
     train_path = task["sft"] if builtin else args.data
     eval_path = args.eval_data or (task["sft_eval"] if builtin else None)
     train_rows, eval_rows = read_train_eval(train_path, eval_path, "sft")
@@ -163,7 +165,7 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     evals, _ = encode_sft(tok, eval_rows, block_size, mask_prompt)
     if not train:
         raise UserError(f"{args.data}: every example is longer than the context ({block_size} tokens)")
-    return model, tok, init_hash, Data(builtin, train, evals, prompts, too_long)
+    return model, tok, init_hash, Data(task_module, train, evals, prompts, too_long)
 
 
 def main(args: Args) -> None:
@@ -174,7 +176,8 @@ def main(args: Args) -> None:
     common.seed_everything(args.seed)
     # 1. data, tokenizer and model (user mistakes surface here, before any process group)
     model, tok, init_hash, data = load(args)
-    builtin, train, evals, prompts = data.builtin, data.train, data.evals, data.prompts
+    task_module, train, evals, prompts = data.task, data.train, data.evals, data.prompts
+    builtin = task_module is not None
 
     # 2. distributed set-up, sizes, optimizer, resume
     # sizes first, against the launched world size: a mistake ends here, before any process group
@@ -225,7 +228,7 @@ def main(args: Args) -> None:
         generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
         samples = sample_responses(raw_model, tok, my_prompts, args.temperature, args.max_new_tokens, generator)
         if builtin:
-            sums["valid"] = sum(is_valid(response, ended) for _, response, ended in samples)
+            sums["valid"] = sum(task_module.is_valid(response, ended) for _, response, ended in samples)
         totals = parallel.all_reduce_dict(sums, d.device)
         raw_model.train()
         val_loss = totals["nll"] / totals["tokens"]
@@ -284,7 +287,7 @@ def main(args: Args) -> None:
             if final:
                 records = []
                 for prompt, response, ended in samples:
-                    valid = is_valid(response, ended) if builtin else None
+                    valid = task_module.is_valid(response, ended) if builtin else None
                     records.append({"prompt": prompt, "response": response, "ended": ended, "valid": valid})
                 logger.samples(step, records)
             if common.every(step, args.save_every) or final:

@@ -19,6 +19,7 @@ from conftest import boost_eos, checkpoint_dict, exits_2_with_one_line, tiny_gpt
 import checkpoints
 import common
 import eval as ev
+import task
 from data import read_jsonl
 from model import GPT, GPTConfig, last_token_scores
 from task import build_task
@@ -120,7 +121,7 @@ def test_policy_metrics_hand_made():
         "prompt_index": [0, 1],
         "seed": [7, 7],
     }
-    m, gold = ev.policy_metrics(s, True, [0.0, -1.0])
+    m, gold = ev.policy_metrics(s, task, [0.0, -1.0])
     assert gold[1] == -1.0 and m["valid_frac"] == 0.5 and m["eos_frac"] == 0.5 and m["kl"] == 1.0
     assert m["perplexity"] == pytest.approx(math.exp(4 / 5)) and m["response_len"] == 2.5
     assert m["win_rate_vs_ref"] == pytest.approx((1 + 0.5) / 2) and m["score"] == 1.0
@@ -128,7 +129,7 @@ def test_policy_metrics_hand_made():
     assert m["eos_frac_se"] == pytest.approx(0.5) and m["win_rate_vs_ref_se"] == pytest.approx(0.25)
     assert m["score_se"] is None  # one scored sample
     assert m["num_samples"] == 2 and m["seeds"] == [7]
-    m, _ = ev.policy_metrics(s, False, None)
+    m, _ = ev.policy_metrics(s, None, None)
     assert m["gold"] is None and m["valid_frac"] is None and m["win_rate_vs_ref"] is None
     assert m["gold_se"] is None and m["win_rate_vs_ref_se"] is None
 
@@ -479,7 +480,7 @@ def test_kl_optimal_rows_without_a_reward_model_have_no_score():
         "prompt_index": [0, 0, 0, 0],
         "seed": [0, 1, 2, 3],
     }
-    rows = ev.kl_optimal_rows("sft", samples, [1.0], builtin=True, missing_eos_penalty=-1.0)
+    rows = ev.kl_optimal_rows("sft", samples, [1.0], task=task, missing_eos_penalty=-1.0)
     (row,) = rows.values()
     assert list(rows) == ["sft_opt_gold_b1"] and math.isfinite(row["gold"]) and math.isfinite(row["kl"])
     assert row["score"] is None and row["score_se"] is None, (row["score"], row["score_se"])
@@ -555,12 +556,12 @@ def test_kl_optimal_warnings_name_the_check_that_failed():
         "prompt_index": [i // num_samples for i in range(len(scores))],
         "seed": [i % num_samples for i in range(len(scores))],
     }
-    rows = ev.kl_optimal_rows("sft", samples, [1e4, 1.0], builtin=False, missing_eos_penalty=-1.0)
+    rows = ev.kl_optimal_rows("sft", samples, [1e4, 1.0], task=None, missing_eos_penalty=-1.0)
     assert rows["sft_opt_rm_b10000"]["warning"] is None
     warning = rows["sft_opt_rm_b1"]["warning"]  # two prompts of ten at ess 1: the mean ess is still 13
     assert "a tenth of the prompts at ess under 2" in warning and "kl" not in warning.split("ess")[0], warning
     samples["score"] = [50.0 * (i % num_samples == 0) for i in range(len(scores))]  # every prompt dominated
-    warning = ev.kl_optimal_rows("sft", samples, [1.0], builtin=False, missing_eos_penalty=-1.0)["sft_opt_rm_b1"]
+    warning = ev.kl_optimal_rows("sft", samples, [1.0], task=None, missing_eos_penalty=-1.0)["sft_opt_rm_b1"]
     assert "within 1 nat of its ceiling" in warning["warning"] and "ess 1.0 under 4" in warning["warning"]
 
 

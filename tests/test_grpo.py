@@ -577,6 +577,19 @@ def test_grpo_logs_episodes_as_the_responses_sampled(tmp_path, task_dir, tiny_ck
     assert scalars["train/episodes"] == want and (flags or want == [8.0, 16.0, 24.0])
 
 
+def test_dynamic_sampling_stops_on_the_episode_budget(tmp_path, task_dir, tiny_ckpts):
+    """Without --max-steps, --total-episodes is the budget of responses sampled: under --dynamic-sampling the extra
+    rounds count against it, so the run ends in fewer iterations than total_episodes / rollout_batch_size (the tiny
+    random policy's groups tie and ask for more rounds), at its first iteration at or past the budget, and saves it."""
+    settings = dict(out_dir=str(tmp_path), task_dir=task_dir, sft_ckpt=tiny_ckpts[0], rm_ckpt=tiny_ckpts[1])
+    sizes = dict(rollout_batch_size=8, num_minibatches=2, micro_batch_size=4, max_new_tokens=8, warmup_steps=1)
+    flags = dict(group_size=2, dynamic_sampling=True, max_sample_rounds=3, total_episodes=40)
+    train_grpo.main(train_grpo.Args(**settings, **sizes, **flags))
+    episodes = read_scalars(str(tmp_path))["train/episodes"]
+    assert episodes[-1] >= 40 and all(value < 40 for value in episodes[:-1]) and len(episodes) < 40 // 8, episodes
+    assert torch.load(os.path.join(tmp_path, "ckpt.pt"), weights_only=False)["step"] == len(episodes)
+
+
 # -----------------------------------------------------------------------------
 # reliability: a run killed at a random moment resumes exactly
 

@@ -1,0 +1,121 @@
+"""The arith task (arith.py): the verifier, the reward, the mistakes in the demonstrations, the held-out split, the
+files and the tokenizer; pass@k (eval.py) against counting subsets; --task on resume and on a policy."""
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+
+import arith
+import checkpoints
+import eval as ev
+from common import UserError
+from task import builtin_task
+from tokenizer import load_tokenizer
+
+
+def test_verifier_gold_reward_and_validity_by_hand():
+    assert arith.verify("48+37=", "85") and not arith.verify("48+37=", "75")
+    assert not arith.verify("48+37=", "085") and not arith.verify("48+37=", "85 ")  # written as demonstrated
+    assert arith.verify("0+0=", "0")
+    assert arith.gold_reward("48+37=", "85", True) == 1.0
+    assert arith.gold_reward("48+37=", "85", False) == 0.0  # no EOS: not an answer
+    assert arith.gold_reward("48+37=", "75", True) == 0.0
+    assert arith.reward("48+37=", "85", True) == 1.0
+    assert arith.reward("48+37=", "75", True) == 0.0
+    assert arith.reward("48+37=", "8x", True) == -1.0  # does not parse
+    assert arith.reward("48+37=", "85", False) == -1.0  # no end
+    assert arith.is_valid("85", True) and not arith.is_valid("85", False) and not arith.is_valid("07", True)
+    assert arith.is_task_prompt("48+37=") and not arith.is_task_prompt("Review of The Silent River (music):")
+
+
+def test_without_carries_against_digit_by_digit():
+    rng = random.Random(0)
+    for _ in range(500):
+        a, b = rng.randrange(1000), rng.randrange(1000)
+        width = max(len(str(a)), len(str(b)))
+        digits = [(int(x) + int(y)) % 10 for x, y in zip(str(a).zfill(width), str(b).zfill(width))]
+        assert arith.without_carries(a, b) == int("".join(map(str, digits)))
+    assert arith.without_carries(58, 27) == 75 and arith.without_carries(12, 34) == 46
+
+
+def test_a_wrong_answer_is_never_right_and_parses():
+    rng = random.Random(1)
+    for _ in range(2000):
+        a, b = rng.randrange(100), rng.randrange(100)
+        wrong = arith.wrong_answer(rng, a, b)
+        assert wrong != a + b and wrong >= 0
+        assert arith.is_valid(str(wrong), True)
+
+
+def test_task_files_split_and_the_share_of_wrong_demonstrations(tmp_path):
+    paths = builtin_task("arith").build_task(str(tmp_path), 1337, tiny=True)
+    read = {name: [json.loads(line) for line in open(paths[name])] for name in arith.TASK_FILES}
+    held = [row["prompt"] for row in read["eval_prompts"]]
+    assert len(held) == len(set(held)) == arith.TINY_SIZES["eval_prompts"]
+    assert all(arith.is_held_out(prompt, 1337) for prompt in held)
+    for name in ("pretrain", "sft", "sft_eval", "pairs", "prompts"):
+        prompts = [row["text"].split("=")[0] + "=" if name == "pretrain" else row["prompt"] for row in read[name]]
+        assert not any(arith.is_held_out(prompt, 1337) for prompt in prompts), name
+    wrong = sum(not arith.verify(row["prompt"], row["response"]) for row in read["sft"])
+    n = len(read["sft"])
+    assert abs(wrong / n - arith.WRONG_FRAC) < 4 * math.sqrt(arith.WRONG_FRAC * (1 - arith.WRONG_FRAC) / n)
+    assert all(
+        arith.verify(r["prompt"], r["chosen"]) and not arith.verify(r["prompt"], r["rejected"]) for r in read["pairs"]
+    )
+    tok = load_tokenizer(paths["tokenizer"])
+    assert [tok.decode([i]) for i in tok.encode("907+38=")] == list("907+38=")  # one token a character
+    assert builtin_task("arith").build_task(str(tmp_path), 1337, tiny=True) == paths  # cached
+
+
+@pytest.mark.parametrize("n", [1, 3, 6, 8])
+def test_pass_at_k_counts_the_subsets_with_a_right_answer(n):
+    """The unbiased estimator is the share of the k-subsets of the n samples that hold a right one."""
+    for c in range(n + 1):
+        samples = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(samples, k))
+            expected = sum(any(subset) for subset in subsets) / len(subsets)
+            assert ev.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+            assert ev.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
+    assert ev.pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100), rel=1e-9)
+
+
+def test_pass_at_metrics_over_problems_with_its_standard_error():
+    """Two problems, 4 seeds each (a fifth seed past n is left out): right 1 of 4 and 4 of 4."""
+    prompts, responses, seeds, index = [], [], [], []
+    for problem, (prompt, answers) in enumerate([("2+2=", ["4", "5", "3", "7", "4"]), ("1+1=", ["2"] * 5)]):
+        for seed, answer in enumerate(answers):
+            prompts.append(prompt)
+            responses.append(answer)
+            seeds.append(10 + seed)
+            index.append(problem)
+    samples = {"prompt": prompts, "response": responses, "ended": [True] * 10, "seed": seeds, "prompt_index": index}
+    metrics = ev.pass_at_metrics(samples, arith, [1, 2], n=4, first_seed=10)
+    pass1 = [1 / 4, 1.0]
+    pass2 = [1 - math.comb(3, 2) / math.comb(4, 2), 1.0]
+    assert metrics["pass@1"] == pytest.approx(sum(pass1) / 2)
+    assert metrics["pass@2"] == pytest.approx(sum(pass2) / 2)
+    assert metrics["pass@1_se"] == pytest.approx(abs(pass1[1] - pass1[0]) / 2)  # std(ddof=1)/sqrt(2) of two values
+
+
+def test_pass_at_flags_are_checked():
+    with pytest.raises(UserError, match="--pass-samples 8: pass@16 needs at least that many samples"):
+        ev.check_args(ev.Args(pass_at=[1, 16], pass_samples=8))
+    with pytest.raises(UserError, match="--pass-at 0"):
+        ev.check_args(ev.Args(pass_at=[0]))
+
+
+def test_resume_refuses_another_task(tmp_path):
+    """The checkpoint records --task: a resume takes it where no flag says otherwise, and refuses another in one
+    line."""
+    import train_sft
+
+    out = tmp_path / "sft"
+    saved = train_sft.Args(out_dir=str(out), task="reviews", lr=1e-3)
+    checkpoints.save_checkpoint({"kind": "sft", "model": {}, "args": vars(saved), "step": 2}, str(out / "ckpt.pt"))
+    assert checkpoints.resume_args(train_sft.Args(out_dir=str(out), resume=True), "sft").task == "reviews"
+    with pytest.raises(UserError, match="--task reviews -> arith: these change what the run computes"):
+        checkpoints.resume_args(train_sft.Args(out_dir=str(out), resume=True, task="arith"), "sft")
