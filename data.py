@@ -101,7 +101,7 @@ def canonical(obj: dict, kind: str) -> dict:
         if isinstance(obj["prompt"], str):
             return {"prompt": obj["prompt"], "response": obj["completion"]}
         return {"messages": obj["prompt"] + obj["completion"], "learn_from": len(obj["prompt"])}
-    if kind == "pairs" and "prompt" not in obj:
+    if kind in ("pairs", "kto") and "prompt" not in obj:
         head = shared_head(obj["chosen"], obj["rejected"])
         return {"prompt": obj["chosen"][:head], "chosen": obj["chosen"][head:], "rejected": obj["rejected"][head:]}
     return obj
@@ -119,11 +119,28 @@ def _sft_layout_problem(obj: dict) -> str | None:
     return None
 
 
+def _unpaired_problem(obj: dict) -> str | None:
+    """What is wrong with TRL's unpaired KTO record {"prompt", "completion", "label": bool} (strings, or messages with
+    the completion's assistant turns), or None."""
+    for key in ("prompt", "completion", "label"):
+        if key not in obj:
+            return f"missing field {key!r} (an unpaired record needs prompt, completion, label)"
+    if not isinstance(obj["label"], bool):
+        return f"field 'label' must be true (desirable) or false (undesirable), got {type(obj['label']).__name__}"
+    if any(key in obj for key in ("chosen", "rejected", "responses")):
+        return "fields 'label' and 'chosen'/'rejected'/'responses' in one record: an unpaired record or a preference"
+    return _trl_problem(obj, "sft")
+
+
 def _check_fields(obj: dict, kind: str) -> str | None:
     """What is wrong with one record of this kind, or None. Conversational records (docs/design.md §3): SFT
     {"messages"}, prompts {"prompt": [messages]}, preferences {"prompt": [messages], "chosen": [messages], "rejected":
     [messages]} (the replies' assistant turns); and TRL's prompt-completion SFT and implicit-prompt preferences
-    (_trl_problem)."""
+    (_trl_problem). Kind "kto": TRL's unpaired record (_unpaired_problem) or any preference record."""
+    if kind == "kto" and ("label" in obj or "completion" in obj):
+        return _unpaired_problem(obj)
+    if kind == "kto":
+        kind = "pairs"
     if kind == "sft":
         problem = _sft_layout_problem(obj)
         if problem:
@@ -197,8 +214,8 @@ def _unique_keys(pairs: list) -> dict:
 
 
 def read_jsonl(path: str, kind: str, flag: str | None = None) -> list[dict]:
-    """Read and validate a UTF-8 JSONL file of kind "sft", "text", "prompts", "pairs", "hh" (Anthropic-HH) or
-    "ultrafeedback" (UltraFeedback-binarized); a missing
+    """Read and validate a UTF-8 JSONL file of kind "sft", "text", "prompts", "pairs", "kto" (unpaired records or
+    preferences), "hh" (Anthropic-HH) or "ultrafeedback" (UltraFeedback-binarized); a missing
     or empty file, bad UTF-8, bad JSON, a line that is not an object or a bad field is a one-line UserError
     `path:line: what is wrong` (a missing file names the flag that gave it). Blank lines are skipped."""
     if not os.path.isfile(path):
@@ -420,7 +437,10 @@ def drop_tied(rows: list[dict]) -> tuple[list[dict], int]:
 
 
 def responses_of(row: dict) -> list:
-    """A preference record's responses: [chosen, rejected], or the K-wise "responses"."""
+    """A preference record's responses: [chosen, rejected], or the K-wise "responses" (an unpaired record's:
+    [completion])."""
+    if "completion" in row:
+        return [row["completion"]]
     return row["responses"] if "responses" in row else [row["chosen"], row["rejected"]]
 
 
@@ -445,6 +465,28 @@ def encode_prefs(tok, rows: list[dict], block_size: int) -> tuple[list, int]:
             skipped += 1
             continue
         examples.append((seqs, len(head), ranking_pairs(ranking), ranking[0], row))
+    return examples, skipped
+
+
+def encode_kto(tok, rows: list[dict], block_size: int) -> tuple[list, int]:
+    """KTO's examples from unpaired records and preferences: ([(seqs, n_prompt, labels, row), ...], n_skipped) with
+    seqs as in encode_prefs and labels[k] True for a desirable sequence: an unpaired record's completion with its
+    label, a pair's chosen (True) and rejected (False), a ranking's top (True) and bottom (False). Records with any
+    sequence longer than block_size are skipped and counted."""
+    examples, skipped = [], 0
+    for row in rows:
+        head = prompt_ids(tok, row["prompt"])
+        if "label" in row:
+            responses, labels = [row["completion"]], [row["label"]]
+        else:
+            ranking = row.get("ranking", [0, 1])
+            responses = [responses_of(row)[ranking[0]], responses_of(row)[ranking[-1]]]
+            labels = [True, False]
+        seqs = [head + response_ids(tok, row["prompt"], r) for r in responses]
+        if max(len(s) for s in seqs) > block_size:
+            skipped += 1
+            continue
+        examples.append((seqs, len(head), labels, row))
     return examples, skipped
 
 

@@ -5,10 +5,14 @@ h = (log π(y_c) - log π_ref(y_c)) - (log π(y_r) - log π_ref(y_r)), the DPO l
 https://arxiv.org/abs/2305.18290), with --label-smoothing ε the conservative cDPO mix
 (1-ε)·(-log σ(βh)) + ε·(-log σ(-βh)); --loss ipo is (h - 1/(2β))² over per-token mean log-probs (Azar et al. 2023,
 https://arxiv.org/abs/2310.12036, as TRL does). K-wise rankings expand to all their pairs, weighted to sum to 1 per
-prompt, as in the reward model. Reference log-probs come from a no-grad forward of the same batch.
+prompt, as in the reward model. Reference log-probs come from a no-grad forward of the same batch. --loss kto
+(Ethayarajh et al. 2024, https://arxiv.org/abs/2402.01306) needs no pairs: with r = log π(y) - log π_ref(y) summed,
+a desirable y costs λ_D·(1 - σ(β(r - z0))) and an undesirable one λ_U·(1 - σ(β(z0 - r))), z0 = max(0, a detached KL
+estimate from mismatched prompt-completion pairs of the step).
 
 python train_dpo.py                                                   # built-in task, from out/sft/ckpt.pt, CPU
 python train_dpo.py --loss ipo                                        # IPO, its own default β
+python train_dpo.py --loss kto --data my_unpaired.jsonl               # KTO on {"prompt", "completion", "label"}
 python train_dpo.py --init out/sft_gpt2/ckpt.pt --data my_pairs.jsonl --lr 1e-6 --out-dir out/dpo_gpt2
 torchrun --standalone --nproc_per_node 8 train_dpo.py --init out/sft_gpt2/ckpt.pt --data my_pairs.jsonl
 """
@@ -28,14 +32,14 @@ import common
 import hf
 import parallel
 from common import UserError, format_sample, print0
-from data import Order, drop_tied, encode_prefs, encode_prompts, pad_right, read_jsonl, read_train_eval
+from data import Order, drop_tied, encode_kto, encode_prefs, encode_prompts, pad_right, read_jsonl, read_train_eval
 from generate import sample
 from lora import BaseView
 from model import logprobs_from_logits, response_forward
 from task import builtin_task
 from tokenizer import Tokenizer, load_tokenizer
 
-DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5}  # --beta None resolves here (IPO's β works on per-token mean log-probs)
+DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5, "kto": 0.1}  # --beta None (IPO's β works on per-token mean log-probs)
 
 
 @cli.stage_args
@@ -46,23 +50,31 @@ class Args(common.CommonArgs):
     # --- data and model
     data: Optional[str] = None
     """preference JSONL: {"prompt", "chosen", "rejected"} (strings or messages), TRL's implicit prompt {"chosen",
-    "rejected"} (messages sharing their head), or K-wise {"prompt", "responses", "ranking"} (None: built-in)"""
+    "rejected"} (messages sharing their head), or K-wise {"prompt", "responses", "ranking"}; with --loss kto also
+    TRL's unpaired {"prompt", "completion", "label": bool} (None: built-in)"""
     eval_data: Optional[str] = None
     """held-out preference JSONL (None: the built-in task's split, or the last 5% of --data)"""
     init: str = "out/sft/ckpt.pt"
     """the policy to train and the frozen reference: path/to/ckpt.pt | gpt2 | gpt2-medium | ... | hf:<name-or-path>"""
     # --- the loss
-    loss: Literal["dpo", "ipo"] = "dpo"
-    """dpo: -log σ(β·h) over summed log-probs | ipo: (h - 1/(2β))² over per-token mean log-probs"""
+    loss: Literal["dpo", "ipo", "kto"] = "dpo"
+    """dpo: -log σ(β·h) over summed log-probs | ipo: (h - 1/(2β))² over per-token mean log-probs | kto: Kahneman-Tversky
+    on desirable and undesirable responses (a pair's chosen and rejected, a ranking's top and bottom, or unpaired)"""
     beta: Optional[float] = None
-    """KL strength β (None: 0.3 for dpo, 0.5 for ipo; tuned on the built-in task with --nll-coef 1)"""
+    """KL strength β (None: 0.3 for dpo, 0.5 for ipo, tuned on the built-in task with --nll-coef 1; 0.1 for kto,
+    the paper's)"""
     label_smoothing: float = 0.0
     """cDPO: the share ε of labels assumed flipped, in [0, 0.5) (dpo only)"""
     nll_coef: float = 1.0
     """weight of the next-token loss on each record's best response (RPO, Pang et al. 2024,
     https://arxiv.org/abs/2404.19733), as a token mean over the step's best responses (TRL's rpo_alpha), not the
     paper's per-sequence normalisation: it keeps the chosen text likely while the pairs push the rejected text down
-    (0: plain DPO / IPO, which breaks the built-in task's grammar within 50 steps)"""
+    (0: plain DPO / IPO, which breaks the built-in task's grammar within 50 steps); with kto, on the desirable
+    responses only, a token mean over the step's desirable tokens"""
+    kto_desirable_weight: float = 1.0
+    """kto: λ_D, the weight of a desirable response's loss (the paper keeps λ_D·n_D / (λ_U·n_U) in [1, 4/3])"""
+    kto_undesirable_weight: float = 1.0
+    """kto: λ_U, the weight of an undesirable response's loss"""
     # --- optimisation
     batch_size: int = 64
     """preference records (prompts) per optimizer step, summed over ranks"""
@@ -137,6 +149,47 @@ def dpo_loss(
     return (w * losses).sum() / total, stats
 
 
+def kto_loss(
+    policy_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    desirable: torch.Tensor,
+    z0: torch.Tensor | float,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    denoms: Optional[tuple] = None,
+) -> tuple[torch.Tensor, dict]:
+    """Per-sequence log-probs (N,) summed over response tokens under the policy and the reference, desirable (N,)
+    bool, z0 the detached reference point -> (loss, stats). With r = log π - log π_ref, a desirable response costs
+    λ_D·(1 - σ(β(r - z0))) and an undesirable one λ_U·(1 - σ(β(z0 - r))) (Ethayarajh et al. 2024, eq. 8); the loss
+    is their sum over the example count (TRL's mean over both kinds). denoms = (examples, desirable, undesirable)
+    replaces this batch's counts (the training loop passes the step's global ones), so the loss and the stats
+    (rewards/desirable, rewards/undesirable: β·r means over each kind) add up over micro-batches and ranks."""
+    logratios = policy_logprobs.float() - ref_logprobs.float()  # (N,)
+    desirable_losses = desirable_weight * (1 - torch.sigmoid(beta * (logratios - z0)))
+    undesirable_losses = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - logratios)))
+    losses = torch.where(desirable, desirable_losses, undesirable_losses)
+    if denoms is None:
+        n_desirable = float(desirable.sum())
+        denoms = (float(len(losses)), n_desirable, len(losses) - n_desirable)
+    n_examples, n_desirable, n_undesirable = denoms
+    rewards = (beta * logratios).detach()
+    stats = {
+        "rewards/desirable": rewards[desirable].sum() / max(n_desirable, 1),
+        "rewards/undesirable": rewards[~desirable].sum() / max(n_undesirable, 1),
+    }
+    return losses.sum() / n_examples, stats
+
+
+def response_batch(seqs: list, n_prompts: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences right-padded -> ids (N, T) and targets_mask (N, T-1), 1 where the target ids[:, t+1] is a response
+    token (past the sequence's n_prompt prompt tokens)."""
+    ids, mask = pad_right(seqs, pad_id)
+    for row, n_prompt in enumerate(n_prompts):
+        mask[row, :n_prompt] = 0.0
+    return ids, mask[:, 1:]
+
+
 def collate(examples: list, pad_id: int):
     """Every response of every encoded record (data.encode_prefs) as one right-padded batch: ids (N, T); targets_mask
     (N, T-1), 1 where the target ids[:, t+1] is a response token (the response and its EOS); chosen and rejected
@@ -151,17 +204,43 @@ def collate(examples: list, pad_id: int):
             chosen.append(base + better)
             rejected.append(base + worse)
             weights.append(weight)
-    ids, mask = pad_right(seqs, pad_id)
-    for row, n_prompt in enumerate(n_prompts):
-        mask[row, :n_prompt] = 0.0
+    ids, targets_mask = response_batch(seqs, n_prompts, pad_id)
     return (
         ids,
-        mask[:, 1:],
+        targets_mask,
         torch.tensor(chosen),
         torch.tensor(rejected),
         torch.tensor(weights),
         torch.tensor(best_rows),
     )
+
+
+def kto_collate(examples: list, pad_id: int):
+    """Every sequence of every encoded KTO record (data.encode_kto) as one right-padded batch: ids (N, T) and
+    targets_mask (N, T-1) as in collate, desirable (N,) bool; chosen and rejected (P,) the rows of each record that
+    holds a desirable and an undesirable response (a pair, a ranking's top and bottom), for the held-out accuracy."""
+    seqs, n_prompts, labels, chosen, rejected = [], [], [], [], []
+    for example_seqs, n_prompt, example_labels, _ in examples:
+        if example_labels == [True, False]:
+            chosen.append(len(seqs))
+            rejected.append(len(seqs) + 1)
+        seqs += example_seqs
+        n_prompts += [n_prompt] * len(example_seqs)
+        labels += example_labels
+    ids, targets_mask = response_batch(seqs, n_prompts, pad_id)
+    as_rows = partial(torch.tensor, dtype=torch.long)
+    return ids, targets_mask, torch.tensor(labels, dtype=torch.bool), as_rows(chosen), as_rows(rejected)
+
+
+def mismatched(examples: list, block_size: int) -> list:
+    """KTO's KL examples (Ethayarajh et al. 2024 §4.1; TRL's KL dataset): each encoded KTO record's responses after the
+    next record's prompt (the last record's after the first's), cut to block_size; the same layout as the records."""
+    kl_examples = []
+    for i, (seqs, n_prompt, labels, row) in enumerate(examples):
+        next_seqs, next_n_prompt, *_ = examples[(i + 1) % len(examples)]
+        head = next_seqs[0][:next_n_prompt]
+        kl_examples.append(([(head + seq[n_prompt:])[:block_size] for seq in seqs], next_n_prompt, labels, row))
+    return kl_examples
 
 
 def sequence_logprobs(model, ids: torch.Tensor, targets_mask: torch.Tensor, average: bool) -> torch.Tensor:
@@ -172,6 +251,26 @@ def sequence_logprobs(model, ids: torch.Tensor, targets_mask: torch.Tensor, aver
     if average:
         return logprobs.sum(1) / targets_mask.sum(1).clamp(min=1)
     return logprobs.sum(1)
+
+
+@torch.no_grad()
+def reference_point(policy, ref, kl_examples: list, micro_batch_size: int, pad_id: int, amp) -> torch.Tensor:
+    """KTO's z0 = max(0, mean of log π(y'|x) - log π_ref(y'|x)) over the mismatched pairs (mismatched) of one step:
+    every micro-batch of this rank's share (kl_examples) in a no-grad pass, summed over ranks, before any loss of the
+    step is formed. TRL estimates it per micro-batch (gathered over ranks); then a step's loss depends on the
+    micro-batch size, which the stage's contract forbids (one big batch, whatever the micro-batching and the ranks)."""
+    device = next(policy.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for start in range(0, len(kl_examples), micro_batch_size):
+        micro_batch = kl_examples[start : start + micro_batch_size]
+        ids, targets_mask, *_ = (t.to(device) for t in kto_collate(micro_batch, pad_id))
+        with amp:
+            policy_logprobs = sequence_logprobs(policy, ids, targets_mask, average=False)
+            ref_logprobs = sequence_logprobs(ref, ids, targets_mask, average=False)
+        total += (policy_logprobs.double() - ref_logprobs.double()).sum()
+    count = sum(len(seqs) for seqs, *_ in kl_examples)
+    total, count = parallel.all_reduce_stack([total, count], device)
+    return (total / count.clamp(min=1)).clamp(min=0).float()
 
 
 def longest_sequence(example) -> int:
@@ -228,6 +327,33 @@ def heldout_sums(policy, ref, evals: list, loss_fn: Callable, average: bool, mic
     return sums
 
 
+@torch.no_grad()
+def kto_heldout_sums(policy, ref, evals: list, kl_evals: list, args: Args, micro_batch_size: int, pad_id: int, amp):
+    """The KTO loss summed over encoded held-out KTO records against the held-out set's own reference point (z0 over
+    kl_evals, this rank's share of the whole set's mismatched pairs), and over the records that hold a desirable and
+    an undesirable response the accuracy of the implicit reward β·r: how often it ranks the held-out chosen above the
+    rejected (ties 1/2), as DPO's val/accuracy. {"loss", "examples", "accuracy", "pairs"} (and gold, kl, valid at 0
+    for the samples to fill)."""
+    device = next(policy.parameters()).device
+    z0 = reference_point(policy, ref, kl_evals, micro_batch_size, pad_id, amp)
+    sums = {"loss": 0.0, "examples": 0, "accuracy": 0.0, "pairs": 0, "gold": 0.0, "kl": 0.0, "valid": 0}
+    for start in range(0, len(evals), micro_batch_size):
+        micro_batch = evals[start : start + micro_batch_size]
+        ids, targets_mask, desirable, chosen, rejected = (t.to(device) for t in kto_collate(micro_batch, pad_id))
+        with amp:
+            policy_logprobs = sequence_logprobs(policy, ids, targets_mask, average=False)
+            ref_logprobs = sequence_logprobs(ref, ids, targets_mask, average=False)
+        weights = (args.kto_desirable_weight, args.kto_undesirable_weight)
+        loss, _ = kto_loss(policy_logprobs, ref_logprobs, desirable, z0, args.beta, *weights, denoms=(1, 1, 1))
+        logratios = policy_logprobs.float() - ref_logprobs.float()
+        margins = logratios[chosen] - logratios[rejected]
+        sums["loss"] += loss
+        sums["examples"] += len(desirable)
+        sums["accuracy"] += ((margins > 0) + 0.5 * (margins == 0)).sum()
+        sums["pairs"] += len(chosen)
+    return sums
+
+
 def pair_backward(policy, ref, batch: list, args: Args, denoms: tuple, sync: bool, amp) -> dict:
     """One micro-batch of pairs (collate's tensors on the device): the DPO/IPO loss over the step's global pair count
     plus --nll-coef x the next-token loss of the best responses over the step's global count of their tokens (RPO),
@@ -261,12 +387,45 @@ def pair_backward(policy, ref, batch: list, args: Args, denoms: tuple, sync: boo
     return {"train/loss": loss.detach(), "train/nll_loss": nll_loss.detach()} | stats
 
 
-def flops_per_token(model, examples: list) -> int:
-    """Training FLOPs per token (perf/mfu): the model's estimate at the mean sequence length, plus the reference's
-    no-grad forward (a third of a training step's 6 per weight)."""
+def kto_denoms(batch: list) -> tuple[tuple, float]:
+    """A step's global counts of encoded KTO records: (examples, desirable, undesirable) and the desirable responses'
+    tokens (the NLL term's denominator, at least 1)."""
+    labels = [label for _, _, record_labels, _ in batch for label in record_labels]
+    n_desirable = float(sum(labels))
+    nll_tokens = sum(
+        len(seq) - n_prompt
+        for seqs, n_prompt, record_labels, _ in batch
+        for seq, label in zip(seqs, record_labels)
+        if label
+    )
+    return (float(len(labels)), n_desirable, len(labels) - n_desirable), max(float(nll_tokens), 1.0)
+
+
+def kto_backward(policy, ref, batch: list, args: Args, denoms: tuple, z0: torch.Tensor, sync: bool, amp) -> dict:
+    """One micro-batch of KTO examples (kto_collate's tensors on the device): the KTO loss against the step's
+    reference point z0 over the step's global counts (kto_denoms), plus --nll-coef x the next-token loss of the
+    desirable responses over the step's global count of their tokens, and its backward (as pair_backward)."""
+    ids, targets_mask, desirable, _, _ = batch
+    example_denoms, nll_denom = denoms
+    weights = (args.kto_desirable_weight, args.kto_undesirable_weight)
+    with torch.no_grad(), amp:
+        ref_logprobs = sequence_logprobs(ref, ids, targets_mask, average=False)
+    with parallel.grad_sync(policy, sync), amp:
+        policy_logprobs = sequence_logprobs(policy, ids, targets_mask, average=False)
+        loss, stats = kto_loss(policy_logprobs, ref_logprobs, desirable, z0, args.beta, *weights, example_denoms)
+        nll_loss = -policy_logprobs[desirable].sum() / nll_denom
+        loss = loss + args.nll_coef * nll_loss
+        (loss * parallel.world_size()).backward()  # DDP averages over ranks (pair_backward)
+    return {"train/loss": loss.detach(), "train/nll_loss": nll_loss.detach()} | stats
+
+
+def flops_per_token(model, examples: list, no_grad_forwards: int = 1) -> int:
+    """Training FLOPs per token (perf/mfu): the model's estimate at the mean sequence length (6 per weight), plus 2
+    per weight for each no-grad forward: the reference's (DPO), and for KTO also the policy's and the reference's over
+    the mismatched pairs."""
     lengths = [len(seq) for seqs, *_ in examples for seq in seqs]
     mean_length = sum(lengths) // len(lengths)
-    return model.flops_per_token(mean_length) * 4 // 3
+    return model.flops_per_token(mean_length) * (6 + 2 * no_grad_forwards) // 6
 
 
 # -----------------------------------------------------------------------------
@@ -286,6 +445,12 @@ def check_args(args: Args) -> None:
         raise UserError(f"--label-smoothing {args.label_smoothing:g}: the flipped-label share must be in [0, 0.5)")
     if args.label_smoothing > 0 and args.loss != "dpo":
         raise UserError(f"--label-smoothing applies to --loss dpo, not {args.loss}")
+    for flag, weight in (
+        ("--kto-desirable-weight", args.kto_desirable_weight),
+        ("--kto-undesirable-weight", args.kto_undesirable_weight),
+    ):
+        if not weight > 0:
+            raise UserError(f"{flag} {weight:g}: a loss weight must be > 0")
     if args.init == "scratch":
         raise UserError("--init scratch: DPO starts from a trained policy (an SFT checkpoint, gpt2 or hf:...)")
 
@@ -294,7 +459,7 @@ def check_args(args: Args) -> None:
 class Data:
     """DPO's records, encoded for its tokenizer and context (load)."""
 
-    train: list  # data.encode_prefs's examples
+    train: list  # data.encode_prefs's examples (--loss kto: data.encode_kto's)
     evals: list  # the first --eval-pairs held-out ones
     prompts: list  # held-out prompts to sample from (built-in task), or empty
     too_long: int  # training records skipped for the context
@@ -308,7 +473,8 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     task = builtin_task(args.task).build_task(args.task_dir, args.task_seed) if builtin else None
     train_path = task["pairs"] if builtin else args.data
     eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)
-    train_rows, eval_rows = read_train_eval(train_path, eval_path, "pairs")
+    kto = args.loss == "kto"
+    train_rows, eval_rows = read_train_eval(train_path, eval_path, "kto" if kto else "pairs")
     train_rows, tied = drop_tied(train_rows)
     eval_rows, _ = drop_tied(eval_rows)
     task_tok = load_tokenizer(task["tokenizer"]) if builtin else None
@@ -317,8 +483,9 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
         raise UserError(f"--init {args.init}: its tokenizer is not the built-in task's ({task['tokenizer']})")
     init_hash = checkpoints.init_fingerprint(args.init)  # what this run started from
     block_size = model.config.block_size
-    train, too_long = encode_prefs(tok, train_rows, block_size)
-    evals, _ = encode_prefs(tok, eval_rows, block_size)
+    encode = encode_kto if kto else encode_prefs
+    train, too_long = encode(tok, train_rows, block_size)
+    evals, _ = encode(tok, eval_rows, block_size)
     if not train or not evals:
         raise UserError(
             f"{train_path}: no preference record (or no held-out one) fits the context ({block_size} tokens)"
@@ -344,6 +511,10 @@ def main(args: Args) -> None:
         ref = copy.deepcopy(model).requires_grad_(False)  # the frozen reference: the init, also on --resume
     average = args.loss == "ipo"  # per-token mean log-probs (IPO), else sums
     loss_fn = partial(dpo_loss, beta=args.beta, loss_type=args.loss, label_smoothing=args.label_smoothing)
+    kto = args.loss == "kto"
+    collate_fn = kto_collate if kto else collate
+    block_size = model.config.block_size
+    kl_evals = mismatched(evals, block_size) if kto else []  # the held-out set's mismatched pairs (its own z0)
 
     # 2. distributed set-up, sizes, optimizer, resume
     # sizes first, against the launched world size: a mistake ends here, before any process group
@@ -377,7 +548,8 @@ def main(args: Args) -> None:
     model = parallel.wrap_model(raw_model, d, args.compile)
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None)
     peak_flops = common.peak_flops(d.device, args.peak_flops)
-    throughput = common.Throughput(flops_per_token(raw_model, train), peak_flops, d.world_size)
+    flops = flops_per_token(raw_model, train, no_grad_forwards=3 if kto else 1)
+    throughput = common.Throughput(flops, peak_flops, d.world_size)
 
     @torch.no_grad()
     def evaluate(n_samples: int) -> tuple[dict, list]:
@@ -386,7 +558,11 @@ def main(args: Args) -> None:
         this rank's samples."""
         my_evals = evals[d.rank :: d.world_size]
         amp = parallel.autocast(d.device, dtype)
-        sums = heldout_sums(raw_model, ref, my_evals, loss_fn, average, micro_batch_size, tok.pad_id, amp)
+        if kto:
+            my_kl_evals = kl_evals[d.rank :: d.world_size]
+            sums = kto_heldout_sums(raw_model, ref, my_evals, my_kl_evals, args, micro_batch_size, tok.pad_id, amp)
+        else:
+            sums = heldout_sums(raw_model, ref, my_evals, loss_fn, average, micro_batch_size, tok.pad_id, amp)
         samples = []
         if builtin:
             my_prompts = prompts[d.rank : n_samples : d.world_size]
@@ -400,10 +576,15 @@ def main(args: Args) -> None:
             for key in ("gold", "kl", "valid"):
                 sums[key] = sum(sample[key] for sample in samples)
         totals = parallel.all_reduce_dict(sums, d.device)
-        metrics = {
-            "val/loss": totals["loss"] / totals["records"],
-            "val/accuracy": totals["accuracy"] / totals["records"],
-        }
+        if kto:  # the loss per example; the accuracy on the records that hold a pair, if any
+            metrics = {"val/loss": totals["loss"] / totals["examples"]}
+            if totals["pairs"]:
+                metrics["val/accuracy"] = totals["accuracy"] / totals["pairs"]
+        else:
+            metrics = {
+                "val/loss": totals["loss"] / totals["records"],
+                "val/accuracy": totals["accuracy"] / totals["records"],
+            }
         if builtin:
             num_sampled = min(n_samples, len(prompts))
             metrics["val/gold"] = totals["gold"] / num_sampled
@@ -415,6 +596,8 @@ def main(args: Args) -> None:
     # dropout off (docs/design.md §2): the model stays in eval mode, the only thing the mode changes in a GPT
     model.eval()
     stat_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
+    if kto:
+        stat_names = ("rewards/desirable", "rewards/undesirable", "train/kto_z0")
     window = dict.fromkeys(("train/loss", "train/nll_loss", *stat_names, "tokens"), 0.0)  # summed since the last log
     amp = parallel.autocast(d.device, dtype)
     window_steps = 0
@@ -424,16 +607,24 @@ def main(args: Args) -> None:
             order.pos = order.n
         batch = [train[i] for i in order.take(args.batch_size)]
         lr = common.step_lr(trained, step)
-        # losses are divided by global counts of the step (pairs weigh 1 per record; NLL: best-response tokens)
-        pair_denom = float(len(batch))
-        nll_denom = float(sum(len(seqs[best]) - n_prompt for seqs, n_prompt, _, best, _ in batch))
+        if kto:
+            # the step's reference point, from all its mismatched pairs on every rank, before any loss is formed
+            my_kl_examples = mismatched(batch, block_size)[d.rank * per_rank : (d.rank + 1) * per_rank]
+            z0 = reference_point(model, ref, my_kl_examples, micro_batch_size, tok.pad_id, amp)
+            window["train/kto_z0"] += z0 / d.world_size  # the same on every rank: the log's all-reduce sums it
+            backward = partial(kto_backward, denoms=kto_denoms(batch), z0=z0)
+        else:
+            # losses are divided by global counts of the step (pairs weigh 1 per record; NLL: best-response tokens)
+            pair_denom = float(len(batch))
+            nll_denom = float(sum(len(seqs[best]) - n_prompt for seqs, n_prompt, _, best, _ in batch))
+            backward = partial(pair_backward, denoms=(pair_denom, nll_denom))
         # sorted by length: each micro-batch pads to its own longest sequence (the gradient does not depend on it)
         my_batch = sorted(batch[d.rank * per_rank : (d.rank + 1) * per_rank], key=longest_sequence)
         for micro_step in range(grad_accum_steps):
             micro_batch = my_batch[micro_step * micro_batch_size :][:micro_batch_size]
-            batch = [t.to(d.device) for t in collate(micro_batch, tok.pad_id)]
+            batch = [t.to(d.device) for t in collate_fn(micro_batch, tok.pad_id)]
             sync = micro_step == grad_accum_steps - 1
-            sums = pair_backward(model, ref, batch, args, (pair_denom, nll_denom), sync, amp)
+            sums = backward(model, ref, batch, args, sync=sync, amp=amp)
             common.add_all(window, sums)
             window["tokens"] += sum(len(seq) for seqs, *_ in micro_batch for seq in seqs)
         common.guarded_step([trained], guard, step)
@@ -471,7 +662,9 @@ def main(args: Args) -> None:
         print0(f"  {line}")
     if args.export_hf and d.master:
         checkpoints.export_hf(raw_model, tok, args.export_hf)
-    summary = f"dpo done in {time.time() - t_start:.0f}s: {run.path} | val/accuracy {metrics['val/accuracy']:.4f}"
+    summary = f"dpo done in {time.time() - t_start:.0f}s: {run.path}"
+    if "val/accuracy" in metrics:  # kto on unpaired held-out records has none
+        summary += f" | val/accuracy {metrics['val/accuracy']:.4f}"
     if builtin:
         summary += (
             f" | val/gold {metrics['val/gold']:+.3f} | val/kl {metrics['val/kl']:.2f} | "

@@ -1,7 +1,8 @@
 """train_dpo.py: dpo_loss against the formulas of docs/design.md §5c, response log-probs that padding does not change
 (so reference log-probs per batch equal precomputed ones), K-wise expansion, user mistakes, a tiny smoke run whose
 checkpoint eval.py accepts, IPO on K-wise user data, Hugging Face inits, a NaN step, 2 ranks against 1, and
-kill-and-resume."""
+kill-and-resume; KTO's loss and gradients against a written-out loop, its reference point global per step (a step
+the same whatever the micro-batch), the unpaired reader and a tiny KTO run."""
 
 import json
 import math
@@ -9,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -203,6 +205,142 @@ def test_kwise_records_expand_to_weighted_pairs(task_dir):
     assert loss.item() == pytest.approx(naive.item() / 2, rel=1e-5)
 
 
+def naive_kto(policy: torch.Tensor, ref: torch.Tensor, labels: list, z0: float, beta: float, weights: tuple):
+    """The KTO loss example by example (Ethayarajh et al. 2024, eq. 8), in scalar ops autograd can follow."""
+    total = 0.0
+    for i, desirable in enumerate(labels):
+        r = policy[i] - ref[i]
+        if desirable:
+            total = total + weights[0] * (1 - torch.sigmoid(beta * (r - z0)))
+        else:
+            total = total + weights[1] * (1 - torch.sigmoid(beta * (z0 - r)))
+    return total / len(labels)
+
+
+@pytest.mark.parametrize("kl_shift, weights", [(0.5, (1.0, 1.0)), (-3.0, (1.0, 1.0)), (2.0, (1.5, 0.7))])
+def test_kto_loss_and_its_gradient_match_a_loop(kl_shift, weights):
+    """Random log-probs with mixed labels: the loss, its gradient and the rewards equal the loop's; z0 is the
+    mismatched pairs' mean log-ratio clamped at 0 (kl_shift -3: a negative mean, z0 = 0)."""
+    g = torch.Generator().manual_seed(0)
+    policy, ref = torch.randn(12, generator=g) * 3, torch.randn(12, generator=g) * 3
+    labels = (torch.rand(12, generator=g) < 0.4).tolist()
+    kl_logratios = (torch.randn(12, generator=g) + kl_shift).tolist()
+    z0 = max(0.0, sum(kl_logratios) / 12)
+    assert (z0 == 0.0) == (kl_shift < 0)
+    beta = 0.1
+    leaf = policy.clone().requires_grad_(True)
+    desirable = torch.tensor(labels)
+    loss, stats = train_dpo.kto_loss(leaf, ref, desirable, torch.tensor(z0), beta, *weights)
+    loss.backward()
+    naive_leaf = policy.clone().requires_grad_(True)
+    naive = naive_kto(naive_leaf, ref, labels, z0, beta, weights)
+    naive.backward()
+    assert loss.item() == pytest.approx(naive.item(), rel=1e-6)
+    assert leaf.grad.tolist() == pytest.approx(naive_leaf.grad.tolist(), rel=1e-5, abs=1e-8)
+    rewards = [beta * (p - r) for p, r in zip(policy.tolist(), ref.tolist())]
+    good = [x for x, label in zip(rewards, labels) if label]
+    bad = [x for x, label in zip(rewards, labels) if not label]
+    assert stats["rewards/desirable"].item() == pytest.approx(sum(good) / len(good), rel=1e-5)
+    assert stats["rewards/undesirable"].item() == pytest.approx(sum(bad) / len(bad), rel=1e-5)
+    # the step's global counts replace the batch's: the sums over micro-batches are the step's means
+    denoms = (30.0, 10.0, 20.0)
+    with_denoms, stats_denoms = train_dpo.kto_loss(policy, ref, desirable, z0, beta, *weights, denoms)
+    assert with_denoms.item() == pytest.approx(naive.item() * 12 / 30, rel=1e-6)
+    assert stats_denoms["rewards/desirable"].item() == pytest.approx(sum(good) / 10, rel=1e-5)
+    # at the reference (r = 0, z0 = 0) every example costs λ/2
+    at_ref, _ = train_dpo.kto_loss(ref, ref, desirable, 0.0, beta, *weights)
+    expected = sum(weights[0] if label else weights[1] for label in labels) / 24
+    assert at_ref.item() == pytest.approx(expected, rel=1e-6)
+
+
+def kto_records(generator) -> list:
+    """Encoded KTO records (data.encode_kto layout) from random_records: pairs (desirable, undesirable) and unpaired
+    completions of either label."""
+    records = []
+    for i, (seqs, n_prompt, *_) in enumerate(random_records(6, generator)):
+        if i % 3 == 0:
+            records.append((seqs, n_prompt, [True, False], {}))
+        else:
+            records.append((seqs[i % 2 : i % 2 + 1], n_prompt, [i % 2 == 0], {}))
+    return records
+
+
+def kto_step(policy, ref, records: list, args, micro_batch_size: int):
+    """One KTO step as main runs it on one rank: z0 from all the step's mismatched pairs, then each micro-batch's
+    loss and backward -> (z0, the step's loss, the gradients)."""
+    policy.zero_grad()
+    kl_examples = train_dpo.mismatched(records, 64)
+    z0 = train_dpo.reference_point(policy, ref, kl_examples, micro_batch_size, 51, nullcontext())
+    denoms = train_dpo.kto_denoms(records)
+    ordered = sorted(records, key=train_dpo.longest_sequence)
+    loss = 0.0
+    for start in range(0, len(ordered), micro_batch_size):
+        batch = train_dpo.kto_collate(ordered[start : start + micro_batch_size], pad_id=51)
+        sums = train_dpo.kto_backward(policy, ref, batch, args, denoms, z0, True, nullcontext())
+        loss += sums["train/loss"].item()
+    return z0.item(), loss, [p.grad.clone() for p in policy.parameters()]
+
+
+def test_kto_step_is_the_same_whatever_the_micro_batch():
+    """z0 is global per step: micro-batches of 2 records and one of the whole batch give the same z0 (the naive mean
+    of the mismatched pairs' log-ratios, clamped at 0 when the policy and reference trade places), loss and
+    gradients."""
+    ref = tiny_model().requires_grad_(False)
+    torch.manual_seed(1)
+    policy = GPT(ref.config).eval()
+    records = kto_records(torch.Generator().manual_seed(2))
+    args = train_dpo.Args(loss="kto", beta=0.1, kto_desirable_weight=1.3)
+    whole = kto_step(policy, ref, records, args, micro_batch_size=6)
+    split = kto_step(policy, ref, records, args, micro_batch_size=2)
+    assert whole[0] > 0.05  # a z0 per micro-batch of 2 records would differ: 0.40, 0 and 0.06
+    assert split[0] == pytest.approx(whole[0], abs=1e-5) and split[1] == pytest.approx(whole[1], rel=1e-5)
+    for a, b in zip(whole[2], split[2]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    # z0 against the plain loop over the mismatched sequences: one order clamps to 0, the other does not
+    kl_examples = train_dpo.mismatched(records, 64)
+    mean_logratio = sum(
+        naive_response_logprob(policy, seq, n_prompt) - naive_response_logprob(ref, seq, n_prompt)
+        for seqs, n_prompt, *_ in kl_examples
+        for seq in seqs
+    ) / sum(len(seqs) for seqs, *_ in kl_examples)
+    swapped = train_dpo.reference_point(ref, policy, kl_examples, 4, 51, nullcontext()).item()
+    assert (whole[0], swapped) == pytest.approx((max(0, mean_logratio), max(0, -mean_logratio)), abs=1e-4)
+    # the mismatched pairs: each record's responses after the next record's prompt
+    assert kl_examples[0][0][0] == records[1][0][0][: records[1][1]] + records[0][0][0][records[0][1] :]
+
+
+def test_kto_reads_unpaired_records_and_preferences(tmp_path, task_dir):
+    """Kind kto: TRL's unpaired {"prompt", "completion", "label"} (strings or messages) and every preference layout; a
+    pair gives its chosen as desirable and its rejected as undesirable, a ranking its top and bottom. A label that is
+    not a bool is one line naming the file, the line and the field."""
+    user = [{"role": "user", "content": "hi"}]
+    reply = [{"role": "assistant", "content": "hello"}]
+    rows = [
+        {"prompt": "Review of", "completion": " the plot", "label": True},
+        {"prompt": user, "completion": reply, "label": False},
+        {"prompt": "Review of", "chosen": " good", "rejected": " bad"},
+        {"prompt": "Review of The", "responses": [" a", " b b", " c c c"], "ranking": [1, 2, 0]},
+    ]
+    path = tmp_path / "kto.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    read = data.read_jsonl(str(path), "kto")
+    assert read == rows
+    tok = tokenizer.load_tokenizer(task.build_task(task_dir, 1337)["tokenizer"])
+    examples, skipped = data.encode_kto(tok, read[:1] + read[2:], 64)
+    assert skipped == 0 and [labels for _, _, labels, _ in examples] == [[True], [True, False], [True, False]]
+    n_prompt = examples[2][1]
+    assert [tok.decode(seq[n_prompt:-1]) for seq in examples[2][0]] == [" b b", " a"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({**rows[0], "label": 1}) + "\n")
+    with pytest.raises(common.UserError) as error:
+        data.read_jsonl(str(bad), "kto")
+    message = str(error.value)
+    assert message.startswith(f"{bad}:2: field 'label' must be true") and "\n" not in message
+    bad.write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
+    with pytest.raises(common.UserError, match=r":1: missing field 'label'"):
+        data.read_jsonl(str(bad), "kto")
+
+
 # -----------------------------------------------------------------------------
 # runs
 
@@ -254,6 +392,23 @@ def test_dpo_smoke(tmp_path, task_dir, tiny_ckpts):
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
     assert len(samples) == 8 and {"step", "prompt", "response", "ended", "kl", "gold", "valid"} <= set(samples[0])
     assert sum(s["gold"] for s in samples) / 8 == pytest.approx(scalars["val/gold"][-1], abs=1e-5)
+
+
+def test_kto_smoke(tmp_path, task_dir, tiny_ckpts):
+    """--loss kto on the built-in task's pairs: at the first step the policy is the reference, so z0 = 0, every
+    reward is 0 and the KTO loss is 1/2 (plus the NLL term); its metrics are logged and finite."""
+    out = str(tmp_path / "kto")
+    tiny = {**TINY, "max_steps": 3, "eval_every": 3}
+    train_dpo.main(train_dpo.Args(out_dir=out, task_dir=task_dir, init=tiny_ckpts[0], loss="kto", **tiny))
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["kind"] == "dpo" and ckpt["step"] == 3 and ckpt["args"]["beta"] == train_dpo.DEFAULT_BETA["kto"]
+    scalars = read_scalars(out)
+    tags = ["train/loss", "train/nll_loss", "train/kto_z0", "rewards/desirable", "rewards/undesirable"]
+    for tag in tags + ["val/loss", "val/accuracy", "val/gold", "val/kl", "val/valid_frac"]:
+        assert tag in scalars and all(math.isfinite(v) for v in scalars[tag]), tag
+    kto_loss = scalars["train/loss"][0] - train_dpo.Args.nll_coef * scalars["train/nll_loss"][0]
+    assert kto_loss == pytest.approx(0.5, abs=1e-5) and scalars["train/kto_z0"][0] == 0.0
+    assert scalars["rewards/desirable"][0] == 0.0 and scalars["rewards/undesirable"][0] == 0.0
 
 
 @pytest.mark.slow
@@ -325,6 +480,15 @@ def test_user_mistakes_are_one_line(tmp_path, task_dir, tiny_ckpts, capsys, monk
     err = exits_2_with_one_line("train_dpo.py", ["--beta", "0", "--out-dir", f"{tmp_path}/c"], capsys, monkeypatch)
     assert err.strip().splitlines() == ["error: --beta 0: the KL strength must be > 0"]
     assert not os.path.exists(tmp_path / "c")
+
+
+def test_kto_mistakes_are_one_line(tmp_path):
+    with pytest.raises(common.UserError, match="--label-smoothing applies to --loss dpo, not kto"):
+        train_dpo.main(train_dpo.Args(out_dir=str(tmp_path / "a"), loss="kto", label_smoothing=0.1))
+    with pytest.raises(common.UserError, match=r"^--kto-undesirable-weight 0: a loss weight must be > 0$"):
+        train_dpo.main(train_dpo.Args(out_dir=str(tmp_path / "b"), loss="kto", kto_undesirable_weight=0.0))
+    with pytest.raises(common.UserError, match=r"^--kto-desirable-weight -1: a loss weight must be > 0$"):
+        train_dpo.main(train_dpo.Args(out_dir=str(tmp_path / "c"), loss="kto", kto_desirable_weight=-1.0))
 
 
 @pytest.mark.slow
