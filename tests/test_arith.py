@@ -119,3 +119,29 @@ def test_resume_refuses_another_task(tmp_path):
     assert checkpoints.resume_args(train_sft.Args(out_dir=str(out), resume=True), "sft").task == "reviews"
     with pytest.raises(UserError, match="--task reviews -> arith: these change what the run computes"):
         checkpoints.resume_args(train_sft.Args(out_dir=str(out), resume=True, task="arith"), "sft")
+
+
+@pytest.mark.slow
+def test_rlvr_chain_with_tiny_sizes(tmp_path):
+    """make rlvr's chain (experiments/rlvr.py --tiny): SFT on arith, GRPO, DAPO, RLOO and PPO-max on the verifier's
+    reward, pass@k of all five; results.json has a row each with pass@k, its se, kl and response_len, and DAPO's
+    zero_std_frac; each RL run stops on its episode budget (DAPO's extra rounds counted)."""
+    import sys
+
+    from conftest import run
+
+    out = tmp_path / "out"
+    r = run(
+        f"{sys.executable} experiments/rlvr.py --tiny --out-dir {out} --task-dir {tmp_path / 'data'} --problems 8 "
+        "--pass-samples 4",
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    results = json.load(open(out / "results.json"))
+    assert set(results) == {"sft", "grpo", "dapo", "rloo", "ppo"}
+    for row in results.values():
+        assert {"pass@1", "pass@1_se", "pass@4", "pass@4_se", "kl", "response_len"} <= set(row)
+        assert 0 <= row["pass@1"] <= row["pass@4"] <= 1
+    assert results["dapo"]["zero_std_frac"] is not None and results["grpo"]["zero_std_frac"] is None
+    assert all(results[name]["episodes"] >= 32 for name in ("grpo", "dapo", "rloo", "ppo"))
+    assert "best RL policy by pass@1" in r.stdout
