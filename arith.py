@@ -20,6 +20,7 @@ import random
 import re
 
 from common import write_atomic, write_jsonl
+from task import TASK_FILES, task_paths, task_record
 from tokenizer import GPT2_PAT, bpe_tokenizer
 
 MAX_DIGITS = 2
@@ -118,8 +119,7 @@ def sample_pair(rng: random.Random, prompt: str) -> dict:
     return {"prompt": prompt, "chosen": str(a + b), "rejected": str(wrong_answer(rng, a, b))}
 
 
-# the files every stage reads, in the reviews task's layouts (task.TASK_FILES)
-TASK_FILES = ("pretrain", "sft", "sft_eval", "pairs", "pairs_eval", "prompts", "eval_prompts", "pairs_extra")
+# the files every stage reads (task.TASK_FILES), in the reviews task's layouts
 TASK_SIZES = {
     "pretrain": 20000,
     "sft": 20000,
@@ -140,14 +140,7 @@ def _task_records(name: str, rng: random.Random, n: int, task_seed: int) -> list
         if name == "eval_prompts" and prompt in seen:
             continue  # held-out problems are distinct: each is one cluster of pass@k's standard error
         seen.add(prompt)
-        if name == "pretrain":
-            records.append({"text": prompt + sample_response(rng, prompt)})
-        elif name in ("sft", "sft_eval"):
-            records.append({"prompt": prompt, "response": sample_response(rng, prompt)})
-        elif name in ("pairs", "pairs_eval", "pairs_extra"):
-            records.append(sample_pair(rng, prompt))
-        else:
-            records.append({"prompt": prompt})
+        records.append(task_record(name, rng, prompt, sample_response, sample_pair))
     return records
 
 
@@ -155,8 +148,7 @@ def build_task(data_dir: str, task_seed: int = 1337, tiny: bool = False) -> dict
     """Write the task files under {data_dir}/arith-v{TASK_VERSION}-seed{task_seed}[-tiny]/ (only those missing) and
     return name -> path, as task.build_task does."""
     out = os.path.join(data_dir, f"arith-v{TASK_VERSION}-seed{task_seed}" + ("-tiny" if tiny else ""))
-    paths = {name: os.path.join(out, f"{name}.jsonl") for name in TASK_FILES}
-    paths["tokenizer"] = os.path.join(out, "tokenizer.json")
+    paths = task_paths(out)
     if all(os.path.exists(p) for p in paths.values()):
         return paths
     os.makedirs(out, exist_ok=True)

@@ -17,10 +17,10 @@ import re
 import sys
 from collections import Counter
 from types import ModuleType
+from typing import Callable
 
 import regex
 
-import arith
 from common import write_atomic, write_jsonl
 from tokenizer import GPT2_PAT, bpe_tokenizer, train_bpe
 
@@ -217,7 +217,11 @@ def is_held_out(prompt: str, task_seed: int) -> bool:
 def builtin_task(name: str) -> ModuleType:
     """The module of a built-in task (--task): this one for reviews, arith.py for arith. Each has build_task,
     gold_reward, is_valid, is_task_prompt and is_held_out with the same signatures."""
-    return arith if name == "arith" else sys.modules[__name__]
+    if name != "arith":
+        return sys.modules[__name__]
+    import arith  # here, not at the top: arith.py imports this module's file layout
+
+    return arith
 
 
 def sample_prompt(rng: random.Random, titles: list[str]) -> str:
@@ -308,18 +312,30 @@ TINY_SIZES = {
 }
 
 
+def task_record(name: str, rng: random.Random, prompt: str, response_fn: Callable, pair_fn: Callable) -> dict:
+    """One record of the file `name` (TASK_FILES) for a prompt, in its layout (docs/design.md §3), from a task's
+    demonstration sampler response_fn(rng, prompt) and pair sampler pair_fn(rng, prompt): both built-in tasks' files."""
+    if name == "pretrain":
+        return {"text": prompt + response_fn(rng, prompt)}
+    if name in ("sft", "sft_eval"):
+        return {"prompt": prompt, "response": response_fn(rng, prompt)}
+    if name in ("pairs", "pairs_eval", "pairs_extra"):
+        return pair_fn(rng, prompt)
+    return {"prompt": prompt}
+
+
+def task_paths(out: str) -> dict[str, str]:
+    """name -> path of a task folder's files (TASK_FILES and the tokenizer)."""
+    paths = {name: os.path.join(out, f"{name}.jsonl") for name in TASK_FILES}
+    paths["tokenizer"] = os.path.join(out, "tokenizer.json")
+    return paths
+
+
 def _task_records(name: str, rng: random.Random, n: int, train_titles: list[str], eval_titles: list[str]) -> list:
     records = []
     for _ in range(n):
         prompt = sample_prompt(rng, eval_titles if name == "eval_prompts" else train_titles)
-        if name == "pretrain":
-            records.append({"text": prompt + sample_response(rng, prompt)})
-        elif name in ("sft", "sft_eval"):
-            records.append({"prompt": prompt, "response": sample_response(rng, prompt)})
-        elif name in ("pairs", "pairs_eval", "pairs_extra"):
-            records.append(sample_pair(rng, prompt))
-        else:
-            records.append({"prompt": prompt})
+        records.append(task_record(name, rng, prompt, sample_response, sample_pair))
     return records
 
 
@@ -331,8 +347,7 @@ def build_task(data_dir: str, task_seed: int = 1337, tiny: bool = False) -> dict
     prompts, eval_prompts: {"prompt"}) and "tokenizer", anything tokenizer.load_tokenizer reads ("gpt2",
     "hf:<path>", or a tokenizer.json holding tokenizer.Tokenizer.state())."""
     out = os.path.join(data_dir, f"v{TASK_VERSION}-seed{task_seed}" + ("-tiny" if tiny else ""))
-    paths = {name: os.path.join(out, f"{name}.jsonl") for name in TASK_FILES}
-    paths["tokenizer"] = os.path.join(out, "tokenizer.json")
+    paths = task_paths(out)
     if all(os.path.exists(p) for p in paths.values()):
         return paths
     os.makedirs(out, exist_ok=True)

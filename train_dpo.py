@@ -503,6 +503,7 @@ def main(args: Args) -> None:
     # 1. data, tokenizer, policy and reference (user mistakes surface here, before any process group)
     model, tok, init_hash, data = load(args)
     builtin = args.data is None
+    task = builtin_task(args.task) if builtin else None  # gold and validity of the held-out samples
     train, evals, prompts = data.train, data.evals, data.prompts
     parallel.prepare_model(model, args)
     if args.lora_rank > 0:
@@ -510,8 +511,11 @@ def main(args: Args) -> None:
     else:
         ref = copy.deepcopy(model).requires_grad_(False)  # the frozen reference: the init, also on --resume
     average = args.loss == "ipo"  # per-token mean log-probs (IPO), else sums
-    loss_fn = partial(dpo_loss, beta=args.beta, loss_type=args.loss, label_smoothing=args.label_smoothing)
     kto = args.loss == "kto"
+    # the held-out loss: dpo_loss's (kto's is kto_heldout_sums')
+    loss_fn = (
+        None if kto else partial(dpo_loss, beta=args.beta, loss_type=args.loss, label_smoothing=args.label_smoothing)
+    )
     collate_fn = kto_collate if kto else collate
     block_size = model.config.block_size
     kl_evals = mismatched(evals, block_size) if kto else []  # the held-out set's mismatched pairs (its own z0)
@@ -569,7 +573,6 @@ def main(args: Args) -> None:
             # the same draws at every evaluation: its samples depend on the model only, never on a stop and a resume
             generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
             with amp:  # the reference's forward (bf16 weights under --dtype bfloat16)
-                task = builtin_task(args.task)
                 samples = sample_responses(
                     raw_model, ref, tok, my_prompts, args.temperature, args.max_new_tokens, generator, task
                 )
