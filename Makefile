@@ -5,7 +5,7 @@
 #   make test-fast       ruff check and the fast tier of the suite (about a minute)
 #   make ablation        PPO-max vs vanilla vs minus-one-trick, 2 seeds, and a --kl-coef sweep (about 1.5 h;
 #                        needs out/sft and out/rm from `make demo`; resumes; table in out/ablation/ablation.md)
-#   make frontier        gold vs KL for PPO-max, GRPO, Dr. GRPO, RLOO, REINFORCE++, the gold-reward oracle (VinePPO's
+#   make frontier        gold vs KL for PPO-max, GRPO, Dr. GRPO, RLOO, REINFORCE++, REBEL, the gold-reward oracle (VinePPO's
 #                        and REBEL's too), DPO, KTO and best-of-N (about 1 h, plus about 45 min for each of VinePPO's two
 #                        runs; needs `make demo`; resumes; out/frontier/frontier.md and .png)
 #   make rlvr            the verifiable-reward task (--task arith): SFT, then GRPO, DAPO, RLOO and PPO-max on the

@@ -55,6 +55,8 @@ METHODS = {
     "dr_grpo": Method("grpo", (0.15, 0.05, 0.015, 0.0), 0.05, ("--no-grpo-std-norm", "--loss-agg", "seq_sum_norm")),
     "rloo": Method("grpo", (0.3, 0.1, 0.03), 0.1, ("--estimator", "rloo")),
     "reinforce_pp": Method("grpo", (0.3, 0.1, 0.03), 0.1, ("--estimator", "reinforce_pp")),
+    # REBEL on the learned RM (the KL in the reward, as PPO-max's): on gold it gains the most per episode
+    "rebel": Method("grpo", (0.3, 0.1, 0.03), 0.1, ("--estimator", "rebel")),
     "ppo_max_oracle": Method("ppo", (0.3, 0.1), None, ORACLE),
     "grpo_oracle": Method("grpo", (0.15, 0.05), None, ORACLE),
     # the Monte-Carlo and the regression updates (train_grpo.py --estimator vineppo | rebel), on gold itself: do they
