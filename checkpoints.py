@@ -442,29 +442,11 @@ class Run:
 # an RL stage's inputs and loop
 
 
-def load_inputs(args) -> tuple[dict, dict, list[dict]]:
-    """An RL run's inputs (args: rollout.RolloutArgs): the policy's init checkpoint, the reference's (--ref-ckpt, else
-    the same) and the RM checkpoints (none with --rm-ckpt none), checked to share one tokenizer."""
-    sft = load_checkpoint(args.sft_ckpt, kind=POLICY_KINDS, flag="--sft-ckpt")
-    ref = sft
-    if args.ref_ckpt is not None:
-        ref = load_checkpoint(args.ref_ckpt, kind=POLICY_KINDS, flag="--ref-ckpt")
-    rms = [load_checkpoint(path, kind="rm", flag="--rm-ckpt") for path in args.rm_ckpt if path != "none"]
-    others = [("--ref-ckpt", args.ref_ckpt, ref)] + [("--rm-ckpt", p, c) for p, c in zip(args.rm_ckpt, rms)]
-    for flag, path, ckpt in others:
-        if ckpt["tokenizer"] != sft["tokenizer"]:
-            raise UserError(
-                f"{flag} {path}: its tokenizer differs from --sft-ckpt {args.sft_ckpt}'s (train it from this SFT "
-                "checkpoint)"
-            )
-    return sft, ref, rms
-
-
 def input_hashes(args) -> dict:
     """What an RL run started from, kept in its checkpoints: --resume refuses a changed input (HASH_FLAGS)."""
     return {
-        "sft_hash": file_sha256(args.sft_ckpt),
-        "ref_hash": file_sha256(args.ref_ckpt) if args.ref_ckpt else None,
+        "sft_hash": init_fingerprint(args.sft_ckpt),
+        "ref_hash": init_fingerprint(args.ref_ckpt) if args.ref_ckpt else None,
         "rm_hashes": [file_sha256(path) for path in args.rm_ckpt if path != "none"],
     }
 

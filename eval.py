@@ -71,11 +71,11 @@ from task import builtin_task
 class Args:
     # --- what to evaluate
     policy: list[str] = field(default_factory=lambda: ["out/sft/ckpt.pt", "out/ppo/ckpt.pt"])
-    """policy checkpoints (.pt of any stage with an LM head)"""
+    """policies: checkpoints (.pt of any stage with an LM head) or pretrained models (hf:<name-or-path>, gpt2, ...)"""
     names: Optional[list[str]] = None
     """a name per policy for the table and JSON (None: sft, ppo, ... from the checkpoints' kinds)"""
     ref: str = "out/sft/ckpt.pt"
-    """reference policy for kl and win_rate_vs_ref"""
+    """reference policy for kl and win_rate_vs_ref (a checkpoint or a pretrained model, as --policy)"""
     rm: list[str] = field(default_factory=lambda: ["out/rm/ckpt.pt"])
     """reward models for `score`, best-of-N and --kl-optimal ("none": no RM): one, or the K members of an ensemble,
     their scores combined by --rm-agg"""
@@ -396,9 +396,9 @@ def kl_optimal_rows(
 
 
 def load_model(path: str, flag: str, device, want: str = "lm", dtype: torch.dtype = torch.float32):
-    """A GPT from one of our checkpoints (its LM or its scalar head), eval mode, stored in dtype under bf16
-    (parallel.store_low_precision), and the checkpoint."""
-    if not path.endswith(".pt"):
+    """A model from one of our checkpoints (its LM or its scalar head) or, for its LM, a pretrained one (hf:<path>,
+    gpt2, ...), eval mode, stored in dtype under bf16 (parallel.store_low_precision), and the checkpoint (None)."""
+    if not path.endswith(".pt") and (want != "lm" or path == "scratch"):
         raise UserError(f"{flag} {path}: expected a .pt checkpoint of this repo")
     kinds = checkpoints.POLICY_KINDS if want == "lm" else "rm"  # every policy kind has an LM head
     model, tok, ckpt = hf.load_init(path, lm_head=want == "lm", score_head=want == "score", flag=flag, kind=kinds)
@@ -408,7 +408,12 @@ def load_model(path: str, flag: str, device, want: str = "lm", dtype: torch.dtyp
 
 
 def context_size(path: str) -> int:
-    """The context (block_size) of the model in one of our checkpoints, read without loading its weights."""
+    """The context (block_size) of one of our checkpoints or a pretrained model, read without loading its weights."""
+    if not path.endswith(".pt"):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path.removeprefix("hf:"))
+        return getattr(config, "max_position_embeddings", None) or config.n_positions
     return checkpoints.load_checkpoint(path, flag="--policy", mmap=True)["model_config"]["block_size"]
 
 
@@ -528,7 +533,7 @@ def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) 
     every RM (member_scores) and their aggregate (score), a response's score read at its last token. The cache also
     keeps each RM's scores by its file's hash, so screening an ensemble scores only the members new to it."""
     key = dict(
-        ref=checkpoints.file_sha256(args.ref),
+        ref=checkpoints.init_fingerprint(args.ref),
         prompts=prompts,
         seed=args.seed,
         seeds=args.seeds,
@@ -684,7 +689,9 @@ def main(args: Args) -> dict:
     # 1. prompts, reference and reward models
     rows = read_jsonl(args.prompts or task_files["eval_prompts"], "prompts", "--prompts")
     prompts = [r["prompt"] for r in rows][: args.num_samples]
-    names = args.names or [os.path.basename(os.path.dirname(p)) or f"policy{i}" for i, p in enumerate(args.policy)]
+    # a checkpoint is named by its folder (out/ppo/ckpt.pt: ppo), a pretrained model by itself (hf:out/smollm2)
+    folders = [os.path.dirname(p) if p.endswith(".pt") else p.removeprefix("hf:").rstrip("/") for p in args.policy]
+    names = args.names or [os.path.basename(folder) or f"policy{i}" for i, folder in enumerate(folders)]
     if len(names) != len(args.policy):
         raise UserError(f"--names: {len(names)} names for {len(args.policy)} policies")
     dtype = parallel.resolve_dtype(args.dtype, device)
@@ -737,7 +744,7 @@ def main(args: Args) -> dict:
         if reward_fn is not None:
             responses = zip(samples["prompt"], samples["response"], samples["ended"])
             samples["reward_fn"] = [float(reward_fn(p, r, e)) for p, r, e in responses]
-        train_seconds = round(ckpt.get("seconds", 0.0), 1)  # the stage's wall time, from its checkpoint
+        train_seconds = round((ckpt or {}).get("seconds", 0.0), 1)  # the stage's wall time (a pretrained model: 0)
         plain = [index for index, seed in enumerate(samples["seed"]) if seed < args.seed + args.seeds]
         metrics, _ = policy_metrics(pick_samples(samples, plain), task, ref_gold)
         results[name] = {**metrics, "train_seconds": train_seconds}

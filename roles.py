@@ -6,13 +6,15 @@ checkpoints.py imports parallel.py.
 """
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch
 
 import hf
 import parallel
+from checkpoints import POLICY_KINDS, load_checkpoint
+from common import UserError
 from lora import BaseView, merge_lora, merged_state_dict
 
 
@@ -48,6 +50,35 @@ class Models:
             return self
         sampler = merge_lora(copy.deepcopy(self.actor)).requires_grad_(False).eval()
         return replace(self, sampler=parallel.store_low_precision(sampler, dtype))
+
+
+def policy_checkpoint(spec: str, flag: str) -> dict:
+    """A policy's init as a checkpoint dict: our .pt file, or a pretrained model (hf:<name-or-path>, gpt2, ...) as
+    an sft checkpoint with no training state."""
+    if spec.endswith(".pt"):
+        return load_checkpoint(spec, kind=POLICY_KINDS, flag=flag)
+    if spec == "scratch":
+        raise UserError(f"{flag} scratch: an RL run starts from a trained policy (a .pt checkpoint or hf:<path>)")
+    model, tok, _ = hf.load_init(spec, flag=flag)
+    return {"kind": "sft", "model": model.state_dict(), "model_config": asdict(model.config), "tokenizer": tok.state()}
+
+
+def load_inputs(args) -> tuple[dict, dict, list[dict]]:
+    """An RL run's inputs (args: rollout.RolloutArgs) as checkpoint dicts: the policy's init, the reference's
+    (--ref-ckpt, else the same) and the RMs' (none with --rm-ckpt none), checked to share one tokenizer."""
+    sft = policy_checkpoint(args.sft_ckpt, "--sft-ckpt")
+    ref = sft
+    if args.ref_ckpt is not None:
+        ref = policy_checkpoint(args.ref_ckpt, "--ref-ckpt")
+    rms = [load_checkpoint(path, kind="rm", flag="--rm-ckpt") for path in args.rm_ckpt if path != "none"]
+    others = [("--ref-ckpt", args.ref_ckpt, ref)] + [("--rm-ckpt", p, c) for p, c in zip(args.rm_ckpt, rms)]
+    for flag, path, ckpt in others:
+        if ckpt["tokenizer"] != sft["tokenizer"]:
+            raise UserError(
+                f"{flag} {path}: its tokenizer differs from --sft-ckpt {args.sft_ckpt}'s (train it from this SFT "
+                "checkpoint)"
+            )
+    return sft, ref, rms
 
 
 @torch.no_grad()

@@ -44,10 +44,11 @@ class RolloutArgs(common.CommonArgs):
 
     # --- models and data
     sft_ckpt: str = "out/sft/ckpt.pt"
-    """the policy's init (a policy checkpoint: SFT, DPO, PPO or GRPO), and the frozen reference unless --ref-ckpt"""
+    """the policy's init: a policy checkpoint (SFT, DPO, PPO or GRPO) or a pretrained model (hf:<name-or-path>,
+    gpt2, ...); also the frozen reference unless --ref-ckpt"""
     ref_ckpt: Optional[str] = None
-    """the frozen reference of the KL penalty (None: --sft-ckpt); a later round of iterated RLHF starts its policy
-    from the last round's and keeps the SFT policy as the reference"""
+    """the frozen reference of the KL penalty, as --sft-ckpt (None: --sft-ckpt); a later round of iterated RLHF
+    starts its policy from the last round's and keeps the SFT policy as the reference"""
     rm_ckpt: list[str] = field(default_factory=lambda: ["out/rm/ckpt.pt"])
     """frozen reward models: one, or the K members of an ensemble combined by --rm-agg; 'none': --reward-fn alone"""
     rm_agg: Literal["mean", "min", "uwo"] = "mean"

@@ -87,7 +87,11 @@ class Tokenizer:
         head = self.render(prompt, True)
         whole = self.render(prompt + reply, False)
         if whole[: len(head)] != head:
-            raise UserError(f"tokenizer {self.name!r}: its chat template does not render the prompt as a prefix")
+            start = reply[0]["content"][:20] if reply else ""
+            raise UserError(
+                f"tokenizer {self.name!r}: its chat template does not render the prompt as a prefix of the reply "
+                f"{start!r}... (a reply that starts with whitespace can merge with the template's last token: strip it)"
+            )
         return _through_last(whole[len(head) :], self.eos_id)
 
     def conversation(self, messages: list[dict], learn_from: int = 0) -> tuple[list[int], list[int]]:
@@ -237,7 +241,8 @@ def _end_of_turn(hf) -> int | None:
     probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
     head = hf.apply_chat_template(probe[:1], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     whole = hf.apply_chat_template(probe, tokenize=True, return_dict=True)["input_ids"]
-    special = set(hf.all_special_ids) - {hf.unk_token_id, hf.pad_token_id}  # a probe word may be unknown
+    # a probe word may be unknown; the pad id stays, since many tokenizers pad with their end-of-turn token
+    special = set(hf.all_special_ids) - {hf.unk_token_id}
     return next((token for token in list(whole)[len(head) :] if token in special), None)
 
 

@@ -575,7 +575,7 @@ def main(args: Args) -> None:
     common.seed_everything(args.seed)  # before any model is built: a fresh critic head follows --seed
 
     # checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
-    sft, ref, rms = checkpoints.load_inputs(args)
+    sft, ref, rms = roles.load_inputs(args)
     tok = Tokenizer.from_state(sft["tokenizer"])
     data = load_prompts(args, tok, sft["model_config"]["block_size"])
     prompts, ptx = data.prompts, data.ptx

@@ -166,8 +166,8 @@ def flops_per_token(model, examples: list, lm_coef: float) -> int:
     6·V·C when lm_coef is 0 (the forward then computes no logits)."""
     lengths = [len(seq) for seqs, *_ in examples for seq in seqs]
     flops = model.flops_per_token(sum(lengths) // len(lengths))
-    if lm_coef == 0 and model.lm_head is not None:
-        flops -= 6 * model.lm_head.weight.numel()
+    if lm_coef == 0 and model.config.lm_head:
+        flops -= 6 * model.config.vocab_size * model.config.n_embd
     return flops
 
 
