@@ -11,6 +11,9 @@
 #   make rlvr            the verifiable-reward task (--task arith): SFT, then GRPO, DAPO, RLOO and PPO-max on the
 #                        verifier's reward, pass@1/4/16/64 on 128 held-out problems (10 min on 2 cores; resumes;
 #                        out/rlvr/results.json)
+#   make real            RLHF on a real pretrained model: SmolLM2-135M-Instruct (out/smollm2, from a PyPI package), an RM
+#                        on its own samples labelled by VADER, PPO-max on the RM and on VADER, eval (about 30 min on
+#                        2 cores; resumes; out/real/results.json)
 #   make online          iterated RLHF: rounds of PPO, on-policy pairs labelled by the task's simulated human and a
 #                        new reward model (needs `make demo`; 15 min on 2 cores; resumes; out/online/results.json)
 PYTHON ?= python3
@@ -35,15 +38,20 @@ EVAL_FLAGS :=
 endif
 COMMON := --task-dir $(DATA)
 
-.PHONY: demo test test-fast venv clean ablation frontier online rlvr wheels
+.PHONY: demo test test-fast venv real-venv clean ablation frontier online rlvr real smollm2 wheels
 
 venv: $(VENV)/.installed
+real-venv: $(VENV)/.installed-real
 
 # (re-)install only when requirements.txt changes
 $(VENV)/.installed: requirements.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -r requirements.txt
+	touch $@
+
+$(VENV)/.installed-real: requirements-real.txt $(VENV)/.installed
+	$(VENV)/bin/python -m pip install -q --no-deps -r requirements-real.txt
 	touch $@
 
 demo: venv
@@ -72,6 +80,13 @@ frontier: venv
 rlvr: venv
 	$(PY) experiments/rlvr.py --task-dir $(DATA) --out-dir $(OUT)/rlvr
 
+# out/smollm2: the model as a Hugging Face folder, once
+smollm2: real-venv
+	$(PY) experiments/real.py --model-only --model-dir $(OUT)/smollm2
+
+real: real-venv
+	$(PY) experiments/real.py --model-dir $(OUT)/smollm2 --out-dir $(OUT)/real
+
 online: venv
 	$(PY) train_online.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \
 		--out-dir $(OUT)/online
@@ -79,13 +94,13 @@ online: venv
 # one pytest worker a core (at most 4), one thread each: the tests are small and many start processes of their own
 XDIST := -n auto --maxprocesses 4 --dist worksteal
 
-test: venv
+test: venv real-venv
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(XDIST) -q --durations=15 tests
 
 # the edit-run loop of a fork (about a minute): the math, the user errors, one tiny smoke run per stage
-test-fast: venv
+test-fast: venv real-venv
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(XDIST) -q -m "not slow" --durations=10 tests
 

@@ -483,6 +483,23 @@ def write_tiny_chat_model(out_dir: str, tokenizer: str, n_layer: int = 2, n_embd
     print(f"wrote a {n_layer}-layer Llama with a ChatML template to {out_dir} (--init hf:{out_dir})")
 
 
+def write_from_gguf(gguf_path: str, out_dir: str) -> None:
+    """A GGUF file (a llama.cpp model, e.g. the SmolLM2 of `make smollm2`) as a Hugging Face folder: the weights
+    dequantised to fp32 and the tokenizer. Needs the `gguf` and `accelerate` packages (requirements-real.txt)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isfile(gguf_path):
+        raise UserError(f"{gguf_path}: no such GGUF file")
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # the weights are plain fp32 now: drop the quantisation that save_pretrained refuses
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    print(f"wrote {name} dequantised to {out_dir} (--init hf:{out_dir})")
+
+
 if __name__ == "__main__":
     import sys
 
@@ -493,10 +510,13 @@ if __name__ == "__main__":
             write_tiny_chat_model(argv[1], argv[2])
         elif len(argv) == 3 and argv[0] == "export":
             export_checkpoint(argv[1], argv[2])
+        elif len(argv) == 3 and argv[0] == "gguf":
+            write_from_gguf(argv[1], argv[2])
         else:
             raise UserError(
                 "usage: python hf.py tiny-chat OUT_DIR TOKENIZER (e.g. out/data/v2-seed1337/tokenizer.json) | "
-                "python hf.py export CKPT OUT_DIR (a policy or a reward model with its tokenizer)"
+                "python hf.py export CKPT OUT_DIR (a policy or a reward model with its tokenizer) | "
+                "python hf.py gguf FILE.gguf OUT_DIR"
             )
 
     run_main(command, sys.argv[1:])

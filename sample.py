@@ -17,7 +17,7 @@ import checkpoints
 import common
 import hf
 import parallel
-from common import UserError
+from common import UserError, write_jsonl
 from data import encode_prompts, prompt_text, read_jsonl
 from generate import sample
 
@@ -44,6 +44,8 @@ class Args:
     """auto | float32 | bfloat16 (auto: bf16 autocast on GPU, fp32 on CPU)"""
     compile: Literal["auto", "on", "off"] = "auto"
     """the one-token decode step compiled with static KV caches (auto: on CUDA only)"""
+    out: Optional[str] = None
+    """also write the answers as JSONL, {"prompt" (as given), "response", "ended"} a line"""
 
 
 def read_prompts(args: Args, chat: bool) -> list:
@@ -76,15 +78,19 @@ def main(args: Args) -> list[dict]:
         samples = sample(
             model, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator, compiled=compiled
         )
-    answers = []
+    answers, records = [], []
     for row, prompt in enumerate(repeated):
         ended = bool(samples.ended[row])
         answers.append({"prompt": prompt_text(tok, prompt), "response": samples.texts[row], "ended": ended})
+        records.append({"prompt": prompt, "response": samples.texts[row], "ended": ended})
         if row % args.answers == 0:
             print(f"\n{answers[-1]['prompt']}")
         print(f"  -> {samples.texts[row]}{'' if ended else '  [no EOS: --max-new-tokens reached]'}")
     if samples.skipped:
         print(f"({samples.skipped} prompts leave no room in the context for an answer: not answered)")
+    if args.out is not None:
+        write_jsonl(args.out, records)
+        print(f"wrote {len(records)} answers to {args.out}")
     return answers
 
 

