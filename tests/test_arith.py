@@ -84,6 +84,13 @@ def test_pass_at_k_counts_the_subsets_with_a_right_answer(n):
     assert stats.pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100), rel=1e-9)
 
 
+@pytest.mark.parametrize("n, c, k", [(4, 0, 5), (4, 4, 5), (4, 1, 0), (4, 5, 2)])
+def test_pass_at_k_refuses_what_it_cannot_count(n, c, k):
+    """k > n has no k-subset of the samples (it was 1.0 whatever c), k < 1 none either, and c lies in 0..n."""
+    with pytest.raises(ValueError, match=f"pass@{k} of {c} right among {n} samples"):
+        stats.pass_at_k(n, c, k)
+
+
 def test_pass_at_metrics_over_problems_with_its_standard_error():
     """Two problems, 4 seeds each (a fifth seed past n is left out): right 1 of 4 and 4 of 4."""
     prompts, responses, seeds, index = [], [], [], []
