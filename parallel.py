@@ -228,8 +228,10 @@ def place_model(model: torch.nn.Module, args: CommonArgs, d: Dist, dtype: torch.
 def gathered(model: torch.nn.Module):
     """Under FSDP2, every parameter gathered once for a whole generation and freed after it: generate's token steps
     call the blocks (and the root's own layers) outside the root forward, which would otherwise gather per block and
-    per token, or not at all. A no-op for an unsharded model."""
+    per token, or not at all. A LoRA BaseView gathers the model it shares. A no-op for an unsharded model."""
     model = getattr(model, "_orig_mod", model)
+    if isinstance(model, BaseView):
+        model = model.shared[0]
     if not is_sharded(model) or getattr(model, "gathered", False):  # nested: the outer one frees
         yield
         return

@@ -205,19 +205,19 @@ def response_scores(engine: Engine, responses: Responses, amp):
     parts logged apart: rm_score and reward_fn when there are two, score_std for an ensemble's spread)."""
     args = engine.args
     samples = responses.samples
-    members = []  # (K, micro-batch) each
-    for _, ids, mask, _, _ in micro_batches(responses, engine.micro_batch_size):
+    members = []  # (B,) each RM's
+    for reward_model in engine.models.reward_models:
         member_scores = []
-        for reward_model in engine.models.reward_models:
-            with amp:
-                _, token_scores = reward_model(ids, mask, logits=False)
-            member_scores.append(token_scores[:, -1].float())  # packed: every row's last token is its last column
-        if member_scores:
-            members.append(torch.stack(member_scores))
+        with parallel.gathered(reward_model):  # --fsdp: once for all micro-batches, however many this rank has
+            for _, ids, mask, _, _ in micro_batches(responses, engine.micro_batch_size):
+                with amp:
+                    _, token_scores = reward_model(ids, mask, logits=False)
+                member_scores.append(token_scores[:, -1].float())  # packed: every row's last token is its last column
+        members.append(torch.cat(member_scores))
     scores = torch.zeros(samples.response.size(0), device=samples.response.device)
     score_parts = {}
     if members:
-        member_scores = torch.cat(members, dim=-1)  # (K, B)
+        member_scores = torch.stack(members)  # (K, B)
         scores = aggregate_rm_scores(member_scores, args.rm_agg, args.rm_uwo_coef)
         if member_scores.size(0) > 1:
             score_parts["score_std"] = member_scores.std(0, correction=0)
@@ -252,16 +252,22 @@ def missing_eos_rule(args: RolloutArgs) -> str:
 @torch.no_grad()
 def policy_and_reference_logprobs(engine: Engine, responses: Responses, amp) -> dict:
     """Step 3's no-grad passes of the training forward over the packed rows, per micro-batch: the policy's and the
-    reference's log-probs of the response tokens and the policy's entropy, (B, T) each, masked."""
+    reference's log-probs of the response tokens and the policy's entropy, (B, T) each, masked. Under --fsdp each model
+    is gathered once for all its micro-batches: their count follows this rank's rows (VinePPO's differ between ranks),
+    so it must never reach a collective."""
     models, temperature = engine.models, engine.args.temperature
     chunks = {"logprobs": [], "ref_logprobs": [], "entropy": []}
-    for _, ids, mask, response, response_mask in micro_batches(responses, engine.micro_batch_size):
-        with amp:
-            logits = packed_response_logits(models.actor, ids, mask, response_mask, temperature)
-            ref_logits = packed_response_logits(models.ref, ids, mask, response_mask, temperature)
-        chunks["logprobs"].append(logprobs_from_logits(logits, response))
-        chunks["ref_logprobs"].append(logprobs_from_logits(ref_logits, response))
-        chunks["entropy"].append(entropy_from_logits(logits))
+    with parallel.gathered(models.actor):
+        for _, ids, mask, response, response_mask in micro_batches(responses, engine.micro_batch_size):
+            with amp:
+                logits = packed_response_logits(models.actor, ids, mask, response_mask, temperature)
+            chunks["logprobs"].append(logprobs_from_logits(logits, response))
+            chunks["entropy"].append(entropy_from_logits(logits))
+    with parallel.gathered(models.ref):  # one model gathered at a time
+        for _, ids, mask, response, response_mask in micro_batches(responses, engine.micro_batch_size):
+            with amp:
+                ref_logits = packed_response_logits(models.ref, ids, mask, response_mask, temperature)
+            chunks["ref_logprobs"].append(logprobs_from_logits(ref_logits, response))
     mask = responses.samples.mask
     return {key: torch.cat(values) * mask for key, values in chunks.items()}
 
