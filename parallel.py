@@ -96,10 +96,8 @@ def setup_dist(device: str = "auto") -> Dist:
     if device == "cuda":
         device = f"cuda:{local_rank}"
     dev = torch.device(device)
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # no TF32: --dtype float32 means fp32 (bf16 autocast runs its matmuls in bf16 anyway)
         torch.cuda.set_device(dev)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
     if ddp and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
     return Dist(rank, local_rank, world_size, dev, ddp)
@@ -116,6 +114,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in ("float32", "bfloat16"):
         raise UserError(f"--dtype {dtype}: expected auto, float32 or bfloat16")
     return getattr(torch, dtype)
+
+
+def full_precision(dtype: torch.dtype) -> bool:
+    """fp32 with fp32 matmuls: no autocast, and no TF32 (torch's default, which setup_dist keeps)."""
+    return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
