@@ -63,7 +63,8 @@ class RolloutArgs(common.CommonArgs):
     prompts: Optional[str] = None
     """prompts JSONL, one {"prompt": str or [messages]} a line (None: the built-in task's)"""
     ptx_data: Optional[str] = None
-    """pre-training text JSONL {"text": str} for the ptx loss (None: the built-in task's text; none on user prompts)"""
+    """pre-training text JSONL {"text": str} for the ptx loss (None: on by default on the reviews task only, with its
+    own text; no ptx on arith, whose demonstrations are half wrong on purpose, nor on --prompts)"""
     # --- rollout
     total_episodes: int = 12800
     """responses (episodes) sampled over the run (max_steps = total_episodes / rollout_batch_size unless --max-steps;
@@ -87,7 +88,7 @@ class RolloutArgs(common.CommonArgs):
     each token's policy loss weighted by min(pi_old / pi_sampler, C), pi_old the training forward's probability of
     the sampled token and pi_sampler the generation's own (None: off)"""
     ptx_coef: float = 0.1
-    """weight of the LM loss on pre-training text (0: off)"""
+    """weight of the LM loss on pre-training text, where there is one (--ptx-data; 0: off)"""
     ptx_batch_size: int = 16
     """pre-training texts per optimizer step, summed over ranks (split like the minibatch)"""
     sample_every: int = 25
@@ -233,6 +234,19 @@ def response_scores(engine: Engine, responses: Responses, amp):
     if args.missing_eos_penalty is not None:  # given: the whole score of a response without EOS
         scores = torch.where(samples.ended, scores, torch.full_like(scores, args.missing_eos_penalty))
     return scores, score_parts
+
+
+def ptx_rule(args: RolloutArgs, data) -> str:
+    """Whether the ptx loss is on and on what text (data: data.RLData), in words for the start-up line."""
+    if data.ptx_path is None:
+        where = "--prompts" if args.prompts else f"the {args.task} task, whose demonstrations are wrong on purpose"
+        return f"off: no --ptx-data on {where}"
+    if args.ptx_coef == 0:
+        return f"off (--ptx-coef 0; {len(data.ptx)} texts of {data.ptx_path} unused)"
+    return (
+        f"on: --ptx-coef {args.ptx_coef:g} x the LM loss on {len(data.ptx)} texts of {data.ptx_path} "
+        f"({data.ptx_too_long} too long, skipped; --ptx-coef 0: off)"
+    )
 
 
 def missing_eos_rule(args: RolloutArgs) -> str:

@@ -785,11 +785,10 @@ def main(args: Args) -> None:
         max_steps,
     )
     print0(
-        f"grpo: {len(prompts)} prompts ({data.too_long} too long, skipped) | {len(ptx)} ptx texts "
-        f"({data.ptx_too_long} too long, skipped) | policy {models.actor.num_params() / 1e6:.2f} M | rollout "
-        f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x "
-        f"{sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | "
-        f"device {d.device} {dtype}"
+        f"grpo: {len(prompts)} prompts ({data.too_long} too long, skipped) | policy "
+        f"{models.actor.num_params() / 1e6:.2f} M | rollout {args.rollout_batch_size} = {d.world_size} ranks x "
+        f"{args.num_minibatches} minibatches x {sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | "
+        f"{max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}"
     )
     print0(
         f"estimator {args.estimator}: {sizes.prompts_per_rank * d.world_size} prompts x group_size {args.group_size} "
@@ -798,11 +797,12 @@ def main(args: Args) -> None:
         f"{args.cliprange_high or args.cliprange} dual_clip {args.dual_clip} | mask_truncated {args.mask_truncated}"
     )
     if args.estimator == "vineppo":
-        step = "a sentence" if vine_step_end(args, tok) is not None else f"{args.vine_chunk} tokens (--vine-chunk)"
-        print0(f"vineppo: values from {args.vine_k} continuations at each step's start; a step is {step}")
+        step = "a sentence" if vine_step_end(args, tok) is not None else f"--vine-chunk {args.vine_chunk} tokens"
+        print0(f"vineppo: values from {args.vine_k} continuations at each step's start; a step: {step}")
     if args.estimator == "rebel":
         print0(f"rebel: eta {args.rebel_eta}, no clip (the cliprange above is unused), pairs of consecutive responses")
     print0(f"a response without EOS scores {rollout.missing_eos_rule(args)}")
+    print0(f"ptx {rollout.ptx_rule(args, data)}")
     models = roles.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
     optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps)

@@ -129,6 +129,34 @@ def test_resume_refuses_another_task(tmp_path):
         checkpoints.resume_args(train_sft.Args(out_dir=str(out), resume=True, task="arith"), "sft")
 
 
+def test_ptx_is_off_on_arith_unless_given(tmp_path, task_dir, task_tok):
+    """arith's demonstrations are half wrong: its own text is no ptx text (a run took an LM loss on its 20000 texts
+    by default); --ptx-data still gives one. The reviews task keeps its own text. The start-up line says which."""
+    import data
+    import rollout
+    import train_grpo
+
+    tok = load_tokenizer(builtin_task("arith").build_task(str(tmp_path), 1337)["tokenizer"])
+    args = train_grpo.Args(task="arith", task_dir=str(tmp_path), max_new_tokens=8)
+    loaded = data.load_prompts(args, tok, block_size=64)
+    assert loaded.ptx == [] and loaded.ptx_path is None
+    assert (
+        rollout.ptx_rule(args, loaded)
+        == "off: no --ptx-data on the arith task, whose demonstrations are wrong on purpose"
+    )
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "1+1=2"}) + "\n")
+    args = train_grpo.Args(task="arith", task_dir=str(tmp_path), max_new_tokens=8, ptx_data=str(text))
+    loaded = data.load_prompts(args, tok, block_size=64)
+    assert len(loaded.ptx) == 1 and rollout.ptx_rule(args, loaded).startswith(
+        f"on: --ptx-coef 0.1 x the LM loss on 1 texts of {text}"
+    )
+    args = train_grpo.Args(task_dir=task_dir, max_new_tokens=8)
+    loaded = data.load_prompts(args, task_tok, block_size=64)
+    assert loaded.ptx_path == builtin_task("reviews").build_task(task_dir, 1337)["pretrain"] and len(loaded.ptx) > 0
+    assert rollout.ptx_rule(args, loaded).startswith(f"on: --ptx-coef 0.1 x the LM loss on {len(loaded.ptx)} texts")
+
+
 @pytest.mark.slow
 def test_rlvr_chain_with_tiny_sizes(tmp_path):
     """make rlvr's chain (experiments/rlvr.py --tiny): SFT on arith, GRPO, DAPO, RLOO and PPO-max on the verifier's
