@@ -504,13 +504,13 @@ def vineppo_advantages(engine: rollout.Engine, prompts: list, experience: dict, 
     reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
     returns = []
     sampled_tokens = 0
-    # decoded in batches of at most the rollout's own rows (its KV cache), as many batches on every rank
+    # decoded in batches of about the rollout's own rows (its KV cache), as many batches on every rank
     batches = continuation_batches(len(continued_rows), len(prompts), mask.device)
-    for chunk in torch.arange(len(continued_rows), device=mask.device).tensor_split(batches):
-        chunk_prompts = [prompts[row] for row in continued_rows[chunk].tolist()]
-        continued, _, _ = rollout.rollout(engine, chunk_prompts, (prefix_ids[chunk], prefix_mask[chunk]))
+    for taken in torch.arange(len(continued_rows), device=mask.device).tensor_split(batches):
+        batch_prompts = [prompts[row] for row in continued_rows[taken].tolist()]
+        continued, _, _ = rollout.rollout(engine, batch_prompts, (prefix_ids[taken], prefix_mask[taken]))
         columns = torch.arange(continued["mask"].size(1), device=mask.device)
-        sampled = continued["mask"] * (columns >= continued_starts[chunk, None])  # the tokens this continuation sampled
+        sampled = continued["mask"] * (columns >= continued_starts[taken, None])  # the tokens this continuation sampled
         scores = continued["scores"]
         if args.reward_norm != "none":
             scores = normalize_scores(scores, moments.mean, moments.std, args.reward_norm, args.reward_clip)
