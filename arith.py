@@ -27,6 +27,10 @@ MAX_DIGITS = 2
 WRONG_FRAC = 0.5  # share of wrong demonstrations
 EVAL_FRAC = 0.1  # share of operand pairs held out for eval_prompts
 TASK_VERSION = 1  # bump when generation changes: the cache folder is keyed by it
+STEP_END = None  # an answer has no sentence: VinePPO's steps are --vine-chunk tokens
+# no ptx loss unless --ptx-data: half of pretrain.jsonl's answers are wrong on purpose, and an LM loss on them pulls
+# the policy back towards the wrong answers the verifier's reward pushes it from
+PTX_FROM_PRETRAIN = False
 
 PROMPT_RE = re.compile(r"(\d+)\+(\d+)=")
 ANSWER_RE = re.compile(r"0|[1-9]\d*")

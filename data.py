@@ -503,6 +503,7 @@ class RLData:
     ptx: list  # the pre-training texts encoded, (ids, loss mask) each
     ptx_too_long: int  # pre-training texts longer than the context, skipped
     gold_fn: Optional[Callable]  # the gold reward on the built-in task, else None
+    ptx_path: Optional[str]  # the ptx texts' file: --ptx-data, or the reviews task's own (None: no ptx text)
 
 
 def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
@@ -526,7 +527,8 @@ def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
             f"every prompt is longer than the context minus --max-new-tokens ({block_size} - {args.max_new_tokens} "
             "tokens)"
         )
-    ptx_path = args.ptx_data or (task["pretrain"] if builtin else None)
+    # the task's own text only where it is right (task.PTX_FROM_PRETRAIN: reviews, not arith)
+    ptx_path = args.ptx_data or (task["pretrain"] if builtin and task_module.PTX_FROM_PRETRAIN else None)
     ptx, ptx_too_long = [], 0
     if ptx_path:
         ptx, ptx_too_long = encode_sft(tok, read_jsonl(ptx_path, "text", "--ptx-data"), block_size, mask_prompt=False)
@@ -536,7 +538,7 @@ def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
             "ptx loss (shorten them, or --ptx-coef 0)"
         )
     gold_fn = task_module.gold_reward if builtin else None
-    return RLData(fitting, len(prompts) - len(fitting), ptx, ptx_too_long, gold_fn)
+    return RLData(fitting, len(prompts) - len(fitting), ptx, ptx_too_long, gold_fn, ptx_path)
 
 
 class PromptStream:

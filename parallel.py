@@ -96,10 +96,8 @@ def setup_dist(device: str = "auto") -> Dist:
     if device == "cuda":
         device = f"cuda:{local_rank}"
     dev = torch.device(device)
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # no TF32: --dtype float32 means fp32 (bf16 autocast runs its matmuls in bf16 anyway)
         torch.cuda.set_device(dev)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
     if ddp and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
     return Dist(rank, local_rank, world_size, dev, ddp)
@@ -116,6 +114,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in ("float32", "bfloat16"):
         raise UserError(f"--dtype {dtype}: expected auto, float32 or bfloat16")
     return getattr(torch, dtype)
+
+
+def full_precision(dtype: torch.dtype) -> bool:
+    """fp32 with fp32 matmuls: no autocast, and no TF32 (torch's default, which setup_dist keeps)."""
+    return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -228,8 +231,10 @@ def place_model(model: torch.nn.Module, args: CommonArgs, d: Dist, dtype: torch.
 def gathered(model: torch.nn.Module):
     """Under FSDP2, every parameter gathered once for a whole generation and freed after it: generate's token steps
     call the blocks (and the root's own layers) outside the root forward, which would otherwise gather per block and
-    per token, or not at all. A no-op for an unsharded model."""
+    per token, or not at all. A LoRA BaseView gathers the model it shares. A no-op for an unsharded model."""
     model = getattr(model, "_orig_mod", model)
+    if isinstance(model, BaseView):
+        model = model.shared[0]
     if not is_sharded(model) or getattr(model, "gathered", False):  # nested: the outer one frees
         yield
         return

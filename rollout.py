@@ -64,7 +64,8 @@ class RolloutArgs(common.CommonArgs):
     prompts: Optional[str] = None
     """prompts JSONL, one {"prompt": str or [messages]} a line (None: the built-in task's)"""
     ptx_data: Optional[str] = None
-    """pre-training text JSONL {"text": str} for the ptx loss (None: the built-in task's text; none on user prompts)"""
+    """pre-training text JSONL {"text": str} for the ptx loss (None: on by default on the reviews task only, with its
+    own text; no ptx on arith, whose demonstrations are half wrong on purpose, nor on --prompts)"""
     # --- rollout
     total_episodes: int = 12800
     """responses (episodes) sampled over the run (max_steps = total_episodes / rollout_batch_size unless --max-steps;
@@ -88,7 +89,7 @@ class RolloutArgs(common.CommonArgs):
     each token's policy loss weighted by min(pi_old / pi_sampler, C), pi_old the training forward's probability of
     the sampled token and pi_sampler the generation's own (None: off)"""
     ptx_coef: float = 0.1
-    """weight of the LM loss on pre-training text (0: off)"""
+    """weight of the LM loss on pre-training text, where there is one (--ptx-data; 0: off)"""
     ptx_batch_size: int = 16
     """pre-training texts per optimizer step, summed over ranks (split like the minibatch)"""
     sample_every: int = 25
@@ -206,19 +207,19 @@ def response_scores(engine: Engine, responses: Responses, amp):
     parts logged apart: rm_score and reward_fn when there are two, score_std for an ensemble's spread)."""
     args = engine.args
     samples = responses.samples
-    members = []  # (K, micro-batch) each
-    for _, ids, mask, _, _ in micro_batches(responses, engine.micro_batch_size):
+    members = []  # (B,) each RM's
+    for reward_model in engine.models.reward_models:
         member_scores = []
-        for reward_model in engine.models.reward_models:
-            with amp:
-                _, token_scores = reward_model(ids, mask, logits=False)
-            member_scores.append(token_scores[:, -1].float())  # packed: every row's last token is its last column
-        if member_scores:
-            members.append(torch.stack(member_scores))
+        with parallel.gathered(reward_model):  # --fsdp: once for all micro-batches, however many this rank has
+            for _, ids, mask, _, _ in micro_batches(responses, engine.micro_batch_size):
+                with amp:
+                    _, token_scores = reward_model(ids, mask, logits=False)
+                member_scores.append(token_scores[:, -1].float())  # packed: every row's last token is its last column
+        members.append(torch.cat(member_scores))
     scores = torch.zeros(samples.response.size(0), device=samples.response.device)
     score_parts = {}
     if members:
-        member_scores = torch.cat(members, dim=-1)  # (K, B)
+        member_scores = torch.stack(members)  # (K, B)
         scores = aggregate_rm_scores(member_scores, args.rm_agg, args.rm_uwo_coef)
         if member_scores.size(0) > 1:
             score_parts["score_std"] = member_scores.std(0, correction=0)
@@ -234,6 +235,19 @@ def response_scores(engine: Engine, responses: Responses, amp):
     if args.missing_eos_penalty is not None:  # given: the whole score of a response without EOS
         scores = torch.where(samples.ended, scores, torch.full_like(scores, args.missing_eos_penalty))
     return scores, score_parts
+
+
+def ptx_rule(args: RolloutArgs, data) -> str:
+    """Whether the ptx loss is on and on what text (data: data.RLData), in words for the start-up line."""
+    if data.ptx_path is None:
+        where = "--prompts" if args.prompts else f"the {args.task} task, whose demonstrations are wrong on purpose"
+        return f"off: no --ptx-data on {where}"
+    if args.ptx_coef == 0:
+        return f"off (--ptx-coef 0; {len(data.ptx)} texts of {data.ptx_path} unused)"
+    return (
+        f"on: --ptx-coef {args.ptx_coef:g} x the LM loss on {len(data.ptx)} texts of {data.ptx_path} "
+        f"({data.ptx_too_long} too long, skipped; --ptx-coef 0: off)"
+    )
 
 
 def missing_eos_rule(args: RolloutArgs) -> str:
@@ -253,16 +267,22 @@ def missing_eos_rule(args: RolloutArgs) -> str:
 @torch.no_grad()
 def policy_and_reference_logprobs(engine: Engine, responses: Responses, amp) -> dict:
     """Step 3's no-grad passes of the training forward over the packed rows, per micro-batch: the policy's and the
-    reference's log-probs of the response tokens and the policy's entropy, (B, T) each, masked."""
+    reference's log-probs of the response tokens and the policy's entropy, (B, T) each, masked. Under --fsdp each model
+    is gathered once for all its micro-batches: their count follows this rank's rows (VinePPO's differ between ranks),
+    so it must never reach a collective."""
     models, temperature = engine.models, engine.args.temperature
     chunks = {"logprobs": [], "ref_logprobs": [], "entropy": []}
-    for _, ids, mask, response, response_mask in micro_batches(responses, engine.micro_batch_size):
-        with amp:
-            logits = packed_response_logits(models.actor, ids, mask, response_mask, temperature)
-            ref_logits = packed_response_logits(models.ref, ids, mask, response_mask, temperature)
-        chunks["logprobs"].append(logprobs_from_logits(logits, response))
-        chunks["ref_logprobs"].append(logprobs_from_logits(ref_logits, response))
-        chunks["entropy"].append(entropy_from_logits(logits))
+    with parallel.gathered(models.actor):
+        for _, ids, mask, response, response_mask in micro_batches(responses, engine.micro_batch_size):
+            with amp:
+                logits = packed_response_logits(models.actor, ids, mask, response_mask, temperature)
+            chunks["logprobs"].append(logprobs_from_logits(logits, response))
+            chunks["entropy"].append(entropy_from_logits(logits))
+    with parallel.gathered(models.ref):  # one model gathered at a time
+        for _, ids, mask, response, response_mask in micro_batches(responses, engine.micro_batch_size):
+            with amp:
+                ref_logits = packed_response_logits(models.ref, ids, mask, response_mask, temperature)
+            chunks["ref_logprobs"].append(logprobs_from_logits(ref_logits, response))
     mask = responses.samples.mask
     return {key: torch.cat(values) * mask for key, values in chunks.items()}
 
@@ -278,8 +298,8 @@ BF16_LOGPROB_BOUND = 0.15
 def check_logprobs(generation_logprobs, logprobs, mask, dtype: torch.dtype) -> tuple[float, float]:
     """The sampler's own log-probs must match the training forward's, or the first ratio is not 1: the max and the
     mean |diff| a token over every rank (every rank raises together; one rank alone would leave the others waiting
-    in the next collective). An error: a max above 1e-4 in fp32; under bf16, whose rounding moves single tokens far
-    (the max is reported only), a mean above BF16_LOGPROB_BOUND."""
+    in the next collective). An error: a max above 1e-4 in fp32 (parallel.full_precision); under bf16, or fp32 with
+    TF32 matmuls, whose rounding moves single tokens far (the max is reported only), a mean above BF16_LOGPROB_BOUND."""
     difference = (generation_logprobs - logprobs).abs() * mask
     largest = difference.max().double()
     totals = torch.stack([difference.sum(), mask.sum()]).double()
@@ -288,13 +308,15 @@ def check_logprobs(generation_logprobs, logprobs, mask, dtype: torch.dtype) -> t
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     largest, summed, tokens = torch.cat([largest[None], totals]).tolist()  # one host sync
     mean = summed / max(tokens, 1.0)
-    if dtype == torch.float32 and largest > 1e-4:
+    # the bound follows the matmuls in use: TF32's 10-bit mantissa, emulated on CPU, took SmolLM2-135M's max to 8e-3
+    exact = parallel.full_precision(dtype)
+    if exact and largest > 1e-4:
         raise RuntimeError(f"generation log-probs differ from the training forward by {largest:.2e} > 1e-4 in fp32")
-    if dtype != torch.float32 and mean > BF16_LOGPROB_BOUND:
+    if not exact and mean > BF16_LOGPROB_BOUND:
         raise RuntimeError(
             f"generation log-probs differ from the training forward by {mean:.2e} nats a token on average (max "
-            f"{largest:.2e}), more than bf16 rounding ({BF16_LOGPROB_BOUND}): a sampler copy that is not the actor, "
-            "or a model that decodes without its KV cache"
+            f"{largest:.2e}), more than bf16 or TF32 rounding ({BF16_LOGPROB_BOUND}): a sampler copy that is not the "
+            "actor, or a model that decodes without its KV cache"
         )
     return largest, mean
 

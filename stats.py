@@ -77,7 +77,10 @@ def win_outcomes(gold: list, ref_gold: list) -> list:
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k of one problem with c right among n samples, 1 - C(n-c, k)/C(n, k) (Chen et al. 2021), as
-    1 - prod_{i=n-c+1}^{n} (1 - k/i): no binomial coefficient overflows."""
+    1 - prod_{i=n-c+1}^{n} (1 - k/i): no binomial coefficient overflows. Needs 1 <= k <= n and 0 <= c <= n."""
+    # k > n has no k-subset to count: an error, not the 1.0 of the branch below
+    if not (1 <= k <= n and 0 <= c <= n):
+        raise ValueError(f"pass@{k} of {c} right among {n} samples: needs 1 <= k <= n and 0 <= c <= n")
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))

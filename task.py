@@ -90,6 +90,9 @@ MAX_SENTENCES = 4
 # Bayes ceiling); at 1 the RM can reach the ceiling, and off-aspect praise stays an unseen way to hack it.
 ON_ASPECT_PROB = 1.0
 TASK_VERSION = 2  # bump when generation changes: the cache folder is keyed by it
+STEP_END = "."  # VinePPO's steps are sentences: a step ends with this token
+# the RL stages' ptx loss (--ptx-coef) runs on pretrain.jsonl unless --ptx-data: right demonstrations, fluent text
+PTX_FROM_PRETRAIN = True
 
 # every pre-tokenized word the task text can contain; the task tokenizer makes each one a single token
 GRAMMAR_WORDS = tuple(
@@ -216,7 +219,7 @@ def is_held_out(prompt: str, task_seed: int) -> bool:
 
 def builtin_task(name: str) -> ModuleType:
     """The module of a built-in task (--task): this one for reviews, arith.py for arith. Each has build_task,
-    gold_reward, is_valid, is_task_prompt and is_held_out with the same signatures."""
+    gold_reward, is_valid, is_task_prompt and is_held_out with the same signatures, STEP_END and PTX_FROM_PRETRAIN."""
     if name != "arith":
         return sys.modules[__name__]
     import arith  # here, not at the top: arith.py imports this module's file layout

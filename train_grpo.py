@@ -47,6 +47,7 @@ from data import Order, PromptStream, PtxStream, load_prompts, prompt_text
 from grpo_checks import check_args
 from model import entropy_from_logits, lm_loss, masked_mean
 from roles import Models
+from task import builtin_task
 from tokenizer import Tokenizer
 
 # Each estimator's recipe: what a flag left at None becomes. beta in the loss (k3) and in the reward (k1, on raw
@@ -105,7 +106,7 @@ class Args(rollout.RolloutArgs):
     vine_k: int = 4
     """vineppo: continuations sampled from each step's start; V(s) is the mean of their returns"""
     vine_chunk: int = 16
-    """vineppo off the built-in task: a step is this many tokens (on the built-in task: a sentence, through its '.')"""
+    """vineppo on arith and on --prompts: a step is this many tokens (on reviews: a sentence, through its '.')"""
     rebel_eta: float = 1.0
     """rebel: eta of the regression (1/eta)(log-ratio gap) ~ (reward gap), rewards on the normalised scale
     (--reward-norm) minus beta * sum k1: a smaller eta takes smaller steps"""
@@ -362,6 +363,13 @@ def ptx_loss(actor, ptx_batch: tuple, ptx_tokens) -> torch.Tensor:
 # VinePPO (Kazemnejad et al. 2024): the value of a state is the mean return of --vine-k continuations sampled from it
 
 
+def vine_step_end(args: Args, tok: Tokenizer) -> Optional[int]:
+    """The token that ends a VinePPO step: the built-in task's STEP_END (reviews: '.'), or None on arith and on
+    --prompts, whose steps are --vine-chunk tokens."""
+    step_end = builtin_task(args.task).STEP_END if args.prompts is None else None
+    return None if step_end is None else tok.encode(step_end)[0]
+
+
 def vine_steps(response, mask, boundary_id: Optional[int], chunk: int) -> torch.Tensor:
     """response, mask (B, T) -> (B, T) long: the step of each token, from 0 in each row, -1 on padding. A step ends
     with a boundary token (boundary_id: the built-in task's '.', so a step is a sentence and the EOS a step of its
@@ -387,6 +395,16 @@ def continuation_returns(scores, logprobs, ref_logprobs, sampled, kl_coef: float
     """(N,) the return of each continuation: its (normalised) score minus kl_coef * k1 summed over the tokens it
     sampled (sampled (N, T); the prefix's rewards are the rollout's own)."""
     return scores - kl_coef * kl_estimate(logprobs, ref_logprobs, sampled, "k1").sum(1)
+
+
+def continuation_batches(rows: int, max_rows: int, device) -> int:
+    """How many rollout calls a rank's `rows` continuations take: the same on every rank (each call has collectives),
+    enough that no call holds more than max_rows, and no more than the fewest rows a rank has (no call is empty)."""
+    counts = torch.tensor([math.ceil(rows / max_rows), -rows], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    most_needed, minus_fewest = counts.tolist()  # one host sync
+    return min(most_needed, -minus_fewest)
 
 
 def vine_advantages(rewards, mask, steps, values) -> torch.Tensor:
@@ -475,25 +493,35 @@ def vineppo_advantages(engine: rollout.Engine, prompts: list, experience: dict, 
     args, tok = engine.args, engine.tok
     t_start = time.time()
     response, mask = experience["response"], experience["mask"]
-    boundary_id = tok.encode(".")[0] if engine.gold_fn is not None else None  # the built-in task: sentences
-    steps = vine_steps(response, mask, boundary_id, args.vine_chunk)
-    rows, step, starts = step_starts(steps)
+    steps = vine_steps(response, mask, vine_step_end(args, tok), args.vine_chunk)
+    rows, step, starts = step_starts(steps)  # (S,) each: the states
+    # each state k times in a row (its k continuations), the response before it as a right-padded prefix
+    continued_rows = rows.repeat_interleave(args.vine_k)
+    continued_starts = starts.repeat_interleave(args.vine_k)
     width = max(1, int(starts.max()))
-    prefix_mask = (torch.arange(width, device=mask.device) < starts[:, None]).to(mask.dtype)
-    state_prompts = [prompts[row] for row in rows.tolist()]
-    prefix = (response[rows, :width], prefix_mask)
-    continued, _, _ = rollout.rollout(engine, state_prompts, prefix, k=args.vine_k)  # (S * k, ...), k a state
-    continued_starts = starts.repeat_interleave(args.vine_k)[:, None]
-    sampled = continued["mask"] * (torch.arange(continued["mask"].size(1), device=mask.device) >= continued_starts)
-    scores = continued["scores"]
-    if args.reward_norm != "none":
-        scores = normalize_scores(scores, moments.mean, moments.std, args.reward_norm, args.reward_clip)
+    prefix_mask = (torch.arange(width, device=mask.device) < continued_starts[:, None]).to(mask.dtype)
+    prefix_ids = response[continued_rows, :width]
     reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
-    returns = continuation_returns(scores, continued["logprobs"], continued["ref_logprobs"], sampled, reward_kl_coef)
+    returns = []
+    sampled_tokens = 0
+    # decoded in batches of about the rollout's own rows (its KV cache), as many batches on every rank
+    batches = continuation_batches(len(continued_rows), len(prompts), mask.device)
+    for taken in torch.arange(len(continued_rows), device=mask.device).tensor_split(batches):
+        batch_prompts = [prompts[row] for row in continued_rows[taken].tolist()]
+        continued, _, _ = rollout.rollout(engine, batch_prompts, (prefix_ids[taken], prefix_mask[taken]))
+        columns = torch.arange(continued["mask"].size(1), device=mask.device)
+        sampled = continued["mask"] * (columns >= continued_starts[taken, None])  # the tokens this continuation sampled
+        scores = continued["scores"]
+        if args.reward_norm != "none":
+            scores = normalize_scores(scores, moments.mean, moments.std, args.reward_norm, args.reward_clip)
+        logprobs, ref_logprobs = continued["logprobs"], continued["ref_logprobs"]
+        returns.append(continuation_returns(scores, logprobs, ref_logprobs, sampled, reward_kl_coef))
+        sampled_tokens += sampled.sum()
+    returns = torch.cat(returns)  # (S * k,)
     values = torch.zeros(mask.size(0), int(steps.max()) + 1, device=mask.device)
     values[rows, step] = returns.view(-1, args.vine_k).mean(1)
     advantages = vine_advantages(experience["rewards"], mask, steps, values)
-    sums = {"vine_tokens": sampled.sum(), "vine_responses": float(len(returns)), "vine_s": time.time() - t_start}
+    sums = {"vine_tokens": sampled_tokens, "vine_responses": float(len(returns)), "vine_s": time.time() - t_start}
     return advantages, sums
 
 
@@ -757,11 +785,10 @@ def main(args: Args) -> None:
         max_steps,
     )
     print0(
-        f"grpo: {len(prompts)} prompts ({data.too_long} too long, skipped) | {len(ptx)} ptx texts "
-        f"({data.ptx_too_long} too long, skipped) | policy {models.actor.num_params() / 1e6:.2f} M | rollout "
-        f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x "
-        f"{sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | "
-        f"device {d.device} {dtype}"
+        f"grpo: {len(prompts)} prompts ({data.too_long} too long, skipped) | policy "
+        f"{models.actor.num_params() / 1e6:.2f} M | rollout {args.rollout_batch_size} = {d.world_size} ranks x "
+        f"{args.num_minibatches} minibatches x {sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | "
+        f"{max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}"
     )
     print0(
         f"estimator {args.estimator}: {sizes.prompts_per_rank * d.world_size} prompts x group_size {args.group_size} "
@@ -770,10 +797,12 @@ def main(args: Args) -> None:
         f"{args.cliprange_high or args.cliprange} dual_clip {args.dual_clip} | mask_truncated {args.mask_truncated}"
     )
     if args.estimator == "vineppo":
-        print0(f"vineppo: {args.vine_k} continuations from the start of each step of each response (values)")
+        step = "a sentence" if vine_step_end(args, tok) is not None else f"--vine-chunk {args.vine_chunk} tokens"
+        print0(f"vineppo: values from {args.vine_k} continuations at each step's start; a step: {step}")
     if args.estimator == "rebel":
         print0(f"rebel: eta {args.rebel_eta}, no clip (the cliprange above is unused), pairs of consecutive responses")
     print0(f"a response without EOS scores {rollout.missing_eos_rule(args)}")
+    print0(f"ptx {rollout.ptx_rule(args, data)}")
     models = roles.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
     optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps)

@@ -594,13 +594,14 @@ def main(args: Args) -> None:
         args.rollout_batch_size, "--rollout-batch-size", len(prompts), None, args.warmup_steps, actor_steps
     )
     print0(
-        f"ppo: {len(prompts)} prompts ({data.too_long} too long, skipped) | {len(ptx)} ptx texts "
-        f"({data.ptx_too_long} too long, skipped) | actor {models.actor.num_params() / 1e6:.2f} M, critic "
-        f"{critic_model.num_params() / 1e6:.2f} M | rollout {args.rollout_batch_size} = {d.world_size} ranks x "
-        f"{args.num_minibatches} minibatches x {sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | "
-        f"{max_steps} iterations | rm {args.rm_ckpt} | kl_coef {args.kl_coef} | device {d.device} {dtype}"
+        f"ppo: {len(prompts)} prompts ({data.too_long} too long, skipped) | actor "
+        f"{models.actor.num_params() / 1e6:.2f} M, critic {critic_model.num_params() / 1e6:.2f} M | rollout "
+        f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x "
+        f"{sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | "
+        f"kl_coef {args.kl_coef} | device {d.device} {dtype}"
     )
     print0(f"a response without EOS scores {rollout.missing_eos_rule(args)}")
+    print0(f"ptx {rollout.ptx_rule(args, data)}")
     models = roles.place(models, args, d, dtype, critic=critic_model)  # under bf16, a bf16 sampler copy of the actor
     actor, critic = build_optimizers(args, models, critic_model, max_steps, d.device.type)
     generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling

@@ -84,6 +84,13 @@ def test_pass_at_k_counts_the_subsets_with_a_right_answer(n):
     assert stats.pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100), rel=1e-9)
 
 
+@pytest.mark.parametrize("n, c, k", [(4, 0, 5), (4, 4, 5), (4, 1, 0), (4, 5, 2)])
+def test_pass_at_k_refuses_what_it_cannot_count(n, c, k):
+    """k > n has no k-subset of the samples (it was 1.0 whatever c), k < 1 none either, and c lies in 0..n."""
+    with pytest.raises(ValueError, match=f"pass@{k} of {c} right among {n} samples"):
+        stats.pass_at_k(n, c, k)
+
+
 def test_pass_at_metrics_over_problems_with_its_standard_error():
     """Two problems, 4 seeds each (a fifth seed past n is left out): right 1 of 4 and 4 of 4."""
     prompts, responses, seeds, index = [], [], [], []
@@ -120,6 +127,34 @@ def test_resume_refuses_another_task(tmp_path):
     assert checkpoints.resume_args(train_sft.Args(out_dir=str(out), resume=True), "sft").task == "reviews"
     with pytest.raises(UserError, match="--task reviews -> arith: these change what the run computes"):
         checkpoints.resume_args(train_sft.Args(out_dir=str(out), resume=True, task="arith"), "sft")
+
+
+def test_ptx_is_off_on_arith_unless_given(tmp_path, task_dir, task_tok):
+    """arith's demonstrations are half wrong: its own text is no ptx text (a run took an LM loss on its 20000 texts
+    by default); --ptx-data still gives one. The reviews task keeps its own text. The start-up line says which."""
+    import data
+    import rollout
+    import train_grpo
+
+    tok = load_tokenizer(builtin_task("arith").build_task(str(tmp_path), 1337)["tokenizer"])
+    args = train_grpo.Args(task="arith", task_dir=str(tmp_path), max_new_tokens=8)
+    loaded = data.load_prompts(args, tok, block_size=64)
+    assert loaded.ptx == [] and loaded.ptx_path is None
+    assert (
+        rollout.ptx_rule(args, loaded)
+        == "off: no --ptx-data on the arith task, whose demonstrations are wrong on purpose"
+    )
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "1+1=2"}) + "\n")
+    args = train_grpo.Args(task="arith", task_dir=str(tmp_path), max_new_tokens=8, ptx_data=str(text))
+    loaded = data.load_prompts(args, tok, block_size=64)
+    assert len(loaded.ptx) == 1 and rollout.ptx_rule(args, loaded).startswith(
+        f"on: --ptx-coef 0.1 x the LM loss on 1 texts of {text}"
+    )
+    args = train_grpo.Args(task_dir=task_dir, max_new_tokens=8)
+    loaded = data.load_prompts(args, task_tok, block_size=64)
+    assert loaded.ptx_path == builtin_task("reviews").build_task(task_dir, 1337)["pretrain"] and len(loaded.ptx) > 0
+    assert rollout.ptx_rule(args, loaded).startswith(f"on: --ptx-coef 0.1 x the LM loss on {len(loaded.ptx)} texts")
 
 
 @pytest.mark.slow

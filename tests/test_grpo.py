@@ -696,11 +696,36 @@ def test_vine_advantages_against_a_loop():
         assert (got[b, n:] == 0).all()
 
 
+def fixed_rollout(calls: list):
+    """A stand-in for rollout.rollout that returns continuations of fixed random lengths, log-probs and scores, and
+    records each call (its prompts, prefix ids and mask, what it returned) in calls."""
+
+    def continue_prefixes(engine, prompts, prefix, k=1):
+        ids, prefix_mask = prefix
+        S, width = ids.size(0), ids.size(1) + 6
+        generator = torch.Generator().manual_seed(6 + len(calls))
+        starts = prefix_mask.sum(1).long().repeat_interleave(k)
+        ends = starts + torch.randint(1, 7, (S * k,), generator=generator)
+        columns = torch.arange(width)
+        continued_mask = (columns < ends[:, None]).float()
+        continued = dict(
+            mask=continued_mask,
+            logprobs=-torch.rand(S * k, width, generator=generator) * continued_mask,
+            ref_logprobs=-torch.rand(S * k, width, generator=generator) * continued_mask,
+            scores=torch.randn(S * k, generator=generator) * 3,
+        )
+        calls.append((list(prompts), ids.clone(), prefix_mask.clone(), continued))
+        return continued, {}, []
+
+    return continue_prefixes
+
+
 def test_vineppo_values_with_fixed_continuations_equal_a_loop(task_tok, monkeypatch):
     """vineppo_advantages with the continuations fixed (rollout.rollout replaced by one that returns given token
     rows, log-probs and scores): the prefixes it asks to continue are each response up to each step's start (the
-    prompt alone first), and the values and advantages equal a hand-written loop over rows, steps and continuations:
-    V = the mean over k of (score normalised with the run's moments - beta * k1 summed over the continuation)."""
+    prompt alone first), k times in a row, decoded in calls of at most the rollout's rows (3 here: it was one call of
+    all 18), and the values and advantages equal a hand-written loop over rows, steps and continuations: V = the
+    mean over k of (score normalised with the run's moments - beta * k1 summed over the continuation)."""
     tok = task_tok
     dot, eos = tok.encode(".")[0], tok.eos_id
     words = tok.encode(" the music was good")
@@ -716,29 +741,8 @@ def test_vineppo_values_with_fixed_continuations_equal_a_loop(task_tok, monkeypa
     moments = RunningMoments()
     moments.update(torch.randn(32, generator=g) * 2 + 1)
     args = resolve_args(train_grpo.Args(estimator="vineppo", vine_k=k, kl_coef=0.2, reward_clip=1.5))
-    calls = []
-
-    def fixed_rollout(engine, prompts, prefix, k):  # continuations of fixed random lengths, log-probs and scores
-        ids, prefix_mask = prefix
-        calls.append((list(prompts), ids.clone(), prefix_mask.clone()))
-        S, width = ids.size(0), ids.size(1) + 6
-        generator = torch.Generator().manual_seed(6)
-        starts = prefix_mask.sum(1).long().repeat_interleave(k)
-        ends = starts + torch.randint(1, 7, (S * k,), generator=generator)
-        columns = torch.arange(width)
-        continued_mask = (columns < ends[:, None]).float()
-        return (
-            dict(
-                mask=continued_mask,
-                logprobs=-torch.rand(S * k, width, generator=generator) * continued_mask,
-                ref_logprobs=-torch.rand(S * k, width, generator=generator) * continued_mask,
-                scores=torch.randn(S * k, generator=generator) * 3,
-            ),
-            {},
-            [],
-        )
-
-    monkeypatch.setattr(rollout, "rollout", fixed_rollout)
+    calls = []  # per call: its prompts, prefix ids and mask, and what it returned
+    monkeypatch.setattr(rollout, "rollout", fixed_rollout(calls))
     engine = SimpleNamespace(args=args, tok=tok, gold_fn=lambda *a: 0.0)
     prompts = [
         "Review of The Silent River (music):",
@@ -747,23 +751,24 @@ def test_vineppo_values_with_fixed_continuations_equal_a_loop(task_tok, monkeypa
     ]
     experience = dict(response=response, mask=mask, rewards=rewards)
     advantages, sums = train_grpo.vineppo_advantages(engine, prompts, experience, None, moments)
-    ((state_prompts, prefix_ids, prefix_mask),) = calls
-    continued, _, _ = fixed_rollout(engine, state_prompts, (prefix_ids, prefix_mask), k)
     step_of = [looped_steps(row, dot) for row in rows]
     states = [(b, m, step_of[b].index(m)) for b in range(B) for m in range(max(step_of[b]) + 1)]
-    assert state_prompts == [prompts[b] for b, _, _ in states]
+    assert len(calls) == len(states) * k // B and all(len(call[0]) <= B for call in calls)
+    # the calls' rows one after the other: continuation c continues state c // k
+    continuations = [(p, ids, pm, out, j) for p, ids, pm, out in calls for j in range(len(p))]
+    assert [p[j] for p, _, _, _, j in continuations] == [prompts[b] for b, _, _ in states for _ in range(k)]
     values = {}
     scale = moments.std + 1e-8
     for s, (b, m, start) in enumerate(states):
-        assert prefix_ids[s, :start].tolist() == rows[b][:start] and prefix_mask[s].sum().item() == start
         returns = []
-        for j in range(k):
-            c = s * k + j
-            score = min(max((continued["scores"][c].item() - moments.mean) / scale, -1.5), 1.5)
+        for c in range(s * k, s * k + k):
+            _, prefix_ids, prefix_mask, continued, j = continuations[c]
+            assert prefix_ids[j, :start].tolist() == rows[b][:start] and prefix_mask[j].sum().item() == start
+            score = min(max((continued["scores"][j].item() - moments.mean) / scale, -1.5), 1.5)
             kl = sum(
-                continued["logprobs"][c, t].item() - continued["ref_logprobs"][c, t].item()
+                continued["logprobs"][j, t].item() - continued["ref_logprobs"][j, t].item()
                 for t in range(start, continued["mask"].size(1))
-                if continued["mask"][c, t] > 0
+                if continued["mask"][j, t] > 0
             )
             returns.append(score - 0.2 * kl)
         values[b, m] = sum(returns) / k
@@ -776,6 +781,31 @@ def test_vineppo_values_with_fixed_continuations_equal_a_loop(task_tok, monkeypa
             assert advantages[b, t].item() == pytest.approx(want, abs=1e-5)
         assert (advantages[b, len(row) :] == 0).all()
     assert sums["vine_responses"] == len(states) * k
+
+
+def test_vineppo_on_arith_takes_steps_of_vine_chunk_tokens(task_tok, monkeypatch):
+    """arith's answers have no sentence: a step is --vine-chunk tokens (it was the reviews task's '.' rule whenever
+    the task had a gold reward: one step, the whole answer, whatever --vine-chunk said). With --vine-chunk 1 every
+    token starts a state; on the reviews task a sentence still does."""
+    lengths = [4, 2, 3]
+    response = torch.randint(5, 20, (3, 4), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(4) < torch.tensor(lengths)[:, None]).float()
+    experience = dict(response=response, mask=mask, rewards=torch.zeros(3, 4))
+    moments = RunningMoments()
+    for task, want in (("arith", sum(lengths)), ("reviews", 3)):
+        calls = []
+        monkeypatch.setattr(rollout, "rollout", fixed_rollout(calls))
+        args = resolve_args(train_grpo.Args(task=task, estimator="vineppo", vine_k=1, vine_chunk=1, reward_norm="none"))
+        engine = SimpleNamespace(args=args, tok=task_tok, gold_fn=lambda *a: 0.0)
+        train_grpo.vineppo_advantages(engine, ["1+2=", "3+4=", "5+6="], experience, None, moments)
+        assert sum(len(call[0]) for call in calls) == want, task
+
+
+def test_continuation_batches_bound_the_rows_and_never_leave_a_call_empty():
+    """One process: ceil(rows / max_rows) calls (two ranks: tests/test_parallel.py's VinePPO under --fsdp)."""
+    assert train_grpo.continuation_batches(18, 3, torch.device("cpu")) == 6
+    assert train_grpo.continuation_batches(19, 3, torch.device("cpu")) == 7
+    assert train_grpo.continuation_batches(2, 8, torch.device("cpu")) == 1
 
 
 def test_vineppo_sampled_values_match_a_looped_estimate(task_tok):

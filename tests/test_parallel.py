@@ -41,6 +41,8 @@ import train_grpo
 import train_ppo
 import train_rm
 import train_sft
+from task import build_task
+from tokenizer import Tokenizer
 from train_ppo import RunningMoments
 
 needs_compiler = pytest.mark.skipif(
@@ -292,6 +294,40 @@ def test_every_stage_runs_sharded(tmp_path, task_dir, tiny_ckpts, extra):
         model = hf.model_from_checkpoint(ckpt)
         assert all(torch.isfinite(p).all() for p in model.parameters()), stage
         assert not any("lora_" in name for name in ckpt["model"]), stage  # merged
+
+
+def succeeds_within(cmd: str, seconds: float) -> None:
+    """cmd exits 0 within seconds; one that hangs is killed with its workers (a timeout, not a stuck CI job)."""
+    process = subprocess.Popen(shlex.split(cmd), cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output = process.communicate(timeout=seconds)[0].decode()
+    except subprocess.TimeoutExpired:
+        kill_process_tree(process.pid)
+        process.communicate()
+        pytest.fail(f"no exit within {seconds} s (a hang): {cmd}")
+    assert process.returncode == 0, output[-3000:]
+
+
+@pytest.mark.slow
+def test_vineppo_under_fsdp_with_states_that_differ_between_ranks(tmp_path, task_dir, tiny_ckpts):
+    """VinePPO on 2 FSDP ranks whose responses have different numbers of steps, so each rank continues its own number
+    of states: it hung at its first iteration (every scoring micro-batch an all-gather the other rank never joined).
+    An odd global count of states proves the two ranks' differed."""
+    sft, rm = tiny_ckpts
+    ckpt = torch.load(sft, weights_only=False)
+    eos_row = ckpt["model"]["transformer.wte.weight"][Tokenizer.from_state(ckpt["tokenizer"]).eos_id]
+    ckpt["model"]["transformer.ln_f.bias"] += 2.0 * eos_row / eos_row.norm() ** 2  # ragged responses (boost_eos)
+    torch.save(ckpt, tmp_path / "sft.pt")
+    with open(build_task(task_dir, 1337)["prompts"]) as f:
+        (tmp_path / "prompts.jsonl").write_text("".join(f.readlines()[:64]))
+    cmd = (
+        f"{TORCHRUN} train_grpo.py --sft-ckpt {tmp_path}/sft.pt --rm-ckpt {rm} --prompts {tmp_path}/prompts.jsonl "
+        "--estimator vineppo --vine-k 2 --vine-chunk 1 --max-steps 2 --rollout-batch-size 8 --num-minibatches 2 "
+        f"--micro-batch-size 2 --max-new-tokens 8 --warmup-steps 1 --log-every 1 --fsdp --out-dir {tmp_path}/vine"
+    )
+    succeeds_within(cmd, 120)
+    states = [responses / 2 for responses in read_scalars(str(tmp_path / "vine"))["rollout/vine_responses"]]
+    assert len(states) == 2 and any(count % 2 == 1 for count in states), states
 
 
 # -----------------------------------------------------------------------------
