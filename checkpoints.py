@@ -184,6 +184,25 @@ def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None)
     return args
 
 
+def task_from_checkpoint(args: CommonArgs, path: Optional[str], flag: str) -> CommonArgs:
+    """args with the built-in task the checkpoint at path ran on where the command line gives no --task (from
+    Python: --task at its default); a given --task that differs is refused. A path that is not one of our checkpoint
+    files (scratch, hf:, a folder) records no task: args as they are."""
+    if path is None or not os.path.isfile(path):
+        return args
+    saved = load_checkpoint(path, flag=flag, mmap=True).get("args", {}).get("task")
+    if saved is None or saved == args.task:
+        return args
+    given = getattr(args, "given", None)
+    if ("task" in given) if given is not None else args.task != type(args)().task:
+        raise UserError(f"--task {args.task}: {flag} {path} was trained on --task {saved} (drop --task, or pass one)")
+    print0(f"--task {saved}: the task {flag} {path} was trained on")
+    inherited = replace(args, task=saved)
+    if given is not None:
+        inherited.given = given
+    return inherited
+
+
 # -----------------------------------------------------------------------------
 # RNG state
 

@@ -506,6 +506,14 @@ class RLData:
     ptx_path: Optional[str]  # the ptx texts' file: --ptx-data, or the reviews task's own (None: no ptx text)
 
 
+def same_encoding(tok: Tokenizer, task_tok: Tokenizer, texts: list[str]) -> bool:
+    """Whether tok encodes like the task's tokenizer: the same EOS, vocabulary size and ids for texts (an exported
+    and reloaded one, hf:DIR, is the same tokenizer saved another way)."""
+    if (tok.eos_id, tok.vocab_size) != (task_tok.eos_id, task_tok.vocab_size):
+        return False
+    return all(tok.encode(text) == task_tok.encode(text) for text in texts)
+
+
 def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
     """An RL run's data (args: rollout.RolloutArgs): --prompts and --ptx-data, or without --prompts the built-in
     task's (--task) prompts and (without --ptx-data) its pre-training text. No prompt with room for a response,
@@ -514,13 +522,13 @@ def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
     builtin = args.prompts is None
     task_module = builtin_task(args.task) if builtin else None
     task = task_module.build_task(args.task_dir, args.task_seed) if builtin else None
-    if builtin and tok.state() != load_tokenizer(task["tokenizer"]).state():
+    rows = read_jsonl(task["prompts"] if builtin else args.prompts, "prompts", "--prompts")
+    prompts = [row["prompt"] for row in rows]
+    if builtin and not same_encoding(tok, load_tokenizer(task["tokenizer"]), prompts[:256]):
         raise UserError(
             f"the policy's tokenizer is not the built-in {args.task} task's ({task['tokenizer']}): was it trained on "
             "another --task?"
         )
-    rows = read_jsonl(task["prompts"] if builtin else args.prompts, "prompts", "--prompts")
-    prompts = [row["prompt"] for row in rows]
     fitting = [prompt for prompt in prompts if len(prompt_ids(tok, prompt)) + args.max_new_tokens <= block_size]
     if not fitting:
         raise UserError(

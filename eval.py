@@ -38,9 +38,9 @@ from types import ModuleType
 from typing import Literal, Optional
 
 import torch
-import tyro
 
 import checkpoints
+import cli
 import common
 import hf
 import parallel
@@ -666,6 +666,8 @@ def pair_metrics(scores: list, examples: list, task: Optional[ModuleType]) -> di
 
 def main(args: Args) -> dict:
     t0 = time.time()
+    flag = "--rm" if args.pairs else "--policy"
+    args = checkpoints.task_from_checkpoint(args, (args.rm if args.pairs else args.policy)[0], flag)  # unless given
     check_args(args)
     common.seed_everything(args.seed)
     device = torch.device(
@@ -768,4 +770,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    common.run_main(main, tyro.cli(Args))
+    common.run_main(main, cli.parse(Args))

@@ -751,6 +751,7 @@ CONSOLE = (
 def main(args: Args) -> None:
     t_start = time.time()
     # the estimator's recipe, resolved once (printed below; the checkpoint keeps it); --resume: the run's own flags
+    args = checkpoints.task_from_checkpoint(args, args.sft_ckpt, "--sft-ckpt")  # --task: the SFT's unless given
     args = checkpoints.resume_args(args, "grpo", resolve_args)
     check_args(args, ADVANTAGES)
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses to replace a run silently

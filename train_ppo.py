@@ -569,6 +569,7 @@ CONSOLE = (
 def main(args: Args) -> None:
     t_start = time.time()
     # the run's flags (with --resume, the checkpoint's wherever the command line gives none)
+    args = checkpoints.task_from_checkpoint(args, args.sft_ckpt, "--sft-ckpt")  # --task: the SFT's unless given
     args = checkpoints.resume_args(args, "ppo", rollout.resolve_rollout_args)
     check_args(args)
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses to replace a run silently

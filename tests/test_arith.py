@@ -129,6 +129,24 @@ def test_resume_refuses_another_task(tmp_path):
         checkpoints.resume_args(train_sft.Args(out_dir=str(out), resume=True, task="arith"), "sft")
 
 
+def test_a_later_stage_takes_the_task_from_its_input_checkpoint(tmp_path):
+    """An SFT checkpoint of --task arith: PPO, GRPO, RM, DPO and eval take arith from it without --task (every later
+    stage had to repeat it), a given --task arith agrees, and a given --task reviews is refused in one line."""
+    import train_ppo
+
+    path = str(tmp_path / "ckpt.pt")
+    checkpoints.save_checkpoint({"kind": "sft", "model": {}, "args": {"task": "arith"}, "step": 2}, path)
+    assert checkpoints.task_from_checkpoint(train_ppo.Args(sft_ckpt=path), path, "--sft-ckpt").task == "arith"
+    given = train_ppo.Args(sft_ckpt=path, task="arith")
+    given.given = frozenset({"task"})
+    assert checkpoints.task_from_checkpoint(given, path, "--sft-ckpt").given == {"task"}
+    other = train_ppo.Args(sft_ckpt=path, task="reviews")
+    other.given = frozenset({"task"})
+    with pytest.raises(UserError, match=f"--task reviews: --sft-ckpt {path} was trained on --task arith"):
+        checkpoints.task_from_checkpoint(other, path, "--sft-ckpt")
+    assert checkpoints.task_from_checkpoint(train_ppo.Args(), "hf:some/model", "--sft-ckpt").task == "reviews"
+
+
 def test_ptx_is_off_on_arith_unless_given(tmp_path, task_dir, task_tok):
     """arith's demonstrations are half wrong: its own text is no ptx text (a run took an LM loss on its 20000 texts
     by default); --ptx-data still gives one. The reviews task keeps its own text. The start-up line says which."""

@@ -112,6 +112,20 @@ def test_the_task_tokenizer_exports_as_a_hugging_face_tokenizer(tmp_path, files,
     assert hf_tok.decode(tok.encode(prompts[0]) + [tok.eos_id]) == prompts[0] + tokenizer.EOT
 
 
+def test_an_exported_task_tokenizer_is_the_task_tokenizer_to_the_rl_stages(tmp_path, task_dir, task_tok):
+    """A policy exported with --export-hf and loaded back with --init hf:DIR has the task's tokenizer saved another
+    way: load_prompts takes it (it compared saved state and refused it); another task's tokenizer is still refused."""
+    from task import builtin_task
+
+    tokenizer.export_tokenizer(task_tok, str(tmp_path / "hf"))
+    hf_tok = tokenizer.load_tokenizer(f"hf:{tmp_path / 'hf'}")
+    args = train_ppo.Args(task_dir=task_dir, max_new_tokens=8, ptx_coef=0.0)
+    assert len(data.load_prompts(args, hf_tok, block_size=64).prompts) > 0
+    arith_tok = tokenizer.load_tokenizer(builtin_task("arith").build_task(str(tmp_path / "arith"), 1337)["tokenizer"])
+    with pytest.raises(common.UserError, match="not the built-in reviews task's"):
+        data.load_prompts(args, arith_tok, block_size=64)
+
+
 def test_train_bpe_deterministic():
     counts = {" banana": 5, " band": 3, " bandana": 2, " can": 7}
     a = tokenizer.train_bpe(counts, list(counts))
