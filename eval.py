@@ -490,6 +490,8 @@ def check_args(args: Args) -> None:
         raise UserError(
             f"--pass-samples {args.pass_samples}: pass@{max(args.pass_at)} needs at least that many samples"
         )
+    if args.pass_at and not hasattr(builtin_task(args.task), "verify"):
+        raise UserError(f"--pass-at counts right answers: the {args.task} task has no verifier (--task arith has one)")
     if args.write_best and (not args.best_of_n or len(args.best_of_n) != 1 or len(args.policy) != 1):
         raise UserError("--write-best writes one policy's best of N: pass one --policy and one --best-of-n N")
     if args.write_best and args.prompts is None:

@@ -114,6 +114,9 @@ def test_pass_at_flags_are_checked():
         ev.check_args(ev.Args(pass_at=[1, 16], pass_samples=8))
     with pytest.raises(UserError, match="--pass-at 0"):
         ev.check_args(ev.Args(pass_at=[0]))
+    with pytest.raises(UserError, match="--pass-at counts right answers: the reviews task has no verifier"):
+        ev.check_args(ev.Args(pass_at=[1, 4], pass_samples=8))  # it printed pass@1 = pass@4 = 0.000
+    ev.check_args(ev.Args(pass_at=[1, 4], pass_samples=8, task="arith"))
 
 
 def test_resume_refuses_another_task(tmp_path):
