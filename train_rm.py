@@ -287,6 +287,13 @@ class Data:
     tied: int  # training records dropped for a tie (chosen equal to rejected)
 
 
+def empty_split_error(name: str, n_rows: int, n_tied: int, block_size: int) -> str:
+    """The one line for an empty set of records: which set, and whether its records were tied or too long."""
+    if n_rows == 0:
+        return f"{name}: no preference record ({n_tied} tied, dropped): give more records, or --eval-data"
+    return f"{name}: none of its {n_rows} records fits the context ({block_size} tokens)"
+
+
 def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     """Step 1: the data, tokenizer and model (--init with a score head), checked before any process group; returns
     them and the init's fingerprint (--resume compares it)."""
@@ -297,7 +304,7 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)
     train_rows, eval_rows = read_train_eval(train_path, eval_path, "pairs")
     train_rows, tied = drop_tied(train_rows)
-    eval_rows, _ = drop_tied(eval_rows)
+    eval_rows, eval_tied = drop_tied(eval_rows)
     calib_rows = read_calibration(args, task, train_rows)
     if args.init == "scratch" and not builtin:
         raise UserError("--init scratch only works on the built-in task; pass an SFT checkpoint or gpt2")
@@ -309,11 +316,13 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     train, too_long = encode_prefs(tok, train_rows, block_size)
     evals, _ = encode_prefs(tok, eval_rows, block_size)
     calib = encode_calibration(tok, calib_rows, block_size)
-    if not train or not evals or not calib:
-        raise UserError(
-            f"{train_path}: no preference record (or no held-out or calibration one) fits the context "
-            f"({block_size} tokens)"
-        )
+    if not train:
+        raise UserError(empty_split_error(train_path, len(train_rows), tied, block_size))
+    held_out = eval_path or f"the held-out 5 % of {train_path}"  # --eval-data, or the last 5 % of --data
+    if not evals:
+        raise UserError(empty_split_error(held_out, len(eval_rows), eval_tied, block_size))
+    if not calib:
+        raise UserError(f"{args.calib_data or 'the calibration records'}: none fits the context ({block_size} tokens)")
     probes = []  # hackability probe (built-in task): degenerate texts and fluent positive reviews
     golds = None
     if builtin:

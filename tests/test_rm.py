@@ -22,6 +22,7 @@ from conftest import (
     read_events,
     read_scalars,
     run,
+    write_jsonl,
 )
 
 import data
@@ -234,6 +235,17 @@ def test_bad_preference_file_is_one_line_exit_2(tmp_path, line, message, capsys,
     err = exits_2_with_one_line("train_rm.py", ["--data", str(bad), "--out-dir", f"{tmp_path}/o"], capsys, monkeypatch)
     assert re.search(message, err), err
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_an_empty_held_out_split_is_named(tmp_path, tiny_ckpts, capsys, monkeypatch):
+    """4 pairs whose last (the 5 % held out) is tied: the error names the empty held-out set and the tie (it said no
+    record fits the context, of records 15 tokens long)."""
+    pairs = [{"prompt": "the film", "chosen": " was good.", "rejected": " was bad."}] * 3
+    pairs.append({"prompt": "the film", "chosen": " was good.", "rejected": " was good."})
+    path = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    argv = ["--data", path, "--init", tiny_ckpts[0], "--out-dir", f"{tmp_path}/o"]
+    err = exits_2_with_one_line("train_rm.py", argv, capsys, monkeypatch)
+    assert f"the held-out 5 % of {path}: no preference record (1 tied, dropped)" in err, err
 
 
 def test_rm_smoke(tmp_path, task_dir, sft_ckpt, tok):
