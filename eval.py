@@ -306,6 +306,14 @@ def best_of_n(samples: dict, n: int, first_seed: int, missing_eos_penalty: float
     return picked
 
 
+def first_prompts(path: str, num_samples: int) -> list:
+    """The first --num-samples prompts of a prompts file, saying so when the file holds more."""
+    prompts = [row["prompt"] for row in read_jsonl(path, "prompts", "--prompts")]
+    if len(prompts) > num_samples:
+        print(f"eval: the first {num_samples} of the {len(prompts)} prompts in {path} (--num-samples counts prompts)")
+    return prompts[:num_samples]
+
+
 def write_best(path: str, picked: dict, prompts: list, n: int, rank_by: str) -> None:
     """best_of_n's picks as SFT records in prompt order: {"prompt", "response"} for a text prompt, {"messages": the
     prompt's and the reply as an assistant turn} for a conversation; the ones without EOS are left out (SFT would
@@ -691,8 +699,7 @@ def main(args: Args) -> dict:
             print(f"| {name} | " + " | ".join(cells) + " |")
         return write_json(args.json, results)
     # 1. prompts, reference and reward models
-    rows = read_jsonl(args.prompts or task_files["eval_prompts"], "prompts", "--prompts")
-    prompts = [r["prompt"] for r in rows][: args.num_samples]
+    prompts = first_prompts(args.prompts or task_files["eval_prompts"], args.num_samples)
     # a checkpoint is named by its folder (out/ppo/ckpt.pt: ppo), a pretrained model by itself (hf:out/smollm2)
     folders = [os.path.dirname(p) if p.endswith(".pt") else p.removeprefix("hf:").rstrip("/") for p in args.policy]
     names = args.names or [os.path.basename(folder) or f"policy{i}" for i, folder in enumerate(folders)]

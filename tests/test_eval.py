@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import boost_eos, checkpoint_dict, exits_2_with_one_line, tiny_gpt
+from conftest import boost_eos, checkpoint_dict, exits_2_with_one_line, tiny_gpt, write_jsonl
 
 import checkpoints
 import common
@@ -587,3 +587,12 @@ def test_an_rm_member_with_a_smaller_context_reads_the_pairs_through_its_own(tmp
     total = len(open(build_task(task_dir, 1337)["pairs_eval"]).readlines())
     assert 0 < both["rm"]["pairs"] == alone["rm"]["pairs"] < total  # the records that fit the 40-token member
     assert both["rm_member2"]["accuracy"] == pytest.approx(alone["rm"]["accuracy"], abs=1e-9)
+
+
+def test_num_samples_says_how_many_prompts_the_file_held(tmp_path, capsys):
+    """--num-samples counts prompts: cutting a file says how many it held (it printed only "for 32 prompts")."""
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(10)])
+    assert ev.first_prompts(path, 4) == ["p0", "p1", "p2", "p3"]
+    assert f"the first 4 of the 10 prompts in {path} (--num-samples counts prompts)" in capsys.readouterr().out
+    ev.first_prompts(path, 10)
+    assert capsys.readouterr().out == ""
