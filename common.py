@@ -451,7 +451,7 @@ def _records_up_to(path: str, step: int) -> list[str]:
 
 
 def _fmt(v: float) -> str:
-    v = float(v)
+    v = float(v) + 0.0  # -0.0 as 0
     return f"{v:.3g}" if abs(v) < 1e-2 or abs(v) >= 1e4 else f"{v:.4f}".rstrip("0").rstrip(".")
 
 

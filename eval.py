@@ -434,7 +434,9 @@ def format_value(entry: dict, key: str) -> str:
     if not isinstance(value, float):
         return str(value)
     bound = "≤ " if key == "kl" and entry.get("kl_bound") else ""  # best-of-N: an upper bound
-    return f"{bound}{value:.3f}" if se is None else f"{bound}{value:.3f} ± {se:.3f}"
+    # + 0.0 turns the -0.0 of a tiny negative (the sft's kl to itself) into 0.0
+    shown = f"{round(value, 3) + 0.0:.3f}"
+    return f"{bound}{shown}" if se is None else f"{bound}{shown} ± {se:.3f}"
 
 
 def print_table(results: dict) -> None:

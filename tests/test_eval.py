@@ -596,3 +596,10 @@ def test_num_samples_says_how_many_prompts_the_file_held(tmp_path, capsys):
     assert f"the first 4 of the 10 prompts in {path} (--num-samples counts prompts)" in capsys.readouterr().out
     ev.first_prompts(path, 10)
     assert capsys.readouterr().out == ""
+
+
+def test_a_tiny_negative_prints_as_zero():
+    """The SFT's kl to itself, a tiny negative estimate, printed as -0.000."""
+    assert ev.format_value({"kl": -0.0001}, "kl") == "0.000"
+    assert ev.format_value({"kl": -0.0001, "kl_se": 0.0002}, "kl") == "0.000 ± 0.000"
+    assert ev.format_value({"kl": -0.0123}, "kl") == "-0.012"
