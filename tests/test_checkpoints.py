@@ -28,6 +28,18 @@ import train_sft
 from common import UserError
 
 
+def test_resume_without_a_checkpoint_says_what_happened(tmp_path):
+    """--resume of a run killed before its first save (--save-every 0 saves at the end only) says so (it said "run
+    the previous stage first"); a folder with no run says that."""
+    import train_sft
+
+    (tmp_path / "killed").mkdir()
+    with pytest.raises(UserError, match="no checkpoint: the run there stopped before it saved one"):
+        checkpoints.resume_args(train_sft.Args(out_dir=str(tmp_path / "killed"), resume=True), "sft")
+    with pytest.raises(UserError, match="no checkpoint: no run; start over with --overwrite"):
+        checkpoints.resume_args(train_sft.Args(out_dir=str(tmp_path / "never"), resume=True), "sft")
+
+
 def test_atomic_save_and_load(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     checkpoints.save_checkpoint({"kind": "sft", "model": {"w": torch.ones(2)}}, path)
