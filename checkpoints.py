@@ -348,12 +348,11 @@ def load_checkpoint(path: str, kind: Optional[str | tuple] = None, flag: str = "
     """Load one of our checkpoints (our own files: weights_only=False); a missing or wrong-kind file is a UserError.
     mmap: tensors stay on disk until read (to look at a checkpoint's args without loading its weights)."""
     if not os.path.isfile(path) and flag == "--resume":  # e.g. a run killed before its first save
-        started = os.path.isdir(os.path.dirname(path) or ".")
-        why = (
-            "the run there stopped before it saved one (--save-every 0 saves at the end only)" if started else "no run"
-        )
+        if not os.path.isdir(os.path.dirname(path) or "."):
+            raise UserError(f"--resume {path}: no checkpoint: no run there to resume (start it without --resume)")
         raise UserError(
-            f"--resume {path}: no checkpoint: {why}; start over with --overwrite (--save-every N to resume)"
+            f"--resume {path}: no checkpoint: the run there stopped before it saved one (--save-every 0 saves at the "
+            "end only); start it over with --overwrite, with --save-every N to be able to resume it"
         )
     if not os.path.isfile(path):
         raise UserError(f"{flag} {path}: no such checkpoint (run the previous stage first, or pass the right path)")

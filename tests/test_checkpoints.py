@@ -36,7 +36,7 @@ def test_resume_without_a_checkpoint_says_what_happened(tmp_path):
     (tmp_path / "killed").mkdir()
     with pytest.raises(UserError, match="no checkpoint: the run there stopped before it saved one"):
         checkpoints.resume_args(train_sft.Args(out_dir=str(tmp_path / "killed"), resume=True), "sft")
-    with pytest.raises(UserError, match="no checkpoint: no run; start over with --overwrite"):
+    with pytest.raises(UserError, match="no checkpoint: no run there to resume"):
         checkpoints.resume_args(train_sft.Args(out_dir=str(tmp_path / "never"), resume=True), "sft")
 
 
