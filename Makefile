@@ -2,7 +2,7 @@
 #   make demo            the whole pipeline on the built-in task (SFT, RM, DPO, PPO, eval), default sizes (out/)
 #   make demo TINY=1     the same chain with tiny sizes in about a minute (outputs under out/tiny/)
 #   make test            ruff format --check, ruff check (pinned in requirements.txt), then the test suite
-#   make test-fast       ruff check and the fast tier of the suite (about a minute)
+#   make test-fast       ruff check and the fast tier of the suite (about 2 minutes on 2 cores)
 #   make ablation        PPO-max vs vanilla vs minus-one-trick, 2 seeds, and a --kl-coef sweep (about 1.5 h;
 #                        needs out/sft and out/rm from `make demo`; resumes; table in out/ablation/ablation.md)
 #   make frontier        gold vs KL for PPO-max, GRPO, Dr. GRPO, RLOO, REINFORCE++, REBEL, the gold-reward oracle (VinePPO's
@@ -64,7 +64,7 @@ demo: venv
 	$(PY) eval.py $(COMMON) --policy $(OUT)/sft/ckpt.pt $(OUT)/ppo/ckpt.pt $(OUT)/dpo/ckpt.pt --names sft ppo dpo \
 		--ref $(OUT)/sft/ckpt.pt --rm $(OUT)/rm/ckpt.pt --json $(OUT)/results.json $(EVAL_FLAGS)
 ifeq ($(TINY),1)
-	@echo "make demo TINY=1 checked that the chain runs (a 2-layer model, 8 PPO iterations): the table above means nothing. The real run: make demo (about 6 minutes on 2 cores), then make test."
+	@echo "make demo TINY=1 checked that the chain runs (a 2-layer model, 8 PPO iterations): the table above means nothing. The real run: make demo (5-12 minutes on 2 cores), then make test."
 endif
 
 ablation: venv
@@ -99,7 +99,7 @@ test: venv real-venv
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(XDIST) -q --durations=15 tests
 
-# the edit-run loop of a fork (about a minute): the math, the user errors, one tiny smoke run per stage
+# the edit-run loop of a fork (about 2 minutes on 2 cores): the math, the user errors, one tiny smoke run per stage
 test-fast: venv real-venv
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(XDIST) -q -m "not slow" --durations=10 tests

@@ -11,7 +11,7 @@ Paper: https://arxiv.org/abs/2307.04964 (Secrets of RLHF in Large Language Model
 Every formula of the paper is in this file. What both RL stages do the same is rollout.py (steps 1-3: generate, score,
 log-probs); the critic-free estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++) are train_grpo.py.
 
-python train_ppo.py                                                   # built-in task, CPU, ~2 min (after SFT and RM)
+python train_ppo.py                                                   # built-in task, 2 cores, 2-4 min (after SFT, RM)
 python train_ppo.py --rm-ckpt none --reward-fn task:gold_reward       # optimise the gold reward itself, no RM
 torchrun --standalone --nproc_per_node 8 train_ppo.py --sft-ckpt sft/ckpt.pt --rm-ckpt rm/ckpt.pt --prompts p.jsonl
 """
