@@ -55,10 +55,15 @@ $(VENV)/.installed-real: requirements-real.txt $(VENV)/.installed
 	touch $@
 
 demo: venv
+	@echo "== make demo 1/5: SFT, train_sft.py -> $(OUT)/sft"
 	$(PY) train_sft.py $(COMMON) --out-dir $(OUT)/sft --overwrite $(SFT_FLAGS)
+	@echo "== make demo 2/5: reward model, train_rm.py -> $(OUT)/rm"
 	$(PY) train_rm.py $(COMMON) --out-dir $(OUT)/rm --overwrite --init $(OUT)/sft/ckpt.pt $(RM_FLAGS)
+	@echo "== make demo 3/5: DPO, train_dpo.py -> $(OUT)/dpo"
 	$(PY) train_dpo.py $(COMMON) --out-dir $(OUT)/dpo --overwrite --init $(OUT)/sft/ckpt.pt $(DPO_FLAGS)
+	@echo "== make demo 4/5: PPO-max, train_ppo.py -> $(OUT)/ppo (the longest stage)"
 	$(PY) train_ppo.py $(COMMON) --out-dir $(OUT)/ppo --overwrite --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt $(PPO_FLAGS)
+	@echo "== make demo 5/5: eval, eval.py -> $(OUT)/results.json"
 	rm -f $(OUT)/results.json
 	$(PY) eval.py $(COMMON) --pairs --rm $(OUT)/rm/ckpt.pt --json $(OUT)/results.json
 	$(PY) eval.py $(COMMON) --policy $(OUT)/sft/ckpt.pt $(OUT)/ppo/ckpt.pt $(OUT)/dpo/ckpt.pt --names sft ppo dpo \

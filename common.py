@@ -376,6 +376,8 @@ class Logger:
     ):
         self.writer = None
         self.console_keys = console_keys
+        self.started = time.time()  # this sitting's clock: a resumed run's pace counts its own steps
+        self.first_step = resume_step or 0
         self.samples_path = os.path.join(out_dir, "samples.jsonl")
         if not master:
             return
@@ -404,7 +406,9 @@ class Logger:
         keys = [part if last_parts.count(part) == 1 else tag for part, tag in zip(last_parts, shown)]
         head = f"step {step:05d}" + (f"/{max_steps:05d}" if max_steps else "")
         fields = [f"{key} {_fmt(metrics[tag])}" for key, tag in zip(keys, shown)]
-        print(" | ".join([head] + fields), flush=True)
+        steps_left = max_steps - step if max_steps else None
+        clock = progress(time.time() - self.started, step - self.first_step, steps_left)
+        print(" | ".join([head] + fields + clock), flush=True)
 
     def samples(self, step: int, records: list[dict]) -> None:
         """Append {"step": step, **record} to samples.jsonl, one JSON line per record."""
@@ -448,6 +452,20 @@ def _records_up_to(path: str, step: int) -> list[str]:
             if json.loads(line)["step"] <= step:
                 kept.append(line)
     return kept
+
+
+def progress(elapsed: float, steps_done: int, steps_left: Optional[int]) -> list[str]:
+    """The step line's clock: ["elapsed 1m05s", "left 3m20s"], the rest at this sitting's mean pace so far."""
+    fields = [f"elapsed {_clock(elapsed)}"]
+    if steps_left is not None and steps_done > 0:
+        fields.append(f"left {_clock(elapsed / steps_done * steps_left)}")
+    return fields
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def _fmt(v: float) -> str:

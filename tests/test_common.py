@@ -97,15 +97,25 @@ def test_logger_owns_samples_jsonl(tmp_path, capsys):
     assert not (tmp_path / "other").exists()
 
 
-def test_logger_console_keys(tmp_path, capsys):
+def test_logger_console_keys(tmp_path, capsys, monkeypatch):
+    """The console line: the keys, then the sitting's elapsed time and, with max_steps, the time left at its pace (a
+    resumed run's pace from its own steps)."""
     metrics = {"policy/loss": 0.5, "value/loss": 2.0, "objective/kl": 0.125, "perf/mfu": 0.25}
+    monkeypatch.setattr(common.time, "time", lambda: 1000.0)
     logger = common.Logger(str(tmp_path / "all"), master=True)
+    monkeypatch.setattr(common.time, "time", lambda: 1090.0)  # 3 steps in 90 s: 7 more take 210 s
     logger.log(3, metrics, max_steps=10)
-    assert capsys.readouterr().out == "step 00003/00010 | policy/loss 0.5 | value/loss 2 | kl 0.125 | mfu 0.25\n"
+    line = "step 00003/00010 | policy/loss 0.5 | value/loss 2 | kl 0.125 | mfu 0.25 | elapsed 1m30s | left 3m30s\n"
+    assert capsys.readouterr().out == line
     logger.close()
     logger = common.Logger(str(tmp_path / "some"), master=True, console_keys=("objective/kl", "nope", "policy/loss"))
     logger.log(3, metrics)
-    assert capsys.readouterr().out == "step 00003 | kl 0.125 | loss 0.5\n"
+    assert capsys.readouterr().out == "step 00003 | kl 0.125 | loss 0.5 | elapsed 0s\n"
+    logger.close()
+    logger = common.Logger(str(tmp_path / "resumed"), master=True, resume_step=8)
+    monkeypatch.setattr(common.time, "time", lambda: 1090.0 + 2 * 3700.0)  # 2 steps of this sitting, 3700 s each
+    logger.log(10, {"loss": 1.0}, max_steps=20)
+    assert capsys.readouterr().out == "step 00010/00020 | loss 1 | elapsed 2h03m | left 10h16m\n"
     logger.close()
 
 
