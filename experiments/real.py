@@ -209,8 +209,10 @@ def main(args: Args) -> None:
     flags += [*sampling, "--json", results_path]
     run(stage("eval.py", *flags), os.path.join(out, "eval.txt"))
     results = json.load(open(results_path))
-    rm_eval = [json.loads(line) for line in open(os.path.join(out, "rm", "stdout.txt")) if line.startswith("{")]
-    summary = {"pairs": pair_stats, "rm": rm_eval[-1] if rm_eval else None, "seconds": round(time.time() - started)}
+    # the RM's held-out accuracy, from its closing line ("rm done in ...s: ... | val/accuracy 0.xxxx")
+    closing = [line for line in open(os.path.join(out, "rm", "stdout.txt")) if "val/accuracy" in line]
+    rm_accuracy = float(closing[-1].split("val/accuracy")[-1]) if closing else None
+    summary = {"pairs": pair_stats, "rm_accuracy": rm_accuracy, "seconds": round(time.time() - started)}
     results["_meta"] = summary
     with open(results_path, "w") as f:
         json.dump(results, f, indent=2)
