@@ -13,9 +13,11 @@ import os
 import random
 import shlex
 import signal
+import socket
 import sys
 import threading
 import time
+import urllib.parse
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Callable, Literal, Optional
@@ -123,6 +125,7 @@ def print0(*args, **kwargs) -> None:
 def run_main(main: Callable, args) -> None:
     """Run a stage's main(args); a UserError becomes one line on stderr (rank 0 only) and exit code 2."""
     try:
+        offline_unless_reachable(args)
         main(args)
     except UserError as e:
         if is_master():
@@ -130,6 +133,33 @@ def run_main(main: Callable, args) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
+
+
+def hub_names(args) -> list[str]:
+    """The Hugging Face hub names among a stage's flags: hf:<name> values that are not a local path."""
+    values = []
+    for value in vars(args).values():
+        values += value if isinstance(value, list) else [value]
+    return [v[3:] for v in values if isinstance(v, str) and v.startswith("hf:") and not os.path.exists(v[3:])]
+
+
+def offline_unless_reachable(args, timeout: float = 2.0) -> None:
+    """HF_HUB_OFFLINE=1 when a flag names a hub model and the hub does not answer a TCP connect within timeout: the
+    load then reads the local cache at once (offline, transformers spent 51 s on retries before its error)."""
+    names = hub_names(args)
+    if not names or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return
+    endpoint = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+        return
+    except OSError:
+        pass
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    # huggingface_hub reads the variable at import: follow it if it came first
+    if "huggingface_hub.constants" in sys.modules:
+        sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = True
+    print0(f"{endpoint.hostname} does not answer: hf:{names[0]} from the local cache only (HF_HUB_OFFLINE=1)")
 
 
 def size_warnings(batch: int, batch_flag: str, records: int, eval_records: Optional[int], warmup: int, steps: int):

@@ -585,3 +585,31 @@ def test_iteration_flops_against_a_hand_count():
     critic_free = common.iteration_flops(models, seq_len, sequences, epochs)
     want = sequences * seq_len * ((3 * actor_per_token + rm_per_token) / 3 + epochs * actor_per_token)
     assert reward_model.flops_per_token(seq_len) == rm_per_token and critic_free == pytest.approx(want, rel=1e-12)
+
+
+def test_an_unreachable_hub_means_offline_at_once(monkeypatch, tmp_path, capsys):
+    """A hub name (hf:org/name) with no answer from the hub: HF_HUB_OFFLINE=1 before the load, so its error comes at
+    once (offline it took 51 s of retries); a local folder, or a hub that answers, leaves the setting alone. No
+    network: the connect is stubbed."""
+    import types
+
+    import huggingface_hub.constants as constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    calls = []
+
+    def unreachable(address, timeout):
+        calls.append(address)
+        raise OSError("no route")
+
+    monkeypatch.setattr(common.socket, "create_connection", unreachable)
+    common.offline_unless_reachable(types.SimpleNamespace(init=f"hf:{tmp_path}", policy=["out/sft/ckpt.pt"]))
+    assert calls == [] and "HF_HUB_OFFLINE" not in os.environ
+    common.offline_unless_reachable(types.SimpleNamespace(init="scratch", policy=["hf:Qwen/Qwen2.5-0.5B"]))
+    assert calls == [("huggingface.co", 443)] and os.environ["HF_HUB_OFFLINE"] == "1" and constants.HF_HUB_OFFLINE
+    assert "hf:Qwen/Qwen2.5-0.5B from the local cache only (HF_HUB_OFFLINE=1)" in capsys.readouterr().out
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(common.socket, "create_connection", lambda address, timeout: types.SimpleNamespace(close=int))
+    common.offline_unless_reachable(types.SimpleNamespace(init="hf:Qwen/Qwen2.5-0.5B"))
+    assert "HF_HUB_OFFLINE" not in os.environ
