@@ -138,7 +138,7 @@ def run_main(main: Callable, args) -> None:
 def hub_names(args) -> list[str]:
     """The Hugging Face hub names among a stage's flags: hf:<name> values that are not a local path."""
     values = []
-    for value in vars(args).values():
+    for value in vars(args).values() if hasattr(args, "__dict__") else args:
         values += value if isinstance(value, list) else [value]
     return [v[3:] for v in values if isinstance(v, str) and v.startswith("hf:") and not os.path.exists(v[3:])]
 

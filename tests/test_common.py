@@ -606,6 +606,8 @@ def test_an_unreachable_hub_means_offline_at_once(monkeypatch, tmp_path, capsys)
     monkeypatch.setattr(common.socket, "create_connection", unreachable)
     common.offline_unless_reachable(types.SimpleNamespace(init=f"hf:{tmp_path}", policy=["out/sft/ckpt.pt"]))
     assert calls == [] and "HF_HUB_OFFLINE" not in os.environ
+    common.offline_unless_reachable(["hh", str(tmp_path / "out.jsonl")])  # data.py's main takes its argv
+    assert calls == [] and "HF_HUB_OFFLINE" not in os.environ
     common.offline_unless_reachable(types.SimpleNamespace(init="scratch", policy=["hf:Qwen/Qwen2.5-0.5B"]))
     assert calls == [("huggingface.co", 443)] and os.environ["HF_HUB_OFFLINE"] == "1" and constants.HF_HUB_OFFLINE
     assert "hf:Qwen/Qwen2.5-0.5B from the local cache only (HF_HUB_OFFLINE=1)" in capsys.readouterr().out
