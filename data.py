@@ -583,7 +583,11 @@ class PtxStream:
         ids, _ = pad_right([self.texts[row][0] for row in rows], self.pad_id)
         loss_mask, _ = pad_right([self.texts[row][1] for row in rows], 0)
         device = self.d.device
-        return ids[:, :-1].to(device), ids[:, 1:].to(device), loss_mask[:, 1:].float().to(device)
+        inputs, targets = (
+            ids[:, :-1].contiguous(),
+            ids[:, 1:],
+        )  # contiguous inputs: one compiled graph (model.left_pack)
+        return inputs.to(device), targets.to(device), loss_mask[:, 1:].float().to(device)
 
 
 def as_conversation(row: dict) -> dict:

@@ -168,7 +168,8 @@ def left_pack(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     first; a row's last real token lands in the last column."""
     order = torch.sort(mask, dim=1, stable=True).indices  # (B, W)
     width = max(1, int(mask.sum(1).max()))
-    return ids.gather(1, order)[:, -width:], mask.gather(1, order)[:, -width:]
+    # contiguous: a column slice keeps the row stride W, and a compiled forward guards on it (a graph more)
+    return ids.gather(1, order)[:, -width:].contiguous(), mask.gather(1, order)[:, -width:].contiguous()
 
 
 def packed_response_logits(model, ids: Tensor, mask: Tensor, response_mask: Tensor, temperature: float) -> Tensor:

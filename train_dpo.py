@@ -246,7 +246,7 @@ def mismatched(examples: list, block_size: int) -> list:
 def sequence_logprobs(model, ids: torch.Tensor, targets_mask: torch.Tensor, average: bool) -> torch.Tensor:
     """ids (N, T) right-padded, targets_mask (N, T-1) -> (N,) the log-prob of each response: summed over its tokens,
     or their mean (average, IPO). Right padding needs no attention mask: causal attention never looks ahead."""
-    logits, _ = model(ids[:, :-1])
+    logits, _ = model(ids[:, :-1].contiguous())  # contiguous: a sliced input is a compiled graph more (model.left_pack)
     logprobs = logprobs_from_logits(logits, ids[:, 1:]) * targets_mask  # (N, T-1), 0 off the response
     if average:
         return logprobs.sum(1) / targets_mask.sum(1).clamp(min=1)

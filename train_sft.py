@@ -99,7 +99,7 @@ def collate(examples: list, pad_id: int):
     """(ids, loss_mask) pairs → inputs, targets, target mask, all (B, T-1), right-padded."""
     ids, _ = pad_right([ids for ids, _ in examples], pad_id)
     loss_mask, _ = pad_right([loss_mask for _, loss_mask in examples], 0)
-    return ids[:, :-1], ids[:, 1:], loss_mask[:, 1:].float()
+    return ids[:, :-1].contiguous(), ids[:, 1:], loss_mask[:, 1:].float()  # contiguous inputs: see model.left_pack
 
 
 def flops_per_token(model, examples: list) -> int:

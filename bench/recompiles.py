@@ -7,7 +7,7 @@ python bench/recompiles.py                 # 8 iterations
 python bench/recompiles.py --iters 16
 
 Last line: `recompiles: frames=<dynamo frame compilations> graphs=<unique graphs> limit_hits=<times the recompile
-limit was hit> lengths=<response widths seen>`.
+limit was hit> compile_s=<seconds compiling, every frame> lengths=<response widths seen>`.
 """
 
 import logging
@@ -70,7 +70,7 @@ def tiny_checkpoints(folder: str, task_dir: str, eos_boost: float) -> tuple[str,
 
 
 def main(args: Args) -> None:
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
     hits = LimitHits()
     logging.getLogger("torch._dynamo").addHandler(hits)
@@ -106,7 +106,10 @@ def main(args: Args) -> None:
             )
         )
     frames, graphs = counters["frames"]["total"], counters["stats"]["unique_graphs"]
-    print(f"recompiles: frames={frames} graphs={graphs} limit_hits={hits.hits} lengths={widths}")
+    seconds = sum(compilation_time_metrics.get("_compile.compile_inner", []))  # dynamo + inductor, every frame
+    print(
+        f"recompiles: frames={frames} graphs={graphs} limit_hits={hits.hits} compile_s={seconds:.1f} lengths={widths}"
+    )
 
 
 if __name__ == "__main__":

@@ -538,5 +538,9 @@ def test_compiled_ppo_compiles_each_call_once_whatever_the_lengths(tmp_path, tas
     # one graph per frame (no graph break), plus the decode step's one graph (compiled_decode: fixed shapes, and these
     # prompts pad to one width)
     assert counters["stats"]["unique_graphs"] == total + 1
+    # GPT.forward once per call signature: the actor, reference, RM and critic in the rollout (no grad), the critic's
+    # and the actor's updates, ptx (no mask), + the decode step = 8; a sliced (non-contiguous) input was one more
+    # each for the packed rows and ptx (14 frames before model.left_pack made its rows contiguous)
+    assert total == 8, total
     assert total <= train_ppo.parallel.RECOMPILE_LIMIT and hits.hits == 0
     assert len(errors) == 5 and max(errors) < 1e-4, errors  # fp32: sampler and trainer agree
