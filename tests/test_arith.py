@@ -11,7 +11,6 @@ import pytest
 import arith
 import checkpoints
 import eval as ev
-import stats
 from common import UserError
 from task import builtin_task
 from tokenizer import load_tokenizer
@@ -79,16 +78,16 @@ def test_pass_at_k_counts_the_subsets_with_a_right_answer(n):
         for k in range(1, n + 1):
             subsets = list(itertools.combinations(samples, k))
             expected = sum(any(subset) for subset in subsets) / len(subsets)
-            assert stats.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
-            assert stats.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
-    assert stats.pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100), rel=1e-9)
+            assert ev.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+            assert ev.pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
+    assert ev.pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100), rel=1e-9)
 
 
 @pytest.mark.parametrize("n, c, k", [(4, 0, 5), (4, 4, 5), (4, 1, 0), (4, 5, 2)])
 def test_pass_at_k_refuses_what_it_cannot_count(n, c, k):
     """k > n has no k-subset of the samples (it was 1.0 whatever c), k < 1 none either, and c lies in 0..n."""
     with pytest.raises(ValueError, match=f"pass@{k} of {c} right among {n} samples"):
-        stats.pass_at_k(n, c, k)
+        ev.pass_at_k(n, c, k)
 
 
 def test_pass_at_metrics_over_problems_with_its_standard_error():

@@ -19,7 +19,6 @@ from conftest import boost_eos, checkpoint_dict, exits_2_with_one_line, tiny_gpt
 import checkpoints
 import common
 import eval as ev
-import stats
 import task
 from data import read_jsonl
 from model import GPT, GPTConfig, last_token_scores
@@ -42,30 +41,30 @@ POLICY_KEYS = [
 
 
 def test_distinct_2_by_hand():
-    assert stats.distinct_n([[1, 2, 3], [1, 2, 4]], 2) == pytest.approx(3 / 4)  # (1,2) twice, (2,3), (2,4)
-    assert stats.distinct_n([[5, 5, 5, 5]], 2) == pytest.approx(1 / 3)
-    assert stats.distinct_n([[1], []], 2) == 0.0
+    assert ev.distinct_n([[1, 2, 3], [1, 2, 4]], 2) == pytest.approx(3 / 4)  # (1,2) twice, (2,3), (2,4)
+    assert ev.distinct_n([[5, 5, 5, 5]], 2) == pytest.approx(1 / 3)
+    assert ev.distinct_n([[1], []], 2) == 0.0
 
 
 def test_win_rate_ties_count_half():
-    outcomes = stats.win_outcomes([1.0, 0.0, -1.0, 0.5], [0.0, 0.0, 1.0, 0.5])
+    outcomes = ev.win_outcomes([1.0, 0.0, -1.0, 0.5], [0.0, 0.0, 1.0, 0.5])
     assert outcomes == [1.0, 0.5, 0.0, 0.5] and sum(outcomes) / 4 == pytest.approx((1 + 0.5 + 0 + 0.5) / 4)
 
 
 def test_mean_se_by_hand():
     """One sample per prompt: std(ddof=1)/sqrt(n); two seeds per prompt: the same over the per-prompt means."""
     gold = [1.0, 0.0, 1.0, 1.0]
-    stat = stats.mean_se(gold, [0, 1, 2, 3])
+    stat = ev.mean_se(gold, [0, 1, 2, 3])
     assert stat["value"] == 0.75
     assert stat["se"] == pytest.approx(statistics.stdev(gold) / math.sqrt(4))
     # prompts 0, 1, 2 sampled with two seeds each, seed-major as sample_policy lays them out
     values = [1.0, 0.0, 3.0, 2.0, 0.5, 4.0]
     prompt_index = [0, 1, 2, 0, 1, 2]
     prompt_means = [1.5, 0.25, 3.5]
-    stat = stats.mean_se(values, prompt_index)
+    stat = ev.mean_se(values, prompt_index)
     assert stat["value"] == pytest.approx(statistics.mean(values))
     assert stat["se"] == pytest.approx(statistics.stdev(prompt_means) / math.sqrt(3))
-    assert stats.mean_se([2.0, 4.0], [0, 0])["se"] is None  # one cluster: no spread to measure
+    assert ev.mean_se([2.0, 4.0], [0, 0])["se"] is None  # one cluster: no spread to measure
 
 
 def jackknife_se(statistic, samples: list, cluster: list) -> float:
@@ -82,7 +81,7 @@ def test_perplexity_se_matches_the_jackknife():
     lengths = [rng.randint(1, 30) for _ in range(600)]
     logprob_sums = [-n * rng.uniform(0.5, 1.5) for n in lengths]
     cluster = [i % 300 for i in range(600)]  # 300 prompts x 2 seeds
-    stat = stats.perplexity_se(logprob_sums, lengths, cluster)
+    stat = ev.perplexity_se(logprob_sums, lengths, cluster)
     assert stat["value"] == pytest.approx(math.exp(-sum(logprob_sums) / sum(lengths)))
 
     def perplexity(pairs):
@@ -96,9 +95,9 @@ def test_distinct_2_se_is_the_jackknife():
     rng = random.Random(1)
     responses = [[rng.randint(0, 6) for _ in range(rng.randint(0, 8))] for _ in range(40)]
     cluster = [i % 20 for i in range(40)]
-    stat = stats.distinct_n_se(responses, cluster, 2)
-    assert stat["value"] == pytest.approx(stats.distinct_n(responses, 2))
-    reference = jackknife_se(lambda rs: stats.distinct_n(rs, 2), responses, cluster)
+    stat = ev.distinct_n_se(responses, cluster, 2)
+    assert stat["value"] == pytest.approx(ev.distinct_n(responses, 2))
+    reference = jackknife_se(lambda rs: ev.distinct_n(rs, 2), responses, cluster)
     assert stat["se"] == pytest.approx(reference)
 
 
