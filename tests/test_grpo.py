@@ -34,7 +34,6 @@ from conftest import (
 
 import checkpoints
 import common
-import dynamic_sampling
 import rollout
 import train_grpo
 from model import GPT
@@ -163,13 +162,13 @@ def test_dynamic_sampling_keeps_informative_groups_first():
 
     first = experience([1.0, 1.0, 0.0, 2.0, -1.0, -1.0], 3, 4)  # groups of 2: ties, informative, ties
     second = experience([0.5, 0.5, 3.0, 1.0, 2.0, 0.0], 2, 5)  # ties, informative, informative
-    assert dynamic_sampling.informative_groups(first["scores"], 2).tolist() == [False, True, False]
-    kept = dynamic_sampling.keep_informative_groups([first, second], 2, 6, pad_id=-7)
+    assert train_grpo.informative_groups(first["scores"], 2).tolist() == [False, True, False]
+    kept = train_grpo.keep_informative_groups([first, second], 2, 6, pad_id=-7)
     assert kept["scores"].tolist() == [0.0, 2.0, 3.0, 1.0, 2.0, 0.0] and kept["informative"].tolist() == [1.0] * 6
     assert kept["query"].shape == (6, 3) and kept["response"].shape == (6, 5)
     assert kept["query"][2].tolist() == [-7, 2 * 2, 2 * 2 + 1] and kept["query_mask"][2].tolist() == [0, 1, 1]
     assert kept["response"][0].tolist() == [2 * 4 + 100 + t for t in range(4)] + [-7] and kept["mask"][0, 4] == 0
-    short = dynamic_sampling.keep_informative_groups([first], 2, 6, pad_id=-7)  # one informative group: the ties fill
+    short = train_grpo.keep_informative_groups([first], 2, 6, pad_id=-7)  # one informative group: the ties fill
     assert short["scores"].tolist() == [0.0, 2.0, 1.0, 1.0, -1.0, -1.0]
     assert short["informative"].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
