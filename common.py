@@ -624,7 +624,7 @@ def iteration_flops(models, sequence_len: int, sequences: int, epochs: int, crit
     """Training-equivalent FLOPs of one RL iteration for perf/mfu (flops_per_token counts a forward and a backward, a
     forward is a third of it): generation, policy and reference log-probs (three actor-sized forwards), each RM's
     score and the critic's values (a forward each), then `epochs` forward-backward passes of the actor and the critic
-    over the rollout. models: roles.Models; sequence_len = prompt + response positions; sequences summed over
+    over the rollout. models: rollout.Models; sequence_len = prompt + response positions; sequences summed over
     ranks."""
     actor_flops = models.actor.flops_per_token(sequence_len)
     critic_flops = critic.flops_per_token(sequence_len) if critic is not None else 0

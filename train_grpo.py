@@ -39,12 +39,11 @@ import checkpoints
 import cli
 import common
 import parallel
-import roles
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
 from data import Order, PromptStream, PtxStream, load_prompts, prompt_text
 from model import entropy_from_logits, lm_loss, masked_mean
-from roles import Models
+from rollout import Models
 from task import builtin_task
 from tokenizer import Tokenizer
 
@@ -916,13 +915,13 @@ def main(args: Args) -> None:
     common.seed_everything(args.seed)
 
     # checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
-    sft, ref, rms = roles.load_inputs(args)
+    sft, ref, rms = rollout.load_inputs(args)
     tok = Tokenizer.from_state(sft["tokenizer"])
     data = load_prompts(args, tok, sft["model_config"]["block_size"])
     prompts, ptx = data.prompts, data.ptx
     reward_fn = common.load_reward_fn(args.reward_fn, prompt_text(tok, prompts[0])) if args.reward_fn else None
-    actor_model, reference = roles.build_policy(args, sft, ref)
-    models = Models(actor_model, reference, roles.build_reward_models(args, rms))
+    actor_model, reference = rollout.build_policy(args, sft, ref)
+    models = Models(actor_model, reference, rollout.build_reward_models(args, rms))
 
     # sizes, distributed set-up, placement, optimizer, the loop's state
     sizes = parallel.rollout_split(args, args.group_size, has_ptx=bool(ptx) and args.ptx_coef > 0)
@@ -962,7 +961,7 @@ def main(args: Args) -> None:
         print0(f"rebel: eta {args.rebel_eta}, no clip (the cliprange above is unused), pairs of consecutive responses")
     print0(f"a response without EOS scores {rollout.missing_eos_rule(args)}")
     print0(f"ptx {rollout.ptx_rule(args, data)}")
-    models = roles.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
+    models = rollout.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
     optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps)
     actor = Trained("model", models.actor, optimizer, schedule, args.grad_clip)
@@ -979,7 +978,7 @@ def main(args: Args) -> None:
     if args.resume:
         ckpt = loop.resume(run, hashes)
         reward_moments.load_state_dict(ckpt["reward_moments"])
-        roles.refresh_sampler(models)  # the resumed actor into its bf16 copy, before it samples
+        rollout.refresh_sampler(models)  # the resumed actor into its bf16 copy, before it samples
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     forward = models.compiled(args.compile, d.device)
     replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
@@ -1009,7 +1008,7 @@ def main(args: Args) -> None:
         lr = common.step_lr(actor, loop.step)
         updated, diagnostics = grpo_update(actor, experience, args, loop)
         loop.first = loop.first or diagnostics["first"]
-        roles.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
+        rollout.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
         loop.step += 1
         loop.updates += diagnostics["updates"]
         loop.episodes += args.rollout_batch_size * int(metrics.get("rollout/sample_rounds", 1))

@@ -29,12 +29,11 @@ import cli
 import common
 import hf
 import parallel
-import roles
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
 from data import Order, PromptStream, PtxStream, load_prompts, prompt_text
 from model import entropy_from_logits, lm_loss, masked_mean, response_forward
-from roles import Models
+from rollout import Models
 from tokenizer import Tokenizer
 
 
@@ -576,14 +575,14 @@ def main(args: Args) -> None:
     common.seed_everything(args.seed)  # before any model is built: a fresh critic head follows --seed
 
     # checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
-    sft, ref, rms = roles.load_inputs(args)
+    sft, ref, rms = rollout.load_inputs(args)
     tok = Tokenizer.from_state(sft["tokenizer"])
     data = load_prompts(args, tok, sft["model_config"]["block_size"])
     prompts, ptx = data.prompts, data.ptx
     reward_fn = common.load_reward_fn(args.reward_fn, prompt_text(tok, prompts[0])) if args.reward_fn else None
-    actor_model, reference = roles.build_policy(args, sft, ref)
+    actor_model, reference = rollout.build_policy(args, sft, ref)
     critic_model = build_critic(args, sft, rms)
-    models = Models(actor_model, reference, roles.build_reward_models(args, rms, rm_base=critic_model))
+    models = Models(actor_model, reference, rollout.build_reward_models(args, rms, rm_base=critic_model))
 
     # sizes, distributed set-up, placement, optimizers, the loop's state
     sizes = parallel.rollout_split(args, group_size=1, has_ptx=bool(ptx) and args.ptx_coef > 0)
@@ -603,7 +602,7 @@ def main(args: Args) -> None:
     )
     print0(f"a response without EOS scores {rollout.missing_eos_rule(args)}")
     print0(f"ptx {rollout.ptx_rule(args, data)}")
-    models = roles.place(models, args, d, dtype, critic=critic_model)  # under bf16, a bf16 sampler copy of the actor
+    models = rollout.place(models, args, d, dtype, critic=critic_model)  # under bf16, a bf16 sampler copy of the actor
     actor, critic = build_optimizers(args, models, critic_model, max_steps, d.device.type)
     generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
     prompt_stream = PromptStream(prompts, Order(len(prompts), args.seed), sizes.prompts_per_rank, 1, d)
@@ -621,10 +620,12 @@ def main(args: Args) -> None:
         reward_moments.load_state_dict(ckpt["reward_moments"])
         kl_controller.load_state_dict(ckpt["kl_ctl"])
         detector.load_state_dict(ckpt["data_state"]["collapse"])
-        roles.refresh_sampler(models)  # the resumed actor into its bf16 copy, before it samples
+        rollout.refresh_sampler(models)  # the resumed actor into its bf16 copy, before it samples
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     forward = models.compiled(args.compile, d.device)
-    critic_forward = roles.compile_role(critic_model) if parallel.use_compile(args.compile, d.device) else critic_model
+    critic_forward = (
+        rollout.compile_role(critic_model) if parallel.use_compile(args.compile, d.device) else critic_model
+    )
     replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
     actor.forward = parallel.replicate(forward.actor, d) if replicated else forward.actor
     critic.forward = parallel.replicate(critic_forward, d) if replicated else critic_forward
@@ -647,7 +648,7 @@ def main(args: Args) -> None:
         lr, critic_lr = common.step_lr(actor, loop.step), common.step_lr(critic, loop.step)
         updated, diagnostics = ppo_update(actor, critic, experience, args, loop)
         loop.first = loop.first or diagnostics["first"]
-        roles.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
+        rollout.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
         loop.step += 1
         loop.updates += diagnostics["updates"]
         loop.episodes += args.rollout_batch_size

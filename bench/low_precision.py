@@ -27,7 +27,7 @@ import parallel  # noqa: E402
 import rollout  # noqa: E402
 from data import read_jsonl  # noqa: E402
 from model import last_token_scores, logprobs_from_logits, response_forward  # noqa: E402
-from roles import Models  # noqa: E402
+from rollout import Models  # noqa: E402
 from task import build_task  # noqa: E402
 
 

@@ -34,13 +34,12 @@ import checkpoints  # noqa: E402
 import common  # noqa: E402
 import generate as generation  # noqa: E402
 import parallel  # noqa: E402
-import roles  # noqa: E402
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 import train_ppo  # noqa: E402
 from common import Trained  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from roles import Models  # noqa: E402
+from rollout import Models  # noqa: E402
 
 
 @dataclass
@@ -321,7 +320,7 @@ def main(args: Args) -> None:
         else:
             critic_entry = Trained("critic", critic, critic_opt, grad_clip=1.0, forward=fwd[critic])
             train_ppo.ppo_update(actor, critic_entry, exp, settings, loop)
-        roles.refresh_sampler(Models(policy, ref, members, forwards.sampler))
+        rollout.refresh_sampler(Models(policy, ref, members, forwards.sampler))
         sync()
         t2 = time.perf_counter()
         rows.append({"total": t2 - t0, "generate": gen_time[0], "scoring": t1 - t0 - gen_time[0], "update": t2 - t1})

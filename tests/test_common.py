@@ -28,7 +28,7 @@ import train_ppo
 import train_sft
 from common import LRSchedule, StepGuard, Trained, UserError, exact_div, guarded_step
 from model import GPT, GPTConfig
-from roles import Models
+from rollout import Models
 from task import build_task
 
 

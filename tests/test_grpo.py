@@ -37,7 +37,7 @@ import common
 import rollout
 import train_grpo
 from model import GPT
-from roles import Models
+from rollout import Models
 from train_grpo import (
     RECIPES,
     RunningMoments,

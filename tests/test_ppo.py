@@ -42,7 +42,7 @@ import rollout
 import train_grpo
 import train_ppo
 from model import GPT, GPTConfig, masked_mean
-from roles import Models
+from rollout import Models
 from train_ppo import (
     CollapseDetector,
     KLController,

@@ -1,12 +1,12 @@
-"""roles.py, the models an RL stage runs by role: the bf16 sampler copy of the actor (Models.with_sampler) and its
+"""rollout.py's models an RL stage runs by role: the bf16 sampler copy of the actor (Models.with_sampler) and its
 refresh in place after every update (refresh_sampler), with and without LoRA."""
 
 import pytest
 import torch
 from conftest import tiny_gpt
 
-import roles
-from roles import Models
+import rollout
+from rollout import Models
 
 # -----------------------------------------------------------------------------
 # the bf16 sampler (Models.with_sampler, refresh_sampler)
@@ -63,13 +63,13 @@ def test_the_bf16_sampler_is_the_actor_in_bf16_and_refreshes_in_place(task_tok, 
     moved = merged_state_dict(actor)
     stale = sampler.state_dict()["transformer.h.0.attn.c_attn.weight"]
     assert not torch.equal(stale, moved["transformer.h.0.attn.c_attn.weight"].to(torch.bfloat16))
-    roles.refresh_sampler(models)
+    rollout.refresh_sampler(models)
     assert_sampler_is_the_actor_in_bf16(sampler, moved)
     assert {name: tensor.data_ptr() for name, tensor in sampler.state_dict().items()} == addresses
     actor_after = actor.state_dict()
     assert all(torch.equal(actor_after[name], tensor) for name, tensor in actor_before.items())
     assert all(p.dtype == torch.float32 for p in trained) and bool(lora_layers(actor)) == lora
-    roles.refresh_sampler(plain)  # no sampler: nothing to do
+    rollout.refresh_sampler(plain)  # no sampler: nothing to do
 
 
 @pytest.mark.parametrize("stage, lora", [("ppo", False), ("grpo", True)], ids=["ppo", "grpo_lora"])

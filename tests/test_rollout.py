@@ -20,7 +20,7 @@ import rollout
 import train_grpo
 import train_ppo
 from model import GPT, logprobs_from_logits, response_forward
-from roles import Models
+from rollout import Models
 
 # -----------------------------------------------------------------------------
 # TIS: a pure function against a naive loop
