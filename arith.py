@@ -6,7 +6,7 @@ policy right about half the time: what it learns is a distribution over answers 
 a verifiable reward (GRPO, DAPO, RLOO, PPO) and pass@k are measured in. The tokenizer has no merges: every digit is
 a token of its own. Held-out problems (eval_prompts) are a fixed ~10 % of all operand pairs, never trained on.
 
-The task's functions have the reviews task's names (task.py), so a stage picks either by --task (task.builtin_task):
+The task's functions have the reviews task's names (task.py), so a stage picks either by --task (data.TASKS):
 - verify(prompt, response): the answer is the sum;
 - gold_reward(prompt, response, ended): 1.0 right with an EOS, else 0.0, so eval.py's gold is the accuracy;
 - reward(prompt, response, ended): the RL stages' reward (--reward-fn arith:reward): 1 right, 0 wrong, -1 when the

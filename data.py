@@ -1,6 +1,7 @@
 """Data: JSONL readers with validation, converters from public formats (HH, UltraFeedback, conversations), encoding,
 padding, the global sample order, and the RL stages' prompt and pre-training text streams. The tokenizers are
-tokenizer.py; the built-in task itself (its grammar, gold reward and files) is task.py.
+tokenizer.py; the built-in tasks themselves (their grammar, gold reward and files) are task.py (reviews) and arith.py,
+`TASKS` picks one by --task.
 """
 
 import json
@@ -11,9 +12,14 @@ from typing import Callable, Optional
 
 import torch
 
+import arith
+import task as reviews
 from common import UserError, write_jsonl
-from task import builtin_task
 from tokenizer import HH_ASSISTANT, HH_NAMES, Tokenizer, load_tokenizer
+
+# the built-in tasks by --task (reviews: task.py): each module has build_task, gold_reward, is_valid, is_task_prompt and
+# is_held_out with the same signatures, STEP_END and PTX_FROM_PRETRAIN
+TASKS = {"reviews": reviews, "arith": arith}
 
 # -----------------------------------------------------------------------------
 # JSONL readers
@@ -520,7 +526,7 @@ def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
     --ptx-data with no text that fits while --ptx-coef asks for a ptx loss, or a policy with another tokenizer than
     the built-in task's, is a one-line error."""
     builtin = args.prompts is None
-    task_module = builtin_task(args.task) if builtin else None
+    task_module = TASKS[args.task] if builtin else None
     task = task_module.build_task(args.task_dir, args.task_seed) if builtin else None
     rows = read_jsonl(task["prompts"] if builtin else args.prompts, "prompts", "--prompts")
     prompts = [row["prompt"] for row in rows]

@@ -45,7 +45,7 @@ import common
 import hf
 import parallel
 from common import UserError, format_sample, write_atomic, write_jsonl
-from data import drop_tied, encode_prefs, encode_prompts, prompt_ids, prompt_text, read_jsonl, responses_of
+from data import TASKS, drop_tied, encode_prefs, encode_prompts, prompt_ids, prompt_text, read_jsonl, responses_of
 from generate import sample
 from model import (
     aggregate_rm_scores,
@@ -55,7 +55,6 @@ from model import (
     packed_response_logits,
     score_sequences,
 )
-from task import builtin_task
 
 
 @dataclass
@@ -315,7 +314,7 @@ def pick_samples(samples: dict, indices: list) -> dict:
 def policy_metrics(samples: dict, task: Optional[ModuleType], ref_gold: Optional[list]) -> tuple[dict, Optional[list]]:
     """(metrics, gold): the table's numbers from sample_policy's lists, each `<metric>` with its `<metric>_se`, then
     num_samples and seeds; gold (per sample) and the gold-based metrics are None off the built-in task (task: its
-    module, task.builtin_task; off_aspect the reviews task's only). ref_gold is the reference's per-sample gold on the
+    module, data.TASKS; off_aspect the reviews task's only). ref_gold is the reference's per-sample gold on the
     same prompts and seeds, in the same order."""
     cluster = samples["prompt_index"]
     responses = samples["response"]
@@ -587,7 +586,7 @@ def check_args(args: Args) -> None:
         raise UserError(
             f"--pass-samples {args.pass_samples}: pass@{max(args.pass_at)} needs at least that many samples"
         )
-    if args.pass_at and not hasattr(builtin_task(args.task), "verify"):
+    if args.pass_at and not hasattr(TASKS[args.task], "verify"):
         raise UserError(f"--pass-at counts right answers: the {args.task} task has no verifier (--task arith has one)")
     if args.write_best and (not args.best_of_n or len(args.best_of_n) != 1 or len(args.policy) != 1):
         raise UserError("--write-best writes one policy's best of N: pass one --policy and one --best-of-n N")
@@ -725,7 +724,7 @@ def rm_metrics(args: Args, task_files: Optional[dict], device) -> dict:
     examples = [encoded[0][id(row)] for row in kept]
     aggregate = aggregate_rm_scores(scores, args.rm_agg, args.rm_uwo_coef)
     train_seconds = round(sum(ckpt.get("seconds", 0.0) for _, _, ckpt in members), 1)
-    task = builtin_task(args.task) if args.pairs_data is None else None
+    task = TASKS[args.task] if args.pairs_data is None else None
     results = {"rm": pair_metrics(aggregate.tolist(), examples, task) | {"train_seconds": train_seconds}}
     if len(members) > 1:
         for k, (member_scores, (_, _, ckpt)) in enumerate(zip(scores, members), start=1):
@@ -778,7 +777,7 @@ def main(args: Args) -> dict:
     )
     needs_task = args.pairs_data is None if args.pairs else args.prompts is None  # the built-in task's, on demand
     missing_eos_score = -1.0 if args.missing_eos_penalty is None else args.missing_eos_penalty
-    task_files = builtin_task(args.task).build_task(args.task_dir, args.task_seed) if needs_task else None
+    task_files = TASKS[args.task].build_task(args.task_dir, args.task_seed) if needs_task else None
     results = {}
     if args.pairs:
         results = rm_metrics(args, task_files, device)
@@ -813,7 +812,7 @@ def main(args: Args) -> dict:
         raise UserError(f"--prompts: no prompt leaves room for a response in the context of {context}")
     prompts = fitting
     # the gold reward knows the built-in task's prompts: task is its module when every prompt is one
-    task_module = builtin_task(args.task)
+    task_module = TASKS[args.task]
     task = task_module if all(task_module.is_task_prompt(prompt) for prompt in prompts) else None
     if args.pass_at and task is None:
         raise UserError(

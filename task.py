@@ -14,9 +14,7 @@ import math
 import os
 import random
 import re
-import sys
 from collections import Counter
-from types import ModuleType
 from typing import Callable
 
 import regex
@@ -215,16 +213,6 @@ def split_titles(task_seed: int) -> tuple[list[str], list[str]]:
 def is_held_out(prompt: str, task_seed: int) -> bool:
     """A prompt of a held-out title (eval_prompts): training data never holds one."""
     return prompt_title(prompt) in split_titles(task_seed)[1]
-
-
-def builtin_task(name: str) -> ModuleType:
-    """The module of a built-in task (--task): this one for reviews, arith.py for arith. Each has build_task,
-    gold_reward, is_valid, is_task_prompt and is_held_out with the same signatures, STEP_END and PTX_FROM_PRETRAIN."""
-    if name != "arith":
-        return sys.modules[__name__]
-    import arith  # here, not at the top: arith.py imports this module's file layout
-
-    return arith
 
 
 def sample_prompt(rng: random.Random, titles: list[str]) -> str:

@@ -32,11 +32,20 @@ import common
 import hf
 import parallel
 from common import UserError, format_sample, print0
-from data import Order, drop_tied, encode_kto, encode_prefs, encode_prompts, pad_right, read_jsonl, read_train_eval
+from data import (
+    TASKS,
+    Order,
+    drop_tied,
+    encode_kto,
+    encode_prefs,
+    encode_prompts,
+    pad_right,
+    read_jsonl,
+    read_train_eval,
+)
 from generate import sample
 from lora import BaseView
 from model import logprobs_from_logits, response_forward
-from task import builtin_task
 from tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5, "kto": 0.1}  # --beta None (IPO's β works on per-token mean log-probs)
@@ -282,7 +291,7 @@ def longest_sequence(example) -> int:
 def sample_responses(policy, ref, tok, prompts: list, temperature: float, max_new_tokens: int, generator, task) -> list:
     """One response per prompt (KV cache, batches of 128): {"prompt", "response" (text without EOS), "ended", "kl",
     "gold", "valid"} with kl the sum over response tokens of log π - log π_ref at the sampling temperature (k1) and
-    the built-in task's gold reward and validity (task: its module, task.builtin_task)."""
+    the built-in task's gold reward and validity (task: its module, data.TASKS)."""
     device = next(policy.parameters()).device
     records = []
     for start in range(0, len(prompts), 128):
@@ -470,7 +479,7 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     """Step 1: the preference data, tokenizer and policy (--init), checked before any process group; returns them and
     the init's fingerprint (--resume compares it)."""
     builtin = args.data is None
-    task = builtin_task(args.task).build_task(args.task_dir, args.task_seed) if builtin else None
+    task = TASKS[args.task].build_task(args.task_dir, args.task_seed) if builtin else None
     train_path = task["pairs"] if builtin else args.data
     eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)
     kto = args.loss == "kto"
@@ -504,7 +513,7 @@ def main(args: Args) -> None:
     # 1. data, tokenizer, policy and reference (user mistakes surface here, before any process group)
     model, tok, init_hash, data = load(args)
     builtin = args.data is None
-    task = builtin_task(args.task) if builtin else None  # gold and validity of the held-out samples
+    task = TASKS[args.task] if builtin else None  # gold and validity of the held-out samples
     train, evals, prompts = data.train, data.evals, data.prompts
     parallel.prepare_model(model, args)
     if args.lora_rank > 0:

@@ -41,10 +41,9 @@ import common
 import parallel
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
-from data import Order, PromptStream, PtxStream, load_prompts, prompt_text
+from data import TASKS, Order, PromptStream, PtxStream, load_prompts, prompt_text
 from model import entropy_from_logits, lm_loss, masked_mean
 from rollout import Models
-from task import builtin_task
 from tokenizer import Tokenizer
 
 # Each estimator's recipe: what a flag left at None becomes. beta in the loss (k3) and in the reward (k1, on raw
@@ -447,7 +446,7 @@ def ptx_loss(actor, ptx_batch: tuple, ptx_tokens) -> torch.Tensor:
 def vine_step_end(args: Args, tok: Tokenizer) -> Optional[int]:
     """The token that ends a VinePPO step: the built-in task's STEP_END (reviews: '.'), or None on arith and on
     --prompts, whose steps are --vine-chunk tokens."""
-    step_end = builtin_task(args.task).STEP_END if args.prompts is None else None
+    step_end = TASKS[args.task].STEP_END if args.prompts is None else None
     return None if step_end is None else tok.encode(step_end)[0]
 
 

@@ -27,6 +27,7 @@ import hf
 import parallel
 from common import UserError, print0
 from data import (
+    TASKS,
     Order,
     drop_tied,
     encode_prefs,
@@ -37,7 +38,7 @@ from data import (
     sft_sequence,
 )
 from model import calibration_error, last_token_scores, lm_loss, score_sequences
-from task import PROBE_KINDS, builtin_task, is_task_prompt, probe_texts
+from task import PROBE_KINDS, is_task_prompt, probe_texts
 from tokenizer import Tokenizer, load_tokenizer
 
 
@@ -298,7 +299,7 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     """Step 1: the data, tokenizer and model (--init with a score head), checked before any process group; returns
     them and the init's fingerprint (--resume compares it)."""
     builtin = args.data is None
-    task_module = builtin_task(args.task)
+    task_module = TASKS[args.task]
     task = task_module.build_task(args.task_dir, args.task_seed) if builtin else None
     train_path = task["pairs"] if builtin else args.data
     eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)

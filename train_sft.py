@@ -23,6 +23,7 @@ import hf
 import parallel
 from common import UserError, format_sample, print0
 from data import (
+    TASKS,
     Order,
     encode_prompts,
     encode_sft,
@@ -34,7 +35,6 @@ from data import (
 )
 from generate import sample
 from model import lm_loss
-from task import builtin_task
 from tokenizer import Tokenizer, load_tokenizer
 
 
@@ -140,7 +140,7 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     """Step 1: the data, tokenizer and model, checked before any process group; returns them and the init's
     fingerprint (--resume compares it)."""
     builtin = args.data is None
-    task_module = builtin_task(args.task) if builtin else None
+    task_module = TASKS[args.task] if builtin else None
     task = task_module.build_task(args.task_dir, args.task_seed) if builtin else None
     train_path = task["sft"] if builtin else args.data
     eval_path = args.eval_data or (task["sft_eval"] if builtin else None)

@@ -12,7 +12,7 @@ import arith
 import checkpoints
 import eval as ev
 from common import UserError
-from task import builtin_task
+from data import TASKS
 from tokenizer import load_tokenizer
 
 
@@ -51,7 +51,7 @@ def test_a_wrong_answer_is_never_right_and_parses():
 
 
 def test_task_files_split_and_the_share_of_wrong_demonstrations(tmp_path):
-    paths = builtin_task("arith").build_task(str(tmp_path), 1337, tiny=True)
+    paths = TASKS["arith"].build_task(str(tmp_path), 1337, tiny=True)
     read = {name: [json.loads(line) for line in open(paths[name])] for name in arith.TASK_FILES}
     held = [row["prompt"] for row in read["eval_prompts"]]
     assert len(held) == len(set(held)) == arith.TINY_SIZES["eval_prompts"]
@@ -67,7 +67,7 @@ def test_task_files_split_and_the_share_of_wrong_demonstrations(tmp_path):
     )
     tok = load_tokenizer(paths["tokenizer"])
     assert [tok.decode([i]) for i in tok.encode("907+38=")] == list("907+38=")  # one token a character
-    assert builtin_task("arith").build_task(str(tmp_path), 1337, tiny=True) == paths  # cached
+    assert TASKS["arith"].build_task(str(tmp_path), 1337, tiny=True) == paths  # cached
 
 
 @pytest.mark.parametrize("n", [1, 3, 6, 8])
@@ -156,7 +156,7 @@ def test_ptx_is_off_on_arith_unless_given(tmp_path, task_dir, task_tok):
     import rollout
     import train_grpo
 
-    tok = load_tokenizer(builtin_task("arith").build_task(str(tmp_path), 1337)["tokenizer"])
+    tok = load_tokenizer(TASKS["arith"].build_task(str(tmp_path), 1337)["tokenizer"])
     args = train_grpo.Args(task="arith", task_dir=str(tmp_path), max_new_tokens=8)
     loaded = data.load_prompts(args, tok, block_size=64)
     assert loaded.ptx == [] and loaded.ptx_path is None
@@ -173,7 +173,7 @@ def test_ptx_is_off_on_arith_unless_given(tmp_path, task_dir, task_tok):
     )
     args = train_grpo.Args(task_dir=task_dir, max_new_tokens=8)
     loaded = data.load_prompts(args, task_tok, block_size=64)
-    assert loaded.ptx_path == builtin_task("reviews").build_task(task_dir, 1337)["pretrain"] and len(loaded.ptx) > 0
+    assert loaded.ptx_path == TASKS["reviews"].build_task(task_dir, 1337)["pretrain"] and len(loaded.ptx) > 0
     assert rollout.ptx_rule(args, loaded).startswith(f"on: --ptx-coef 0.1 x the LM loss on {len(loaded.ptx)} texts")
 
 

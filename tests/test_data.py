@@ -115,13 +115,11 @@ def test_the_task_tokenizer_exports_as_a_hugging_face_tokenizer(tmp_path, files,
 def test_an_exported_task_tokenizer_is_the_task_tokenizer_to_the_rl_stages(tmp_path, task_dir, task_tok):
     """A policy exported with --export-hf and loaded back with --init hf:DIR has the task's tokenizer saved another
     way: load_prompts takes it (it compared saved state and refused it); another task's tokenizer is still refused."""
-    from task import builtin_task
-
     tokenizer.export_tokenizer(task_tok, str(tmp_path / "hf"))
     hf_tok = tokenizer.load_tokenizer(f"hf:{tmp_path / 'hf'}")
     args = train_ppo.Args(task_dir=task_dir, max_new_tokens=8, ptx_coef=0.0)
     assert len(data.load_prompts(args, hf_tok, block_size=64).prompts) > 0
-    arith_tok = tokenizer.load_tokenizer(builtin_task("arith").build_task(str(tmp_path / "arith"), 1337)["tokenizer"])
+    arith_tok = tokenizer.load_tokenizer(data.TASKS["arith"].build_task(str(tmp_path / "arith"), 1337)["tokenizer"])
     with pytest.raises(common.UserError, match="not the built-in reviews task's"):
         data.load_prompts(args, arith_tok, block_size=64)
 
