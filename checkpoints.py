@@ -113,26 +113,6 @@ BOOKKEEPING = (
 BUDGET = ("max_steps", "total_episodes", "epochs")  # the step budget: may change; the LR schedule is re-timed
 POLICY_KINDS = ("sft", "dpo", "ppo", "grpo")  # the checkpoint kinds any stage may start a policy from
 
-# flags an older version of a stage had, with the value the stage now always uses: a checkpoint of a run that set
-# another is not resumed (resume_args). Before the stage split train_ppo.py also ran the critic-free estimators.
-MOVED = "critic-free runs live in train_grpo.py now: start one there (--sft-ckpt takes this checkpoint)"
-RETIRED = {
-    "ppo": {
-        "adv_estimator": ("gae", MOVED),
-        "group_size": (1, MOVED),
-        "kl_penalty": ("reward", MOVED),
-        "kl_estimator": (
-            "k1",
-            "PPO-max's KL in the reward is k1 (k2 and k3 there work against it: docs/design.md §5d)",
-        ),
-        "loss_agg": ("token_mean", MOVED),
-        "mask_truncated": (False, MOVED),
-        "dynamic_sampling": (False, MOVED),
-        "cliprange_high": (None, MOVED),
-        "dual_clip": (None, MOVED),
-    },
-}
-
 
 def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None) -> CommonArgs:
     """A stage's args as its run continues (docs/design.md §8), decided before anything is built. Without --resume:
@@ -142,9 +122,7 @@ def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None)
     args.given), a field still at its dataclass default counts as not given. A given flag that changes the run's math
     (estimator, beta, lr, model shape, LoRA, data) and differs from the saved one is refused with one line naming each
     flag, its saved and its new value; given bookkeeping flags and the step budget apply and are printed. resolve
-    fills the stage's defaults that depend on other flags, on both sides before they are compared. A flag the stage
-    no longer has (RETIRED) that the checkpoint saved at another value than the one the stage now always uses is
-    refused with the reason."""
+    fills the stage's defaults that depend on other flags, on both sides before they are compared."""
     resolve = resolve or (lambda given: given)
     if not args.resume:
         return resolve(args)
@@ -153,9 +131,6 @@ def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None)
     path = os.path.join(args.out_dir, "ckpt.pt")
     given = getattr(args, "given", None)  # the flags a command line gave (cli.parse); None when called from Python
     saved = load_checkpoint(path, kind=kind, flag="--resume", mmap=True).get("args", {})
-    for name, (value, why) in RETIRED.get(kind, {}).items():
-        if name in saved and saved[name] != value:
-            raise UserError(f"--resume {path}: it ran with --{name.replace('_', '-')} {saved[name]}: {why}")
     defaults = type(args)()
     names = [f.name for f in fields(args) if f.name in saved and f.name not in NOT_COMPARED]
     saved_args = resolve(replace(defaults, **{name: saved[name] for name in names}))
@@ -514,7 +489,7 @@ class Loop:
         self.guard.skipped = data_state["skipped"]
         self.step = ckpt["step"]
         self.updates = data_state["updates"]
-        self.episodes = data_state.get("episodes", self.step * run.args.rollout_batch_size)  # older checkpoints lack it
+        self.episodes = data_state["episodes"]
         return ckpt
 
 

@@ -249,9 +249,6 @@ def resume_command(path: str, argv: Optional[list[str]] = None) -> str:
 # -----------------------------------------------------------------------------
 # reward functions (--reward-fn)
 
-# older names of reward functions, still in earlier checkpoints' args: the built-in task had no file of its own
-REWARD_FN_ALIASES = {"data:gold_reward": "task:gold_reward"}
-
 
 def load_reward_fn(spec: str, sample_prompt: Optional[str] = None, flag: str = "--reward-fn") -> Callable:
     """--reward-fn module:function or path/to/file.py:function -> the function fn(prompt, response, ended) -> float. A
@@ -259,7 +256,6 @@ def load_reward_fn(spec: str, sample_prompt: Optional[str] = None, flag: str = "
     sample_prompt (the run's first prompt) it is called at once, on that prompt and an empty response, ended and not:
     a wrong signature, an exception or a value that is not a finite number is a one-line UserError, before any model
     loads."""
-    spec = REWARD_FN_ALIASES.get(spec, spec)
     source, _, name = spec.rpartition(":")
     if not source or not name:
         raise UserError(f"{flag} {spec}: expected module:function or path/to/file.py:function, e.g. task:gold_reward")

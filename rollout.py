@@ -102,11 +102,10 @@ class RolloutArgs(common.CommonArgs):
 
 
 def resolve_rollout_args(args):
-    """What older checkpoints' args spell another way: one RM path (before ensembles), a reward function's older
-    name. Applied to the saved args too (checkpoints.resume_args), so both compare like with like."""
+    """--rm-ckpt as a list: one RM path from code may come as a string. Applied to the saved args too
+    (checkpoints.resume_args), so both compare like with like."""
     rm_ckpt = [args.rm_ckpt] if isinstance(args.rm_ckpt, str) else list(args.rm_ckpt)
-    reward_fn = common.REWARD_FN_ALIASES.get(args.reward_fn, args.reward_fn)
-    return replace(args, rm_ckpt=rm_ckpt, reward_fn=reward_fn)
+    return replace(args, rm_ckpt=rm_ckpt)
 
 
 def check_rollout_args(args: RolloutArgs) -> None:

@@ -508,7 +508,7 @@ def test_grpo_smoke(tmp_path, task_dir, trained_sft, estimator, flags):
         task_dir=task_dir,
         sft_ckpt=trained_sft,
         rm_ckpt="none",
-        reward_fn="data:gold_reward",
+        reward_fn="task:gold_reward",
         estimator=estimator,
         max_steps=3,
         **TINY_RL,

@@ -351,19 +351,14 @@ def test_collapse_detector():
 
 def test_defaults_are_ppo_max_and_the_retired_flags_are_gone():
     """PPO-max's settings are plain defaults now (no estimator to resolve them from); the flags the critic-free
-    family took along are no fields of train_ppo.Args, and RETIRED records the value PPO-max always uses for each
-    (the two that only ever applied to other estimators need no record)."""
+    family took along are no fields of train_ppo.Args."""
     args = train_ppo.Args()
     assert (args.kl_coef, args.reward_norm, args.reward_clip, args.adv_whiten) == (0.3, "norm", 5.0, "minibatch")
     assert (args.critic_warmup_steps, args.out_dir) == (5, "out/ppo")
     moved = ("adv_estimator", "group_size", "grpo_std_norm", "mask_truncated", "dynamic_sampling", "kl_penalty")
     moved += ("max_sample_rounds", "kl_estimator", "loss_agg", "cliprange_high", "dual_clip")
     assert not set(moved) & set(train_ppo.Args.__dataclass_fields__)
-    assert set(moved) - {"grpo_std_norm", "max_sample_rounds"} <= set(checkpoints.RETIRED["ppo"])
-    retired = {name: value for name, (value, _) in checkpoints.RETIRED["ppo"].items()}
-    assert retired["adv_estimator"] == "gae" and retired["group_size"] == 1 and retired["kl_penalty"] == "reward"
-    assert retired["kl_estimator"] == "k1" and retired["loss_agg"] == "token_mean"
-    assert "entropy_coef" not in retired and train_ppo.Args().entropy_coef == 0.0  # a flag again (default off)
+    assert train_ppo.Args().entropy_coef == 0.0  # a flag again (default off)
     assert rollout.resolve_rollout_args(args) == args  # nothing else to resolve
 
 
@@ -502,7 +497,7 @@ def test_ppo_smoke_gold_reward(tmp_path, task_dir, trained_sft):
         task_dir=task_dir,
         sft_ckpt=trained_sft,
         rm_ckpt="none",
-        reward_fn="data:gold_reward",
+        reward_fn="task:gold_reward",
         max_steps=3,
         entropy_coef=0.01,
         **TINY_PPO,
@@ -576,7 +571,7 @@ def test_stop_on_collapse_keeps_the_checkpoint_before_the_alarm(tmp_path, task_d
             task_dir=task_dir,
             sft_ckpt=trained_sft,
             rm_ckpt="none",
-            reward_fn="data:gold_reward",
+            reward_fn="task:gold_reward",
             max_steps=4,
             save_every=1,
             stop_on_collapse=True,
@@ -598,7 +593,7 @@ def test_fresh_critic_head_follows_the_seed(tmp_path, task_dir, trained_sft):
             task_dir=task_dir,
             sft_ckpt=trained_sft,
             rm_ckpt="none",
-            reward_fn="data:gold_reward",
+            reward_fn="task:gold_reward",
             seed=seed,
             max_steps=1,
             **{**TINY_PPO, "critic_warmup_steps": 1, "critic_lr": 0.0},
@@ -619,7 +614,7 @@ def test_ppo_starts_from_a_dpo_checkpoint(tmp_path, task_dir, trained_sft):
         task_dir=task_dir,
         sft_ckpt=dpo_path,
         rm_ckpt="none",
-        reward_fn="data:gold_reward",
+        reward_fn="task:gold_reward",
         max_steps=1,
         **TINY_PPO,
     )

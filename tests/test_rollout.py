@@ -1,7 +1,7 @@
 """rollout.py, the rollout both RL stages share: the TIS weights against their formula on random ragged batches
 (padding holding extreme log-probs), and steps 1-3 of an iteration on tiny models: padding never changes a log-prob or
 a value, KL exactly 0 for policy == reference, the score on the EOS, the sampler-vs-trainer log-prob check (raised on
-every rank), the metrics reduced from this rank's sums, older flag spellings, generation from token prefixes (k
+every rank), the metrics reduced from this rank's sums, one RM path as the RM list, generation from token prefixes (k
 continuations a row against a loop, greedy batched against one at a time, a prefix of length 0 as the plain rollout),
 the FLOPs of an iteration by hand, and the bf16 sampler copy of the actor refreshed in place."""
 
@@ -46,14 +46,13 @@ def test_tis_weights_against_the_formula():
     assert stats["tis_clipfrac"].item() == pytest.approx(above / n, abs=1e-12) and 0 < above < n
 
 
-def test_older_spellings_of_the_flags_resolve():
-    """The RM list: a checkpoint from before ensembles saved one path; and older reward-function names: both stages
-    resolve them (the saved args too, on --resume)."""
+def test_one_rm_path_resolves_to_the_rm_list():
+    """The RM list: one path from code as a string; both stages resolve it (the saved args too, on --resume)."""
     for resolved in (
-        rollout.resolve_rollout_args(train_ppo.Args(rm_ckpt="out/rm/ckpt.pt", reward_fn="data:gold_reward")),
-        train_grpo.resolve_args(train_grpo.Args(rm_ckpt="out/rm/ckpt.pt", reward_fn="data:gold_reward")),
+        rollout.resolve_rollout_args(train_ppo.Args(rm_ckpt="out/rm/ckpt.pt")),
+        train_grpo.resolve_args(train_grpo.Args(rm_ckpt="out/rm/ckpt.pt")),
     ):
-        assert resolved.rm_ckpt == ["out/rm/ckpt.pt"] and resolved.reward_fn == "task:gold_reward"
+        assert resolved.rm_ckpt == ["out/rm/ckpt.pt"]
 
 
 @pytest.mark.parametrize("rows", [3, 8], ids=["a micro-batch", "all"])
