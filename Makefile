@@ -112,7 +112,7 @@ test-fast: venv real-venv
 # tyro and its pure-Python dependencies as wheels, for bench/gpu_check.sh on a CUDA box without network
 wheels: venv
 	$(PY) -m pip download -q --no-deps -d .whl "tyro==$$($(PY) -c 'import tyro; print(tyro.__version__)')" \
-		docstring-parser typeguard typing-extensions
+		docstring-parser typeguard typing-extensions vaderSentiment
 
 clean:
 	rm -rf out

@@ -12,6 +12,8 @@
 #   bash bench/gpu_check.sh scale        # on the pipeline's checkpoints: PPO with LoRA, then bf16 FSDP2 on
 #                                        # one rank (the multi-rank paths are tested on CPU)
 #   bash bench/gpu_check.sh bench        # benchmark only
+#   bash bench/gpu_check.sh real         # make real's chain on SmolLM2-135M (needs MODEL_DIR, default out/smollm2,
+#                                        # from `make smollm2`, and vaderSentiment, a pure-Python wheel: `make wheels`)
 #   bash bench/gpu_check.sh fast         # at most 5 minutes (300 s of section timeouts): versions, then eager
 #                                        # against compiled decode (tokens/s, HBM bandwidth) at GPT-2-small and
 #                                        # Llama-1B shapes, the PPO update's MFU and the compiles at Llama-1B shape
@@ -103,6 +105,21 @@ if [ "$WHAT" = all ] || [ "$WHAT" = scale ]; then
       $PPO_SCALE --fsdp
   $PY eval.py --device cuda --task-dir $OUT/data --policy $OUT/ppo_lora/ckpt.pt $OUT/ppo_fsdp/ckpt.pt \
       --names ppo_lora ppo_fsdp --ref $OUT/sft/ckpt.pt --rm $OUT/rm/ckpt.pt --num-samples 256
+fi
+
+if [ "$WHAT" = real ]; then
+  # the real model's chain at make real's sizes (experiments/real.py: pairs, RM, PPO on the RM and on VADER, eval);
+  # every stage picks the GPU by itself (--device auto) and bf16 autocast (--dtype auto)
+  MODEL_DIR=${MODEL_DIR:-out/smollm2}
+  [ -f "$MODEL_DIR/model.safetensors" ] || { echo "gpu_check real: no $MODEL_DIR: run 'make smollm2' and carry it"; exit 2; }
+  # vaderSentiment reads its lexicon from its own folder: unzipped, not imported from the wheel
+  for wheel in .whl/vaderSentiment-*.whl; do [ -f "$wheel" ] && $PY -m zipfile -e "$wheel" "$OUT/site"; done
+  export PYTHONPATH="$OUT/site:$PYTHONPATH"
+  $PY -c "import vaderSentiment" 2>/dev/null || { echo "gpu_check real: vaderSentiment is missing: 'make wheels'"; exit 2; }
+  rm -rf "$OUT/real"
+  t0=$(date +%s)
+  $PY experiments/real.py --model-dir "$MODEL_DIR" --out-dir "$OUT/real"
+  echo "gpu_check: real wall $(( $(date +%s) - t0 )) s"
 fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
