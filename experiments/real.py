@@ -201,7 +201,7 @@ def main(args: Args) -> None:
     if not os.path.exists(rm):
         flags = ["--init", f"hf:{model}", "--data", os.path.join(out, "pairs.jsonl"), "--out-dir", os.path.dirname(rm)]
         flags += ["--eval-data", os.path.join(out, "pairs_eval.jsonl"), "--overwrite", "--lm-coef", "0"]
-        # LoRA rank 16 (lr 2e-4): full fine-tuning at 2e-5 was as near chance (0.481) at 2.7x the seconds a record
+        # LoRA rank 16 (lr 2e-4): full fine-tuning at 2e-5 was as near chance (0.481) at 1.5x the seconds a record
         flags += ["--lora-rank", "16", "--lora-alpha", "32", "--lr", "2e-4", "--batch-size", "8", "--warmup-steps", "3"]
         flags += [
             "--micro-batch-size",
