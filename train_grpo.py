@@ -11,8 +11,7 @@ of a critic: a step's (a sentence's) advantage is its rewards + V(after it) - V(
 --vine-k continuations sampled from s; REBEL (Gao et al. 2024) no surrogate but a least-squares regression of a
 pair's log-ratio gap onto its reward gap. Then clipped policy-gradient steps: DAPO's clip-higher, dynamic sampling
 and overlong filtering, dual-clip, three loss aggregations, the KL in the loss (k3 or k2) or in the reward (k1), and
-ptx as in PPO-max. What both RL stages do the same is rollout.py's (steps 1-3: generate, score, log-probs;
-docs/design.md §5b says more); this file writes the formulas it shares with train_ppo.py again (cleanrl's way).
+ptx as in PPO-max. Steps 1-3 (generate, score, log-probs) are rollout.rollout; docs/design.md §5b says more.
 
 Departures from the papers: sizes and beta are tuned for the built-in task (GRPO's G = 64 and beta = 0.04 are a
 model-scale recipe); each estimator's defaults are RECIPES below.
@@ -314,11 +313,8 @@ def normalize_scores(scores, mean: float, std: float, mode: str, clip: Optional[
 
 
 def kl_estimate(logprobs, ref_logprobs, mask, estimator: str) -> torch.Tensor:
-    """Per-token estimates (B, T) of KL(pi || ref), 0 on padding, masked before any exponential (a pad may hold any
-    log-prob). With d = logp - ref_logp (http://joschu.net/blog/kl-approx.html): k1 = d; k2 = d^2 / 2; k3 = (r - 1)
-    - log r, r = ref_p / p, unbiased and >= 0. Their gradients differ (docs/design.md §5d): as a detached reward
-    penalty only k1's expected gradient is that of KL(pi || ref); in the loss, on the current log-probs, k1's expected
-    gradient is zero, k2's is that of KL(pi || ref) and k3's that of KL(ref || pi)."""
+    """Per-token estimates (B, T) of KL(pi || ref), 0 on padding, d = logp - ref_logp: k1 = d; k2 = d^2 / 2;
+    k3 = (r - 1) - log r, r = ref_p / p. http://joschu.net/blog/kl-approx.html"""
     log_ratio = torch.where(mask.bool(), logprobs - ref_logprobs, 0.0)
     if estimator == "k1":
         kl = log_ratio
@@ -341,7 +337,7 @@ def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float) -> torch
 
 
 def group_advantages(scores, group_size: int, estimator: str, std_norm: bool = True) -> torch.Tensor:
-    """scores (N,) = the R_i of docs/design.md §5b -> advantages (N,). rloo: R_i - mean over the group's other responses
+    """scores (N,) = the R_i -> advantages (N,). rloo: R_i - mean over the group's other responses
     (G >= 2); grpo: (R_i - group mean) / (group std + 1e-4), unbiased std, without the division when std_norm is
     False (Dr. GRPO); reinforce_pp: R_i - group mean (REINFORCE++'s group baseline, G > 1)."""
     grouped = scores.view(-1, group_size)  # (N / G, G)
@@ -387,11 +383,9 @@ def loss_weights(mask, agg: str, n_seq, n_tok, max_new_tokens: int) -> tuple[tor
 def policy_loss(
     logprobs, old_logprobs, advantages, mask, cliprange, weights, denom, cliprange_high=None, dual_clip=None
 ):
-    """Clipped surrogate, per token l = max(-A*rho, -A*clip(rho, 1-eps, 1+eps_high)), eps_high = cliprange_high or
-    cliprange (DAPO clip-higher; cliprange None: no clip, l = -A*rho); with dual_clip c > 1, l = min(l, -c*A) where
-    A < 0 (Ye et al. 2020). All (B, T). Returns sum(l * weights) / denom (loss_weights). stats: clipfrac (clipped
-    term strictly larger), clipfrac_low / clipfrac_high (the part with rho below / above the range), approx_kl (mean
-    of (rho - 1) - log rho), ratio_mean."""
+    """Clipped surrogate l = max(-A*rho, -A*clip(rho, 1-eps, 1+eps_high)) per token, all (B, T), eps_high =
+    cliprange_high or cliprange (cliprange None: no clip); dual_clip c: l = min(l, -c*A) where A < 0. Returns
+    (sum(l * weights) / denom, stats: clipfrac, clipfrac_low, clipfrac_high, approx_kl, ratio_mean)."""
     log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)  # masked before the exponential
     ratio = torch.exp(log_ratio)
     lower, upper = 0.0, math.inf  # cliprange None: no clip (a ratio is > 0)
@@ -418,9 +412,8 @@ def policy_loss(
 
 
 def kl_loss(logprobs, ref_logprobs, mask, weights, denom, kl_coef: float, estimator: str) -> torch.Tensor:
-    """--kl-penalty loss (GRPO): kl_coef * sum(k * weights) / denom (loss_weights) per token on the current log-probs
-    (B, T), differentiable in logprobs (kl_estimate: k3 is an unbiased estimate of KL(pi || ref) whose on-policy
-    gradient is that of KL(ref || pi); k2's is that of KL(pi || ref), Liu et al. 2025, docs/design.md §5d)."""
+    """--kl-penalty loss (GRPO): kl_coef * sum(k * weights) / denom, k (k2 or k3) per token on the current
+    log-probs (B, T), differentiable in logprobs."""
     if estimator not in ("k2", "k3"):
         raise ValueError(f"kl_loss estimator {estimator!r}: k2 or k3 (k1's expected gradient is zero)")
     return kl_coef * (kl_estimate(logprobs, ref_logprobs, mask, estimator) * weights).sum() / denom
@@ -507,10 +500,9 @@ def pair_gaps(rewards) -> torch.Tensor:
 
 
 def rebel_loss(logprobs, old_logprobs, gaps, mask, eta: float, denom):
-    """REBEL's loss on a micro-batch whose rows (2j, 2j + 1) are pairs (y, y') of one prompt: per pair
-    ((1/eta) [(log pi(y) - log pi_old(y)) - (log pi(y') - log pi_old(y'))] - (r(y) - r(y')))^2, log pi summed over
-    each response's tokens (mask (B, T)), gaps (B,) r(y) - r(y') on a pair's first row (pair_gaps); summed over the
-    pairs, over denom (the step's global pair count). stats as policy_loss's (nothing is clipped)."""
+    """REBEL's loss over pairs (rows 2j, 2j + 1) of one prompt: ((1/eta) * (log-ratio of y - log-ratio of y')
+    - gaps)^2 summed over pairs / denom, log-ratios summed over each row's mask (B, T), gaps (B,) from pair_gaps.
+    Returns (loss, stats as policy_loss's, nothing clipped)."""
     log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)
     sequence_log_ratio = log_ratio.sum(1).view(-1, 2)
     predicted = (sequence_log_ratio[:, 0] - sequence_log_ratio[:, 1]) / eta
@@ -620,10 +612,9 @@ ADVANTAGES["rebel"] = rebel_advantages
 
 @torch.no_grad()
 def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningMoments) -> tuple[dict, dict, list]:
-    """Steps 1-5 on this rank's prompts (a group's G copies of a prompt consecutive): rollout.rollout (1-3: generate,
-    score, log-probs), then the scores normalised (--reward-norm; reward_moments updated in place), the KL in the
-    rewards (--kl-penalty reward) and the estimator's advantages. Returns (experience, metrics: global means keyed by
-    docs/design.md §6 tags, records: the responses as dicts for the logs)."""
+    """Steps 1-5 on this rank's prompts (a group's G copies consecutive): rollout.rollout (1-3), the scores
+    normalised (reward_moments updated in place), the KL in the rewards if there, and the estimator's advantages.
+    Returns (experience, metrics: global means, records: the responses as dicts)."""
     args = engine.args
     experience, sums, records = rollout.rollout(engine, prompts)
     mask = experience["mask"]
@@ -637,7 +628,7 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
     reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
     rewards = shape_rewards(score_norm, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
     experience["rewards"] = rewards
-    # 5. advantages (docs/design.md §5b)
+    # 5. advantages
     advantages, estimator_sums = ADVANTAGES[args.estimator](engine, prompts, experience, score_norm, reward_moments)
     experience["advantages"] = advantages
     sums |= estimator_sums | {"score_norm": score_norm.sum(), "rlhf_reward": rewards.sum()}
@@ -655,9 +646,7 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
 
 
 # DAPO's dynamic sampling (Yu et al. 2025, https://arxiv.org/abs/2503.14476): a group whose G scores are all equal
-# carries no advantage to learn from, so an iteration samples fresh rounds of groups until it has enough
-# informative ones (docs/design.md §5b); main() calls dynamic_sampling after the first rollout round. Sampling
-# bookkeeping, not a formula of the update.
+# carries no advantage to learn from, so sample fresh rounds of groups until there are enough informative ones
 
 
 def informative_groups(scores, group_size: int) -> torch.Tensor:
@@ -776,14 +765,10 @@ def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
 
 
 def grpo_update(actor: Trained, experience: dict, args: Args, loop: checkpoints.Loop) -> tuple[dict, dict]:
-    """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one optimizer step per
-    minibatch through the Trained entry (its training forward `forward`, compiled and/or DDP). From the loop: the
-    generator that shuffles, the ptx stream (None: no ptx loss), the NaN guard and the iteration. A step whose
-    minibatch has no token left for the policy loss (--mask-truncated, --dynamic-sampling's filling) takes no step; a
-    step whose global grad norm is not finite is skipped (loop.guard.skipped). Returns (metrics: global means keyed
-    by docs/design.md §6 tags over the steps taken, and policy/update_kl, how far the update moved the policy;
-    diagnostics: {"updates": steps taken, "skipped": steps skipped, "first": while loop.first is empty, ratio_err,
-    approx_kl and clipfrac of the first micro-batch, which must read 0, 0, 0})."""
+    """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one guarded optimizer
+    step per minibatch (none when no policy-loss token is left). Returns (metrics: global means over the steps
+    taken, plus policy/update_kl; diagnostics: updates, skipped, and while loop.first is empty the first
+    micro-batch's ratio_err, approx_kl, clipfrac)."""
     mask = experience["mask"]
     device = mask.device
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")
