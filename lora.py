@@ -75,10 +75,9 @@ HEAD_NAMES = ("lm_head", "score_head", "score")  # adapted only through a tied e
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | None = None) -> list[str]:
-    """Put adapters on the model in place and freeze everything but them and the scalar head. targets = the modules'
-    last name parts: linear layers (GPT: c_attn, c_proj, c_fc; Llama: q_proj, ..., down_proj) or the token embedding
-    (GPT: wte; Llama: embed_tokens), whose tied LM head then shares its adapter; None = every nn.Linear outside the
-    heads. Returns the adapted modules' names; no match is a ValueError."""
+    """Put adapters on the model in place and freeze everything but them and the scalar head. targets: the modules'
+    last name parts, linear layers (c_attn, q_proj, ...) or the token embedding (wte, embed_tokens; a tied LM head
+    shares its adapter); None = every nn.Linear outside the heads. Returns the adapted names; no match: ValueError."""
     adapted = []
     for name, module in list(model.named_modules()):
         last = name.rsplit(".", 1)[-1]
