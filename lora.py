@@ -1,8 +1,7 @@
 """LoRA (Hu et al. 2021, https://arxiv.org/abs/2106.09685): low-rank adapters on linear layers and the token
 embedding, the base frozen, written here (no peft). `add_lora` puts them on any model (a native `model.GPT` or the
 Hugging Face adapter of hf.py); checkpoints store merged weights (`merged_state_dict`) beside the adapters; `BaseView`
-is the frozen base as a module of its own (PPO's reference and reward model, DPO's reference). Imports nothing of this
-repo.
+is the frozen base as a module of its own (PPO's reference and reward model, DPO's reference).
 """
 
 import math

@@ -247,10 +247,8 @@ def gathered(model: torch.nn.Module):
             module.set_reshard_after_forward(True, recurse=False)
 
 
-# dynamo caches graphs per code object: every model of a run (PPO's actor, reference, critic, each RM) is an entry of
-# GPT.forward's, once with grad and once without where both run, and the actor's ptx call (no mask) one more: 6 + K
-# for PPO with K reward models, each compiled once since no shape ever recompiles; the default limit of 8 would
-# leave an ensemble's last members eager
+# dynamo caches graphs per code object, and every model of a run is an entry of GPT.forward's: 6 + K for PPO with K
+# reward models, so the default limit of 8 would leave an ensemble's last members eager
 RECOMPILE_LIMIT = 64
 
 

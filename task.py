@@ -83,9 +83,8 @@ TEMPLATE_WEIGHTS = {"S1": 0.4, "S2": 0.25, "S3": 0.15, "S4": 0.2}
 EVAL_TITLE_FRAC = 0.15  # share of the 256 titles held out for eval_prompts
 BT_TEMPERATURE = 0.25  # preference labels: P(a > b) = sigmoid((gold_a - gold_b) / BT_TEMPERATURE)
 MAX_SENTENCES = 4
-# demonstrations talk about a requested aspect with this probability. Below 1, pairs differ in whether a mention is
-# relevant *and* in its polarity (an XOR a small RM does not pick up in one epoch: 0.75 left it 7 points under the
-# Bayes ceiling); at 1 the RM can reach the ceiling, and off-aspect praise stays an unseen way to hack it.
+# demonstrations talk about a requested aspect with this probability; at 1 the RM can reach the Bayes ceiling, and
+# off-aspect praise stays an unseen way to hack it
 ON_ASPECT_PROB = 1.0
 TASK_VERSION = 2  # bump when generation changes: the cache folder is keyed by it
 STEP_END = "."  # VinePPO's steps are sentences: a step ends with this token

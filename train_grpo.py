@@ -45,12 +45,8 @@ from model import entropy_from_logits, lm_loss, masked_mean
 from rollout import Models
 from tokenizer import Tokenizer
 
-# Each estimator's recipe: what a flag left at None becomes. beta in the loss (k3) and in the reward (k1, on raw
-# scores for rloo) are not on one scale. Measured on the built-in task (make demo's SFT and RM, 12,800 episodes,
-# eval.py on 512 held-out prompts, one seed; SFT gold 0.04, PPO-max 0.69 at KL 2.3): grpo beta 0.15 / 0.2 / 0.3 / 0.6
-# -> gold 0.59 / 0.56 / 0.51 / 0.38 at KL 2.8 / 2.3 / 1.4 / 0.5 nats, valid_frac 0.92-0.95 (beta 0.1: KL 4.2 and
-# valid_frac 0.85 after 3,200 episodes already); rloo beta 0.3 / 0.6 -> gold 0.63 / 0.55 at KL 1.9 / 1.1, valid_frac
-# 0.93 / 0.94 (beta 0.1: valid_frac 0.86 after 3,200). reinforce_pp: PPO-max's 0.3 on normalised scores, not tuned.
+# each estimator's recipe: what a flag left at None becomes. beta in the loss (k3) and in the reward (k1) are not on
+# one scale; tuned on the built-in task, reinforce_pp keeps PPO-max's 0.3
 RECIPES = {
     "grpo": dict(
         group_size=4, kl_penalty="loss", kl_coef=0.15, reward_norm="none", adv_whiten="none", loss_agg="seq_mean"
@@ -61,17 +57,12 @@ RECIPES = {
     "reinforce_pp": dict(
         group_size=1, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="rollout", loss_agg="token_mean"
     ),
-    # VinePPO: one response a prompt, its credit from Monte-Carlo values (--vine-k continuations from each step's
-    # start); the KL in the reward as PPO-max has it (k1, beta 0.3 on normalised scores), no whitening (the values are
-    # the baseline). Cost: --vine-k x (steps a response) continuations, each the rest of a response: on the built-in
-    # task 16 scored responses and 9x the tokens an episode, 93 % of the rollout's time (docs/results.md)
+    # vineppo: one response a prompt, Monte-Carlo values for credit; k1 in the reward as PPO-max, no whitening (the
+    # values are the baseline)
     "vineppo": dict(
         group_size=1, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="none", loss_agg="token_mean"
     ),
-    # REBEL: pairs of responses to one prompt, a least-squares regression of the log-ratio gap onto the reward gap;
-    # the KL in the reward (k1), as the paper has it; rewards on the normalised scale, as --rebel-eta is (on gold at
-    # beta 0.1, 12,800 episodes: eta 0.3 / 1 / 3 -> gold 0.788 / 0.772 / 0.798 at 3.45 / 3.59 / 3.30 nats, inside
-    # their noise: 1 kept)
+    # rebel: pairs of responses to one prompt; k1 in the reward, as the paper; --rebel-eta on normalised scores
     "rebel": dict(
         group_size=2, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="none", loss_agg="pair_mean"
     ),
@@ -253,8 +244,7 @@ def check_rebel_args(args: Args) -> None:
 
 # -----------------------------------------------------------------------------
 # the estimators' math: pure functions, imported by tests. Tensors are (B, T) over response tokens, mask 1.0 = real
-# token; scores (N,) with rows g*G .. g*G+G-1 one prompt's group. The running moments, the score normalisation, the
-# k1 penalty, the whitening and the ptx loss are PPO-max's (train_ppo.py), written here again.
+# token; scores (N,) with rows g*G .. g*G+G-1 one prompt's group
 
 
 class RunningMoments:
