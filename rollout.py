@@ -402,7 +402,7 @@ def policy_and_reference_logprobs(engine: Engine, responses: Responses, amp) -> 
     return {key: torch.cat(values) * mask for key, values in chunks.items()}
 
 
-# mean |log-prob diff| a token, sampler vs trainer, above which bf16 rounding can't explain it (measured: design §5)
+# mean |log-prob diff| a token, sampler vs trainer, above which bf16 rounding can't explain it
 BF16_LOGPROB_BOUND = 0.15
 
 
