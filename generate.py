@@ -182,12 +182,11 @@ def static_caches(model, batch: int, max_len: int, dtype: torch.dtype, device: t
 
 
 def sample_tokens(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """One token per row from softmax(logits) (B, V) -> (B,), by inverse CDF with one uniform per row (torch.multinomial
-    draws B x V exponentials: 15x slower at V = 512). The CDF is fp64 and u stays strictly below its total, so the
-    first index with cdf > u never has probability 0 (a -inf logit is never sampled)."""
+    """One token per row from softmax(logits) (B, V) -> (B,), by inverse CDF with one uniform per row; a -inf logit
+    is never sampled."""
     cdf = F.softmax(logits, dim=-1, dtype=torch.float64).cumsum(-1)  # (B, V)
     u = torch.rand(logits.size(0), 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
-    u = torch.minimum(u * cdf[:, -1:], cdf[:, -1:] * (1 - 1e-12))  # (B, 1)
+    u = torch.minimum(u * cdf[:, -1:], cdf[:, -1:] * (1 - 1e-12))  # (B, 1) strictly below the total: no p = 0 pick
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 

@@ -224,9 +224,8 @@ def place_model(model: torch.nn.Module, args: CommonArgs, d: Dist, dtype: torch.
 
 @contextmanager
 def gathered(model: torch.nn.Module):
-    """Under FSDP2, every parameter gathered once for a whole generation and freed after it: generate's token steps
-    call the blocks (and the root's own layers) outside the root forward, which would otherwise gather per block and
-    per token, or not at all. A LoRA BaseView gathers the model it shares. A no-op for an unsharded model."""
+    """Under FSDP2, every parameter gathered once for a whole generation (the decode calls the blocks outside the
+    root forward) and freed after it; a BaseView gathers the model it shares. A no-op for an unsharded model."""
     model = getattr(model, "_orig_mod", model)
     if isinstance(model, BaseView):
         model = model.shared[0]

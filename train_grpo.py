@@ -435,8 +435,7 @@ def vine_step_end(args: Args, tok: Tokenizer) -> Optional[int]:
 
 def vine_steps(response, mask, boundary_id: Optional[int], chunk: int) -> torch.Tensor:
     """response, mask (B, T) -> (B, T) long: the step of each token, from 0 in each row, -1 on padding. A step ends
-    with a boundary token (boundary_id: the built-in task's '.', so a step is a sentence and the EOS a step of its
-    own: stopping is a choice too) or, with boundary_id None, every `chunk` tokens."""
+    with boundary_id (the EOS then a step of its own) or, with boundary_id None, every `chunk` tokens."""
     if boundary_id is None:
         steps = torch.arange(mask.size(1), device=mask.device).expand(mask.size(0), -1) // chunk
     else:

@@ -158,8 +158,7 @@ class RunningMoments:
 
 def normalize_scores(scores, mean: float, std: float, mode: str, clip: Optional[float]) -> torch.Tensor:
     """PPO-max §3.2: scores (B,) normalised with running moments, then clipped to +-clip (None: no clip). mode none |
-    scale = s/std | norm = (s - mean)/std. A std under 1e-6 (every score seen so far equal: all responses missing EOS,
-    an all-invalid batch under --reward-fn) gives no scale to divide by and counts as 1, never s/1e-8."""
+    scale = s/std | norm = (s - mean)/std; a std under 1e-6 counts as 1."""
     scale = std + 1e-8 if std > 1e-6 else 1.0
     if mode == "norm":
         scores = (scores - mean) / scale
@@ -485,10 +484,8 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
 
 
 def update_metrics(totals: dict, steps: dict, guard: common.StepGuard, device) -> dict:
-    """Global means over the steps each model took from this rank's sums (one all-reduce; every rank has the same
-    keys, since the steps are decided the same on every rank), and each model's mean grad norm (already global) from
-    the guard. A loss sum is the step's global loss (its denominators are global), a per-token stat sum is over
-    tokens."""
+    """Global means over the steps each model took, from this rank's sums (one all-reduce), and each model's mean
+    grad norm from the guard."""
     flat = {f"{role}/{key}": value for role, sums in totals.items() for key, value in sums.items()}
     summed = {}
     if flat:  # empty when every step was skipped: the same on every rank, so no rank waits in a lone collective
