@@ -331,7 +331,7 @@ def _task_records(name: str, rng: random.Random, n: int, train_titles: list[str]
 def build_task(data_dir: str, task_seed: int = 1337, tiny: bool = False) -> dict[str, str]:
     """Write the task files under {data_dir}/v{TASK_VERSION}-seed{task_seed}[-tiny]/ (only those missing) and return
     name -> path: the JSONL files of TASK_FILES and "tokenizer" (anything tokenizer.load_tokenizer reads). A task of
-    your own returns the same keys, its files in the layouts of docs/design.md §3."""
+    your own returns the same keys, its files in the same layouts."""
     out = os.path.join(data_dir, f"v{TASK_VERSION}-seed{task_seed}" + ("-tiny" if tiny else ""))
     paths = task_paths(out)
     if all(os.path.exists(p) for p in paths.values()):
