@@ -252,9 +252,8 @@ def load_model_state(model: torch.nn.Module, ckpt: dict, key: str = "model") -> 
 
 
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out_dir: str, name: str) -> dict:
-    """The optimizer's state for a checkpoint in out_dir. Under --fsdp every rank writes its own shard with DCP into a
-    new folder beside ckpt.pt (a 7 B model's gathered optimizer state would not fit one host) and the entry is
-    {"dcp": the folder's name}; save_checkpoint removes the folders that the new ckpt.pt no longer names."""
+    """The optimizer's state for a checkpoint in out_dir. Under --fsdp every rank writes its shard with DCP into a
+    new folder beside ckpt.pt and the entry is {"dcp": the folder's name}."""
     if not is_sharded(model):
         return optimizer.state_dict()
     import torch.distributed.checkpoint as dcp

@@ -290,10 +290,9 @@ class HFCausalLM(nn.Module):
         return logits, advance
 
     def _static_prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int):
-        """The fixed-shape decode: the prompts left-padded to a multiple of 16 (as model.GPT's), a StaticCache of
-        width + max_new_tokens slots (it counts the slots it has written), the prefill eager, then every step the
-        compiled forward with the same shapes: one token, its position, the whole (B, max_len) key mask (the cache
-        masks the slots after the current one)."""
+        """The fixed-shape decode: prompts left-padded to a multiple of 16, a StaticCache of width + max_new_tokens
+        slots, the prefill eager, then the compiled forward at the same shapes every step (one token, its position, the
+        whole (B, max_len) key mask)."""
         from transformers import StaticCache
 
         idx, real, key_real, width = static_layout(idx, real, max_new_tokens, self.config.block_size)

@@ -151,10 +151,8 @@ class Models:
         return Models(compile_role(self.actor), compile_role(self.ref), reward_models, self.sampler)
 
     def with_sampler(self, dtype: torch.dtype, fsdp: bool) -> "Models":
-        """Under bf16 (not --fsdp, whose sharded actor gathers its parameters in bf16 for the rollout already): a
-        frozen copy of the actor stored in bf16 (parallel.store_low_precision; LoRA adapters merged) that generates
-        the rollouts, so the decode reads 2 bytes a parameter and casts nothing; refresh_sampler copies the actor in
-        after every update, in place."""
+        """Under bf16, not --fsdp: a frozen bf16 copy of the actor (LoRA adapters merged) that generates the rollouts;
+        refresh_sampler copies the actor in after every update, in place."""
         if dtype == torch.float32 or fsdp:
             return self
         sampler = merge_lora(copy.deepcopy(self.actor)).requires_grad_(False).eval()

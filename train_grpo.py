@@ -709,10 +709,9 @@ def dynamic_sampling(first: dict, draw: Callable, args, prompts_per_rank: int, p
 
 
 def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
-    """Every term of the policy's loss on one micro-batch, each aggregated the same way (sum of per-token values times
-    batch["weights"], over denom: loss_weights): the clipped policy loss (times the --tis-cap weights), plus beta * k
-    against the reference with --kl-penalty loss; and its backward (gradients accumulate; DDP all-reduces where
-    sync). Returns (its sums for the metrics, the new log-probs)."""
+    """The policy's loss on one micro-batch, every term over batch["weights"] and denom: the clipped policy loss
+    (times the --tis-cap weights), plus beta * k under --kl-penalty loss; and its backward. Returns (sums for the
+    metrics, the new log-probs)."""
     mask = batch["loss_mask"]
     weights = batch["weights"]
     pg_weights = weights * batch["tis"] if "tis" in batch else weights  # --tis-cap: the policy loss only

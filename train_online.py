@@ -268,10 +268,9 @@ def tilted_pairs(cache: str, prompts: list, rms: list[str], args: Args, seed: in
 
 
 def round_pairs(args: Args, prompts: list, r: int, folder: str, policy: str, rms: list, eval_base: list):
-    """Round r's pairs to label and the counts dropped: --pairs-per-round of them, the prompts taken in turn round
-    after round; 1 - --tilted-frac of them from the round's policy (sample_pairs), the rest from the SFT policy's
-    --tilt-samples samples on prompts of their own, tilted by the round's reward model(s) rms (eval.py
-    --kl-optimal samples and scores them into folder/tilt.pt, then tilted_pairs)."""
+    """Round r's --pairs-per-round pairs to label and the counts dropped: 1 - --tilted-frac of them from the round's
+    policy (sample_pairs), the rest from SFT samples tilted by rms (eval.py --kl-optimal into folder/tilt.pt, then
+    tilted_pairs)."""
     seed = args.seed * 1000 + r
     tilted = round(args.pairs_per_round * args.tilted_frac)
     tilt_prompts = math.ceil(tilted / len(args.tilt_betas))  # a pair per beta from each prompt
