@@ -56,11 +56,9 @@ def init_fingerprint(spec: str) -> Optional[str]:
 
 
 def prepare_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
-    """Called by every stage before any work: a fresh run (no --resume) refuses an out_dir that holds ckpt.pt, unless
-    --overwrite, which deletes its ckpt.pt, samples.jsonl, old TensorBoard event files and sharded optimizer folders;
-    in an out_dir without ckpt.pt it removes the event files and samples.jsonl an earlier run left (and says so).
-    Temp files of a save that a kill interrupted (ckpt.pt.tmp.<pid>) never hold a checkpoint and go in every case.
-    Rank 0 deletes (before any process group, so the other ranks only check)."""
+    """Before any work: a fresh run refuses an out_dir holding ckpt.pt unless overwrite (which deletes it, its logs
+    and sharded optimizer folders); an earlier run's logs without ckpt.pt and interrupted saves' temp files go.
+    Rank 0 deletes, the others only check."""
     if not os.path.isdir(out_dir):
         return
     if is_master():
@@ -115,14 +113,9 @@ POLICY_KINDS = ("sft", "dpo", "ppo", "grpo")  # the checkpoint kinds any stage m
 
 
 def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None) -> CommonArgs:
-    """A stage's args as its run continues (docs/design.md §8), decided before anything is built. Without --resume:
-    resolve(args). With it, from the checkpoint of this kind in args.out_dir: a flag the command line did not give
-    (args.given, set by cli.parse) takes the checkpoint's value, so --resume alone continues the run as it was
-    started; a flag it gave counts as given whatever its value, the default included. Called from Python (no
-    args.given), a field still at its dataclass default counts as not given. A given flag that changes the run's math
-    (estimator, beta, lr, model shape, LoRA, data) and differs from the saved one is refused with one line naming each
-    flag, its saved and its new value; given bookkeeping flags and the step budget apply and are printed. resolve
-    fills the stage's defaults that depend on other flags, on both sides before they are compared."""
+    """A stage's args as its run continues. Without --resume: resolve(args). With it, a flag not given (args.given;
+    from Python, a field at its default) takes the checkpoint's value; a given one that changes the run's math and
+    differs from the saved one raises UserError. resolve fills flag-dependent defaults on both sides first."""
     resolve = resolve or (lambda given: given)
     if not args.resume:
         return resolve(args)
@@ -215,10 +208,9 @@ def set_rng_state(state: dict, generator: Optional[torch.Generator] = None) -> N
 
 
 def model_state(model: torch.nn.Module, key: str = "model") -> dict:
-    """A model's checkpoint entries: `key` = its full state dict with any adapters merged (what later stages load),
-    and with LoRA `<key>_lora` = the trainable parameters (adapters, scalar head), which a resume loads onto the base
-    rebuilt from --init: the base is never re-derived from merged weights, so the resume is exact. Under --fsdp every
-    rank must call it (the shards are gathered); rank 0 gets the entries, the others empty ones."""
+    """A model's checkpoint entries: `key` = its full state dict, adapters merged, and with LoRA `<key>_lora` = the
+    trainable parameters, which a resume loads onto the base rebuilt from --init. Under --fsdp every rank calls it;
+    rank 0 gets the entries, the others {}."""
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -260,9 +252,8 @@ def load_model_state(model: torch.nn.Module, ckpt: dict, key: str = "model") -> 
 
 
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out_dir: str, name: str) -> dict:
-    """The optimizer's state for a checkpoint in out_dir. Under --fsdp every rank writes its own shard with DCP into a
-    new folder beside ckpt.pt (a 7 B model's gathered optimizer state would not fit one host) and the entry is
-    {"dcp": the folder's name}; save_checkpoint removes the folders that the new ckpt.pt no longer names."""
+    """The optimizer's state for a checkpoint in out_dir. Under --fsdp every rank writes its shard with DCP into a
+    new folder beside ckpt.pt and the entry is {"dcp": the folder's name}."""
     if not is_sharded(model):
         return optimizer.state_dict()
     import torch.distributed.checkpoint as dcp
@@ -367,9 +358,8 @@ def schedule_key(entry: Trained) -> str:
 
 @dataclass
 class Run:
-    """One stage's run as its checkpoints see it (docs/design.md §4): the checkpoint every stage writes and reads back,
-    over the models it trains. Its wall time is this sitting's (from `started`, time.time() at the start of main) plus
-    the earlier sittings' that a resume reads back."""
+    """One stage's run as its checkpoints see it: the checkpoint dict it writes and reads back, over the models it
+    trains. Its wall time is this sitting's (from `started`) plus the earlier sittings' that a resume reads back."""
 
     kind: str  # sft | rm | dpo | ppo
     args: CommonArgs  # the resolved args, saved as they are
@@ -414,10 +404,9 @@ class Run:
         save_checkpoint(checkpoint, self.path)
 
     def resume(self, inputs: dict, generator: Optional[torch.Generator] = None) -> dict:
-        """--resume: the checkpoint (load_resume's checks, against the first model's step budget) restored into every
-        trained model, its optimizer and its LR schedule (re-timed from the resumed step when the step budget
-        changed, and said so), and this rank's RNG states; returns it for the stage's own keys (step, data_state,
-        ...). inputs: {ckpt key of a sha256: (the flag to name, the sha256 now)}."""
+        """--resume: the checkpoint restored into every trained model, its optimizer and LR schedule (re-timed when
+        the step budget changed), and this rank's RNG states; returns it for the stage's own keys. inputs: {ckpt key
+        of a sha256: (the flag to name, the sha256 now)}."""
         ckpt = load_resume(self.path, self.kind, self.d.world_size, self.trained[0].schedule.max_steps, inputs)
         step = ckpt["step"]
         for entry in self.trained:

@@ -1,8 +1,5 @@
-"""Plumbing every stage shares and nothing else: the user-error type, the shared flags, printing, seeding, the
-NaN-guarded optimizer step, logging, the LR schedule, MFU, reward functions. It imports nothing of this repo
-(parallel.py holds devices, DDP and FSDP2; checkpoints.py checkpoints and resume).
-
-Nothing algorithmic lives here; each stage's algorithm is inline in its own train_*.py.
+"""Plumbing every stage shares: the user-error type, the shared flags, printing, seeding, the NaN-guarded optimizer
+step, logging, the LR schedule, MFU, reward functions.
 """
 
 import importlib
@@ -251,11 +248,9 @@ def resume_command(path: str, argv: Optional[list[str]] = None) -> str:
 
 
 def load_reward_fn(spec: str, sample_prompt: Optional[str] = None, flag: str = "--reward-fn") -> Callable:
-    """--reward-fn module:function or path/to/file.py:function -> the function fn(prompt, response, ended) -> float. A
-    module is looked up from the current folder and this repo's folder too, wherever the script runs from. With
-    sample_prompt (the run's first prompt) it is called at once, on that prompt and an empty response, ended and not:
-    a wrong signature, an exception or a value that is not a finite number is a one-line UserError, before any model
-    loads."""
+    """--reward-fn module:function or path/to/file.py:function -> fn(prompt, response, ended) -> float, a module
+    found from the current folder or the repo's. With sample_prompt it is tried at once on that prompt and an empty
+    response: a bad signature, exception or non-finite value is a UserError."""
     source, _, name = spec.rpartition(":")
     if not source or not name:
         raise UserError(f"{flag} {spec}: expected module:function or path/to/file.py:function, e.g. task:gold_reward")
@@ -311,7 +306,7 @@ class Trained:
 
 @dataclass
 class StepGuard:
-    """The NaN guard's state (docs/design.md §8): optimizer steps skipped for a non-finite gradient, in all (saved,
+    """The NaN guard's state: optimizer steps skipped for a non-finite gradient, in all (saved,
     logged as train/skipped_steps) and in a row, and each model's grad norms of the steps it took since the last
     read."""
 
@@ -344,10 +339,9 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def guarded_step(trained: list[Trained], guard: StepGuard, step: int) -> set[str]:
-    """One optimizer step of every model in `trained`: clip its global grad norm (taken after DDP's all-reduce, so
-    every rank decides the same; one host sync for all the models), step it if the norm is finite, zero its grads. A
-    model whose norm is not finite skips this step and the others still step; the step counts once in guard.skipped,
-    and 10 such steps in a row stop the run. Returns the names of the models that stepped."""
+    """One optimizer step of every model in `trained`: clip its global grad norm (one host sync for all), step it
+    if finite, zero its grads. A non-finite step counts once in guard.skipped; 10 in a row stop the run. Returns the
+    names of the models that stepped."""
     grad_norms = []
     for entry in trained:
         grad_norm = torch.nn.utils.clip_grad_norm_(entry.model.parameters(), entry.grad_clip or math.inf)
@@ -617,11 +611,9 @@ def matmul_flops(sizes: tuple = (512,), trials: int = 5, seconds: float = 0.04) 
 
 
 def iteration_flops(models, sequence_len: int, sequences: int, epochs: int, critic=None) -> float:
-    """Training-equivalent FLOPs of one RL iteration for perf/mfu (flops_per_token counts a forward and a backward, a
-    forward is a third of it): generation, policy and reference log-probs (three actor-sized forwards), each RM's
-    score and the critic's values (a forward each), then `epochs` forward-backward passes of the actor and the critic
-    over the rollout. models: rollout.Models; sequence_len = prompt + response positions; sequences summed over
-    ranks."""
+    """Training-equivalent FLOPs of one RL iteration for perf/mfu: the rollout's forwards (generation, policy and
+    reference log-probs, RM scores, critic values; a forward a third of flops_per_token), then `epochs` updates of
+    the actor and critic. models: rollout.Models; sequence_len: prompt + response; sequences: over ranks."""
     actor_flops = models.actor.flops_per_token(sequence_len)
     critic_flops = critic.flops_per_token(sequence_len) if critic is not None else 0
     # an RM's forward reads its scalar head only (logits=False), like the critic's: critic-sized (without a critic,

@@ -1,7 +1,6 @@
 """Data: JSONL readers with validation, converters from public formats (HH, UltraFeedback, conversations), encoding,
-padding, the global sample order, and the RL stages' prompt and pre-training text streams. The tokenizers are
-tokenizer.py; the built-in tasks themselves (their grammar, gold reward and files) are task.py (reviews) and arith.py,
-`TASKS` picks one by --task.
+padding, the global sample order, the RL stages' prompt and pre-training text streams, and `TASKS`, the built-in
+task of each --task. The record layouts: docs/design.md §3.
 """
 
 import json
@@ -70,7 +69,7 @@ def shared_head(a: list, b: list) -> int:
 
 
 def _trl_problem(obj: dict, kind: str) -> str | None:
-    """What is wrong with a record in one of TRL's other layouts (docs/design.md §3), or None: SFT prompt-completion
+    """What is wrong with a record in one of TRL's other layouts, or None: SFT prompt-completion
     {"prompt", "completion"} (strings, or messages with the completion's assistant turns), implicit-prompt
     preferences {"chosen": [messages], "rejected": [messages]} (their shared head is the prompt)."""
     if kind == "sft":
@@ -139,7 +138,7 @@ def _unpaired_problem(obj: dict) -> str | None:
 
 
 def _check_fields(obj: dict, kind: str) -> str | None:
-    """What is wrong with one record of this kind, or None. Conversational records (docs/design.md §3): SFT
+    """What is wrong with one record of this kind, or None. Conversational records: SFT
     {"messages"}, prompts {"prompt": [messages]}, preferences {"prompt": [messages], "chosen": [messages], "rejected":
     [messages]} (the replies' assistant turns); and TRL's prompt-completion SFT and implicit-prompt preferences
     (_trl_problem). Kind "kto": TRL's unpaired record (_unpaired_problem) or any preference record."""
@@ -220,10 +219,9 @@ def _unique_keys(pairs: list) -> dict:
 
 
 def read_jsonl(path: str, kind: str, flag: str | None = None) -> list[dict]:
-    """Read and validate a UTF-8 JSONL file of kind "sft", "text", "prompts", "pairs", "kto" (unpaired records or
-    preferences), "hh" (Anthropic-HH) or "ultrafeedback" (UltraFeedback-binarized); a missing
-    or empty file, bad UTF-8, bad JSON, a line that is not an object or a bad field is a one-line UserError
-    `path:line: what is wrong` (a missing file names the flag that gave it). Blank lines are skipped."""
+    """Read and validate a UTF-8 JSONL file of kind "sft", "text", "prompts", "pairs", "kto", "hh" or
+    "ultrafeedback"; anything malformed (a missing or empty file too) is a one-line UserError `path:line: what is
+    wrong` (a missing file names its flag). Blank lines are skipped."""
     if not os.path.isfile(path):
         raise UserError(f"{flag + ' ' if flag else ''}{path}: no such file")
     records = []
@@ -394,13 +392,9 @@ class Order:
 
 
 def encode_sft(tok: Tokenizer, rows: list[dict], block_size: int, mask_prompt: bool) -> tuple[list, int]:
-    """([(ids, loss_mask), ...], n_skipped): ids = [BOS] + prompt + response + EOS (the BOS if the tokenizer has one),
-    loss_mask[t] = 1 if token t is a target.
-
-    The first token is never a target; with mask_prompt no prompt token is. A {"text"} row is an empty prompt
-    followed by the text. A {"messages"} row learns every assistant turn (Tokenizer.conversation). Rows longer than
-    block_size tokens are skipped and counted.
-    """
+    """-> ([(ids, loss_mask), ...], n_skipped): ids = [BOS] + prompt + response + EOS (a BOS if the tokenizer has
+    one), loss_mask[t] = 1 on targets: never the first token, nor a prompt token under mask_prompt. A {"text"} row has
+    an empty prompt, a {"messages"} row learns every assistant turn; rows over block_size are skipped."""
     examples, skipped = [], 0
     for row in rows:
         if "messages" in row:
@@ -597,7 +591,7 @@ class PtxStream:
 
 
 def as_conversation(row: dict) -> dict:
-    """A string record as a conversation (docs/design.md §3): the prompt as the user's turn, each answer as the
+    """A string record as a conversation: the prompt as the user's turn, each answer as the
     assistant's; SFT {"prompt", "response"}, preferences (pairwise or K-wise) and prompts."""
 
     def reply(text: str) -> list[dict]:

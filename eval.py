@@ -149,10 +149,9 @@ class Args:
 
 
 def ratio_mean(numerator: list, denominator: list, cluster: list) -> dict:
-    """R = Σ numerator / Σ denominator and its cluster-robust standard error (linearisation): with the clusters' totals
-    A_c, B_c, se² = C/(C-1) · Σ_c (A_c - R·B_c)² / (Σ B)² over the C clusters. A plain mean has denominator 1: one
-    sample per cluster gives std(ddof=1)/sqrt(n), equal cluster sizes the same over the cluster means. value is None
-    when Σ denominator is 0, se when there are fewer than two clusters."""
+    """R = Σ numerator / Σ denominator and its cluster-robust standard error (linearisation), se² = C/(C-1) ·
+    Σ_c (A_c - R·B_c)² / (Σ B)² over the C clusters' totals A_c, B_c. Returns {"value", "se"}: value None when
+    Σ denominator is 0, se None under two clusters."""
     numerator_totals = Counter()
     denominator_totals = Counter()
     for top, bottom, key in zip(numerator, denominator, cluster):
@@ -288,11 +287,9 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
 
 @torch.no_grad()
 def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rms=()) -> dict:
-    """One response per prompt and seed, seed-major; per-sample lists of everything the metrics need (the single
-    source of every metric): prompt, response (text without EOS), tokens (with EOS), ended, logprob_sum, n (tokens),
-    kl (to ref, 0 without), score (the RMs' aggregate, NaN without), member_scores (each RM's), prompt_index (the
-    cluster of the standard errors), seed. Each seed gets a fresh generator, so seed s draws the same samples
-    whatever --seeds is."""
+    """One response per prompt and seed, seed-major, each seed its own fresh generator. Returns per-sample lists:
+    prompt, response (text without EOS), tokens (with EOS), ended, logprob_sum, n, kl (to ref, 0 without), score
+    (the RMs' aggregate, NaN without), member_scores, prompt_index (the cluster), seed."""
     samples = {}
     for seed in range(args.seed, args.seed + args.seeds):
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -374,10 +371,9 @@ def best_of_n_kl_bound(n: int) -> float:
 
 
 def best_of_n(samples: dict, n: int, first_seed: int, missing_eos_penalty: float, by: str = "score") -> dict:
-    """sample_policy's lists -> the same lists with one sample per prompt, in prompt order: among the prompt's samples
-    of seeds first_seed .. first_seed + n - 1, the one the RM scores highest (by "score": a response without EOS
-    scores missing_eos_penalty) or the reward function does (by "reward_fn": it decides about a missing EOS, as in
-    the RL stages); a tie keeps the earlier seed. Its kl becomes the bound best_of_n_kl_bound(n) + its own kl."""
+    """sample_policy's lists -> one sample per prompt, in prompt order: the best of seeds first_seed .. first_seed +
+    n - 1 by "score" (no EOS: missing_eos_penalty) or "reward_fn", a tie the earlier seed; its kl is
+    best_of_n_kl_bound(n) + its own."""
     best = {}  # prompt_index -> (effective score, sample index)
     for index, (prompt_index, seed) in enumerate(zip(samples["prompt_index"], samples["seed"])):
         if not first_seed <= seed < first_seed + n:
@@ -421,11 +417,9 @@ def write_best(path: str, picked: dict, prompts: list, n: int, rank_by: str) -> 
 
 
 def tilted_estimates(rewards: torch.Tensor, values: dict, beta: float) -> dict:
-    """The KL-regularised optimum pi*(y|x) ∝ ref(y|x) exp(r(x, y) / beta), estimated per prompt from M samples of the
-    reference (docs/design.md §5d): rewards (P, M) and per-sample values (P, M) -> per prompt (P,) the self-normalised
-    importance-weighted mean E*[f] = sum_i w_i f_i of each value with w = softmax(r / beta), kl = sum_i w_i log(M w_i)
-    (the weighted sample against the uniform one: KL(pi* || ref), at most log M) and ess = 1 / sum_i w_i^2 (the
-    effective number of samples)."""
+    """The KL-regularised optimum pi* ∝ ref exp(r / beta) per prompt from M reference samples: rewards (P, M),
+    values {name: (P, M)} -> {name: (P,)} the means under w = softmax(r / beta), plus kl = sum_i w_i log(M w_i)
+    (KL(pi* || ref), at most log M) and ess = 1 / sum_i w_i^2."""
     num_samples = rewards.size(1)
     log_weights = torch.log_softmax(rewards.double() / beta, dim=1)
     weights = log_weights.exp()
@@ -438,13 +432,9 @@ def tilted_estimates(rewards: torch.Tensor, values: dict, beta: float) -> dict:
 def kl_optimal_rows(
     name: str, samples: dict, betas: list, task: Optional[ModuleType], missing_eos_penalty: float
 ) -> dict:
-    """Rows <name>_opt_gold_b<beta> (tilted by the gold reward, built-in task) and <name>_opt_rm_b<beta> (tilted by
-    the RMs' aggregate score, a response without EOS scoring missing_eos_penalty as in PPO) from sample_policy's
-    lists of the reference, every prompt with the same M samples. Each row: gold, score, kl and valid_frac with
-    their standard errors over prompts, ess (the mean effective sample size per prompt) and ess_p10 (its tenth
-    percentile over prompts: where one sample dominates a prompt, a mean hides it), samples (M) and a warning that
-    says which check failed when the estimate is not to be trusted (kl within 1 nat of its ceiling log M, ess under
-    4, or a tenth of the prompts under 2)."""
+    """Rows <name>_opt_gold_b<beta> (tilted by gold) and <name>_opt_rm_b<beta> (by the RMs' score, no EOS scoring
+    missing_eos_penalty) from sample_policy's lists of the reference, M samples a prompt. Each row: gold, score, kl,
+    valid_frac with their se, ess, ess_p10, samples (M) and a warning when the estimate is not to be trusted."""
     order = sorted(range(len(samples["prompt"])), key=lambda i: (samples["prompt_index"][i], samples["seed"][i]))
     num_prompts = len(set(samples["prompt_index"]))
 

@@ -1,10 +1,9 @@
-"""Decoding, apart from the model (as gpt-fast's generate.py beside its model.py): batched KV-cache generation over
-left-padded prompts for `model.GPT` and, through its own `prefill`, `hf.HFCausalLM`; the static caches and the
-compiled one-token step of the fixed-shape decode (docs/design.md §7); the sampling loop every generate shares; and
-`sample`, generate -> which rows ended -> text without EOS, for every stage and eval.py.
+"""Batched KV-cache generation over left-padded prompts, for `model.GPT` and (through its own `prefill`)
+`hf.HFCausalLM`: the static caches and compiled one-token step of the fixed-shape decode (docs/design.md §7), the
+sampling loop every generate shares, and `sample`: generate -> which rows ended -> text without EOS.
 
-The model keeps what a decode calls: `GPT._trunk(idx, pos, attn_mask, kv_caches)`, whose attention hands each
-layer's keys and values to `kv_cache.update(k, v)` and attends to what it returns.
+A decode calls `GPT._trunk(idx, pos, attn_mask, kv_caches)`, whose attention hands each layer's keys and values to
+`kv_cache.update(k, v)` and attends to what it returns.
 """
 
 from dataclasses import dataclass
@@ -40,11 +39,8 @@ class KVCache:
 
 
 class StaticKVCache(nn.Module):
-    """Keys and values of one layer for a whole generation at fixed shapes (the compiled decode, docs/design.md §7):
-    buffers (B, nh, max_len, hs) allocated once, zeros (an unwritten slot is masked out, and a zero attention weight
-    times a zero value adds nothing), written at `slots` (a long tensor the caller refills in place: the prompt's
-    positions, then the one new token's) and read whole, so the one-token step has the same shapes at every step and
-    compiles into one graph (a CUDA graph under mode="reduce-overhead"; buffers are what CUDA graphs may mutate)."""
+    """Keys and values of one layer at fixed shapes for the compiled decode: zero buffers (B, nh, max_len, hs),
+    written at `slots` (a long tensor the caller refills in place) and read whole, so every step has the same shapes."""
 
     def __init__(self, batch: int, n_head: int, max_len: int, head_size: int, slots: Tensor, dtype: torch.dtype):
         super().__init__()
@@ -186,12 +182,11 @@ def static_caches(model, batch: int, max_len: int, dtype: torch.dtype, device: t
 
 
 def sample_tokens(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """One token per row from softmax(logits) (B, V) -> (B,), by inverse CDF with one uniform per row (torch.multinomial
-    draws B x V exponentials: 15x slower at V = 512). The CDF is fp64 and u stays strictly below its total, so the
-    first index with cdf > u never has probability 0 (a -inf logit is never sampled)."""
+    """One token per row from softmax(logits) (B, V) -> (B,), by inverse CDF with one uniform per row; a -inf logit
+    is never sampled."""
     cdf = F.softmax(logits, dim=-1, dtype=torch.float64).cumsum(-1)  # (B, V)
     u = torch.rand(logits.size(0), 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
-    u = torch.minimum(u * cdf[:, -1:], cdf[:, -1:] * (1 - 1e-12))  # (B, 1)
+    u = torch.minimum(u * cdf[:, -1:], cdf[:, -1:] * (1 - 1e-12))  # (B, 1) strictly below the total: no p = 0 pick
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
@@ -262,24 +257,10 @@ def generate(
     generator: torch.Generator | None = None,
     compiled: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Sample responses from model (a model.GPT or an hf.HFCausalLM) to left-padded prompts idx (B, P) with
-    attention_mask (B, P) (None = no padding). One prefill over the prompts, then one token a step with a KV cache.
-    Each row takes at most min(max_new_tokens, block_size - its own prompt length) new tokens: another row's prompt
-    never shortens it (a row that runs out of context ends without EOS). max_new_tokens may be a (B,) long tensor,
-    each row's own budget (0: the row takes no token). Every prompt must leave room for a token.
-    Returns (response (B, Tn) long, pad_id after a row's EOS; response_mask (B, Tn) float, 1 for real tokens
-    including the EOS; logprobs (B, Tn) float, 0 on padding), Tn <= max_new_tokens the number of steps run.
-    logprobs are log_softmax(logits / temperature) at the sampled token: the full tempered distribution, not the
-    top-k/top-p truncated one; temperature 0 samples greedily and reports them at temperature 1. While EOS is
-    suppressed (the first min_new_tokens tokens) they are under that distribution with the EOS logit at -inf, the one
-    actually sampled from. Reproducible per batch, not per row: each sampling step draws one uniform per row from the
-    shared generator, so the same generator state and the same batch (the same prompts in the same order) give the
-    same tokens, while a row moved to another position or into a batch of another size draws other uniforms and
-    samples other tokens. Greedy (temperature 0) draws nothing: a row's tokens do not depend on the batch, up to
-    floating-point ties. generator: a torch.Generator on the model's device (None = the global RNG).
-    compiled: decode with static KV caches and the one-token step compiled (the prompts left-padded to a multiple of
-    16, so few shapes compile); the same tokens as the eager decode for the same generator, up to float rounding
-    (tests/test_generate.py). A Hugging Face model brings its own caches (hf.HFCausalLM.prefill)."""
+    """Sample from model (GPT or HFCausalLM) for left-padded prompts idx, attention_mask (B, P) (None: no padding).
+    max_new_tokens: an int or a (B,) per-row budget. generator: None = the global RNG. compiled: static KV caches.
+    Returns response (B, Tn) long (pad_id after EOS), response_mask (B, Tn) float (EOS included), logprobs (B, Tn)
+    under the full tempered distribution (0 on padding)."""
     assert model.config.lm_head, "generate needs a model with an lm head"
     B, P = idx.size()
     real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -320,11 +301,8 @@ class Samples:
 def sample(
     model, tok, query: Tensor, query_mask: Tensor, max_new_tokens: int | Tensor, temperature: float = 1.0, **kw
 ) -> Samples:
-    """Generate → which rows ended → text without EOS, for every stage and eval.py: generate over left-padded prompts
-    (query, query_mask (B, P)) with at most max_new_tokens new tokens a row (an int, or (B,) per row; fewer where the
-    context ends first for that row's own prompt), EOS and padding from tok (anything with eos_id, pad_id and
-    decode); kw goes to generate (generator, top_k, ...). A prompt that leaves no room for a token gets no response
-    and counts in `skipped`."""
+    """generate over left-padded prompts (query, query_mask (B, P)), EOS and padding from tok; kw goes to generate.
+    Returns Samples; a prompt with no room for a token gets no response and counts in `skipped`."""
     fits = query_mask.sum(1) < model.config.block_size  # (B,) room for at least one token
     skipped = int((~fits).sum())  # one host sync
     kept_query, kept_mask = query, query_mask

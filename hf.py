@@ -1,13 +1,10 @@
-"""Any Hugging Face causal LM (Llama, Qwen, GPT-2, ...) behind the interface of `model.GPT`, so every stage uses it
-unchanged: forward -> (logits, scores) with padding handled the same way, an optional scalar head, batched KV-cache
-generation (its own `prefill` for generate.py), parameter and FLOP counts, optimizer groups, our checkpoints and
-`export_hf`.
+"""Any Hugging Face causal LM (Llama, Qwen, GPT-2, ...) behind the interface of `model.GPT`: forward -> (logits,
+scores) with padding handled the same way, an optional scalar head, batched KV-cache generation (its own `prefill`),
+parameter and FLOP counts, optimizer groups, our checkpoints and `export_hf`.
 
 `--init hf:<name-or-path>` builds one; a checkpoint whose model_config holds `hf_config` rebuilds one from that config
-alone (no hub access). transformers is imported inside the functions, like in model.py. At the end of this file,
-`model_from_checkpoint`, the one loader of our checkpoints (a native `model.GPT` or an `HFCausalLM`), and `load_init`,
-which reads every `--init` spec: our checkpoints, GPT-2 weights as a native `model.GPT`, any other causal LM as an
-`HFCausalLM`, or a model from scratch; a model or tokenizer that cannot be loaded is one line naming the flag.
+alone (no hub access). At the end, `model_from_checkpoint`, the loader of our checkpoints (a native `model.GPT` or an
+`HFCausalLM`), and `load_init`, which reads every `--init` spec (docs/design.md §2).
 """
 
 import inspect
@@ -44,7 +41,7 @@ class HFConfig:
 
 
 def _no_dropout(hf_config) -> None:
-    """Dropout is off in every RLHF stage (docs/design.md §2): zero every dropout probability the HF config holds."""
+    """Zero every dropout probability the HF config holds: dropout is off in every RLHF stage."""
     for k, v in hf_config.to_dict().items():
         if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
             setattr(hf_config, k, 0.0)
@@ -130,12 +127,9 @@ class HFCausalLM(nn.Module):
         return model.to(map_location)
 
     def export_hf(self, out_dir: str, eos_id: int | None = None, pad_id: int | None = None) -> None:
-        """A policy: save_pretrained of the wrapped causal LM (config + safetensors). A reward model (lm and score
-        heads): an AutoModelForSequenceClassification (num_labels=1) with the same trunk and the score head as its
-        `score` layer; transformers reads the score at the last token that is not pad_id, so right-pad with it (a
-        vocab id other than EOS). Llama/Qwen-style `score` layers have no bias and their final RMSNorm none to fold it
-        into, so transformers' scores are ours minus the bias (the calibration offset; rankings are unchanged): it is
-        saved as `score_bias` in config.json and printed. A critic (score head only) is not exported."""
+        """A policy: save_pretrained of the wrapped causal LM. A reward model: an AutoModelForSequenceClassification
+        (num_labels=1) whose `score` layer is our head; it reads the score at the last token that is not pad_id, so
+        right-pad with it. A bias the `score` layer cannot hold is saved as `score_bias` in config.json and printed."""
         from transformers import AutoModelForSequenceClassification
 
         assert self.config.lm_head, "export_hf needs an lm head (a policy or a reward model, not a critic)"
@@ -230,10 +224,9 @@ class HFCausalLM(nn.Module):
     def forward(
         self, idx: Tensor, attention_mask: Tensor | None = None, logits: bool = True, logits_to_keep: int = 0
     ) -> tuple[Tensor | None, Tensor | None]:
-        """idx (B, T) long, attention_mask (B, T) 1 = real token (any dtype) or None (no padding)
-        -> (logits (B, T, V) or None, scores (B, T) or None). Padding never changes a real token's outputs:
-        pad keys are masked out of attention (transformers builds the 4D mask from the 2D one).
-        logits_to_keep > 0: logits of the last logits_to_keep positions only (as model.GPT.forward)."""
+        """idx (B, T) long, attention_mask (B, T) 1 = real token or None (no padding) -> (logits (B, T, V) or None,
+        scores (B, T) or None); padding never changes a real token's outputs. logits_to_keep > 0: logits of the last
+        logits_to_keep positions only."""
         T = idx.size(1)
         assert T <= self.config.block_size, f"sequence of length {T} > block_size {self.config.block_size}"
         real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -265,11 +258,9 @@ class HFCausalLM(nn.Module):
             self.hf.train(training)
 
     def prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int, compiled: bool):
-        """generate.generate's prefill for this model, through the HF model's own KV cache: returns (the last prompt
-        position's logits (B, V), advance(token, step) -> the next logits). compiled: a StaticCache and the one-token
-        forward compiled with fullgraph (mode="reduce-overhead" on CUDA), for models transformers marks as
-        compilable (_can_compile_fullgraph: Llama, Qwen, GPT-2, ...); any other model decodes eagerly with a
-        DynamicCache, as with compiled=False."""
+        """generate.generate's prefill through the HF model's own KV cache: returns (the last prompt position's
+        logits (B, V), advance(token, step) -> the next logits). compiled: a StaticCache and a compiled one-token
+        forward where transformers marks the model compilable (_can_compile_fullgraph), else eager."""
         static = compiled and getattr(self.hf, "_can_compile_fullgraph", False)
         prefill = self._static_prefill if static else self._prefill
         return prefill(idx, real, max_new_tokens)
@@ -299,10 +290,9 @@ class HFCausalLM(nn.Module):
         return logits, advance
 
     def _static_prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int):
-        """The fixed-shape decode: the prompts left-padded to a multiple of 16 (as model.GPT's), a StaticCache of
-        width + max_new_tokens slots (it counts the slots it has written), the prefill eager, then every step the
-        compiled forward with the same shapes: one token, its position, the whole (B, max_len) key mask (the cache
-        masks the slots after the current one)."""
+        """The fixed-shape decode: prompts left-padded to a multiple of 16, a StaticCache of width + max_new_tokens
+        slots, the prefill eager, then the compiled forward at the same shapes every step (one token, its position, the
+        whole (B, max_len) key mask)."""
         from transformers import StaticCache
 
         idx, real, key_real, width = static_layout(idx, real, max_new_tokens, self.config.block_size)
@@ -336,7 +326,7 @@ class HFCausalLM(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# the one checkpoint loader, and the --init grammar (docs/design.md §2), shared by every stage that builds a model
+# the checkpoint loader and the --init grammar
 
 
 def model_from_checkpoint(
@@ -345,11 +335,9 @@ def model_from_checkpoint(
     lm_head: bool | None = None,
     score_head: bool | None = None,
 ) -> GPT | HFCausalLM:
-    """Rebuild either kind of model from one of our checkpoints (the loaded dict or a path), on the CPU: an
-    HFCausalLM when model_config holds hf_config (written by the adapter; nothing is downloaded), else a native GPT.
-    Weights from ckpt[key] (key="critic": PPO saves `critic` and `critic_config`). Heads default to what the
-    checkpoint holds; True adds one that is absent (a fresh score head, initialised from the global torch seed: an RM
-    from an SFT model), False drops one (a critic from an RM)."""
+    """Either kind of model from one of our checkpoints (the dict or a path), on the CPU: an HFCausalLM when
+    model_config holds hf_config, else a native GPT; weights from ckpt[key] ("critic" for PPO's). Heads default to
+    the checkpoint's; True adds an absent one (fresh, from the global torch seed), False drops one."""
     if not isinstance(ckpt, dict):
         ckpt = torch.load(ckpt, map_location="cpu", weights_only=False)  # our own files hold RNG states
     if "hf_config" in ckpt["model_config"]:  # written by the adapter: rebuilt from the config alone
@@ -401,10 +389,9 @@ def load_init(
     flag: str = "--init",
     kind: str | tuple | None = None,
 ):
-    """Build (model, tokenizer, ckpt or None) from an --init spec:
-    `*.pt` our checkpoint (an adapter one if its model_config has hf_config) | `gpt2`... or a local GPT-2 folder (native
-    GPT) | `hf:<name-or-path>` or any other local HF folder (hf.HFCausalLM) | `scratch` (tiny config, given tokenizer).
-    Heads are set by the caller (an RM starts from an SFT checkpoint and gains a fresh scalar head)."""
+    """(model, tokenizer, ckpt or None) from an --init spec: `*.pt` our checkpoint | `gpt2`... or a local GPT-2
+    folder (native GPT) | `hf:<name-or-path>` or another local HF folder (HFCausalLM) | `scratch` (a tiny config,
+    the given tokenizer). The caller sets the heads."""
     ckpt = None
     if spec.endswith(".pt"):
         ckpt = load_checkpoint(spec, kind=kind, flag=flag)

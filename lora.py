@@ -1,8 +1,7 @@
 """LoRA (Hu et al. 2021, https://arxiv.org/abs/2106.09685): low-rank adapters on linear layers and the token
 embedding, the base frozen, written here (no peft). `add_lora` puts them on any model (a native `model.GPT` or the
 Hugging Face adapter of hf.py); checkpoints store merged weights (`merged_state_dict`) beside the adapters; `BaseView`
-is the frozen base as a module of its own (PPO's reference and reward model, DPO's reference). Imports nothing of this
-repo.
+is the frozen base as a module of its own (PPO's reference and reward model, DPO's reference).
 """
 
 import math
@@ -75,10 +74,9 @@ HEAD_NAMES = ("lm_head", "score_head", "score")  # adapted only through a tied e
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | None = None) -> list[str]:
-    """Put adapters on the model in place and freeze everything but them and the scalar head. targets = the modules'
-    last name parts: linear layers (GPT: c_attn, c_proj, c_fc; Llama: q_proj, ..., down_proj) or the token embedding
-    (GPT: wte; Llama: embed_tokens), whose tied LM head then shares its adapter; None = every nn.Linear outside the
-    heads. Returns the adapted modules' names; no match is a ValueError."""
+    """Put adapters on the model in place and freeze everything but them and the scalar head. targets: the modules'
+    last name parts, linear layers (c_attn, q_proj, ...) or the token embedding (wte, embed_tokens; a tied LM head
+    shares its adapter); None = every nn.Linear outside the heads. Returns the adapted names; no match: ValueError."""
     adapted = []
     for name, module in list(model.named_modules()):
         last = name.rsplit(".", 1)[-1]

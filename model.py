@@ -1,8 +1,7 @@
 """GPT language model, nanoGPT-shaped, for every RLHF role: policy and reference (LM head), critic (scalar head),
 reward model (both heads); the response forward, log-probs, the LM loss and reward-model scoring; GPT-2 weights
-through transformers (`from_pretrained`, `export_hf`) and our native checkpoints (`from_checkpoint`;
-`hf.model_from_checkpoint` loads either kind). Decoding lives in generate.py. It imports nothing of this repo: the
-ground floor.
+through transformers (`from_pretrained`, `export_hf`) and our native checkpoints (`from_checkpoint`). Positions,
+padding and heads: docs/design.md §2.
 
 References:
 1) OpenAI's GPT-2 TensorFlow implementation: https://github.com/openai/gpt-2/blob/master/src/model.py
@@ -149,7 +148,7 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 def response_forward(model, query, query_mask, response, response_mask, temperature: float):
     """One training-style forward over cat(query left-padded, response right-padded). Response token t is predicted
-    at position P+t-1 (docs/design.md §2), so the lm head runs on the last T+1 positions only (never on the prompt).
+    at position P+t-1, so the lm head runs on the last T+1 positions only (never on the prompt).
     Returns (logits / temperature (B, T, V) fp32 or None, scores (B, T) or None)."""
     P, T = query.size(1), response.size(1)
     logits, scores = model(
@@ -162,21 +161,18 @@ def response_forward(model, query, query_mask, response, response_mask, temperat
 
 
 def left_pack(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Rows (B, W) whose real tokens (mask 1.0) have gaps (a left-padded prompt, then a right-padded response) -> the
-    same tokens in the same order, left-padded and as wide as the longest row's real tokens (one host sync): each
-    row needs only its own prompt and response to fit the context. A stable sort of the mask puts every padding slot
-    first; a row's last real token lands in the last column."""
-    order = torch.sort(mask, dim=1, stable=True).indices  # (B, W)
+    """Rows (B, W) whose real tokens (mask 1.0) have gaps (a left-padded prompt, a right-padded response) -> the same
+    tokens in order, left-padded, as wide as the longest row's real tokens (one host sync), contiguous."""
+    order = torch.sort(mask, dim=1, stable=True).indices  # (B, W) padding first, real tokens in order
     width = max(1, int(mask.sum(1).max()))
     # contiguous: a column slice keeps the row stride W, and a compiled forward guards on it (a graph more)
     return ids.gather(1, order)[:, -width:].contiguous(), mask.gather(1, order)[:, -width:].contiguous()
 
 
 def packed_response_logits(model, ids: Tensor, mask: Tensor, response_mask: Tensor, temperature: float) -> Tensor:
-    """response_forward's logits over rows packed by left_pack (ids, mask (B, W): a prompt and its response, the
-    response's tokens last): the lm head on the last positions only, each row's logits gathered so response token t
-    of row b is at [b, t], as in response_forward (response_mask (B, T) right-padded). Returns logits / temperature
-    (B, T, V), fp32 or wider; meaningless where response_mask is 0."""
+    """response_forward's logits over rows packed by left_pack (ids, mask (B, W)), gathered so response token t of
+    row b is at [b, t] (response_mask (B, T) right-padded). Returns logits / temperature (B, T, V), fp32 or wider;
+    meaningless where response_mask is 0."""
     T = response_mask.size(1)
     keep = min(T, ids.size(1) - 1) + 1  # a response of R tokens is predicted from the last R + 1 positions but one
     lengths = response_mask.sum(1).long()  # (B,)
@@ -225,7 +221,7 @@ def calibration_error(gaps: torch.Tensor, n_bins: int = 10) -> float:
 
 
 def aggregate_rm_scores(scores: Tensor, agg: str, coef: float = 0.0) -> Tensor:
-    """An ensemble of K reward models' scores (K, B) -> (B,) (docs/design.md §5d): mean; min (the worst case over
+    """An ensemble of K reward models' scores (K, B) -> (B,): mean; min (the worst case over
     members); uwo = mean - coef * the members' population variance (uncertainty-weighted optimisation, Coste et al.
     2023, https://arxiv.org/abs/2310.02743). One member (K = 1) is its own score under all three."""
     if agg == "mean":
@@ -310,10 +306,9 @@ class GPT(nn.Module):
     def forward(
         self, idx: Tensor, attention_mask: Tensor | None = None, logits: bool = True, logits_to_keep: int = 0
     ) -> tuple[Tensor | None, Tensor | None]:
-        """idx (B, T) long, attention_mask (B, T) 1 = real token (any dtype) or None (no padding)
-        -> (logits (B, T, V) or None, scores (B, T) or None). Padding never changes a real token's outputs.
-        logits_to_keep > 0: logits of the last logits_to_keep positions only, (B, logits_to_keep, V) (transformers'
-        name): PPO needs them on the response alone; over long prompts the lm head is a large part of the work."""
+        """idx (B, T) long, attention_mask (B, T) 1 = real token or None (no padding) -> (logits (B, T, V) or None,
+        scores (B, T) or None); padding never changes a real token's outputs. logits_to_keep > 0: logits of the last
+        logits_to_keep positions only, (B, logits_to_keep, V)."""
         T = idx.size(1)
         assert T <= self.config.block_size, f"sequence of length {T} > block_size {self.config.block_size}"
         if attention_mask is None:
@@ -371,11 +366,9 @@ class GPT(nn.Module):
         return model
 
     def export_hf(self, out_dir: str, eos_id: int | None = None, pad_id: int | None = None) -> None:
-        """Write a folder (config + safetensors) that transformers loads with identical outputs: a GPT2LMHeadModel
-        (same logits), or for a model with a score head a GPT2ForSequenceClassification (num_labels=1, same scores).
-        eos_id goes into the config (default vocab_size - 1: GPT-2's and the built-in tokenizer's EOS). pad_id: the id
-        transformers treats as padding when it reads the score at the last non-pad token, so it must be a vocab id
-        other than EOS (default 0, or 1 if 0 is the EOS); right-pad RM inputs with it."""
+        """Write a folder (config + safetensors) transformers loads with identical outputs: a GPT2LMHeadModel, or with a
+        score head a GPT2ForSequenceClassification. eos_id: default vocab_size - 1. pad_id: a vocab id other than EOS
+        (default 0, or 1 if 0 is the EOS); right-pad RM inputs with it."""
         from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
 
         assert self.lm_head is not None, "export_hf needs an lm head (a policy or a reward model, not a critic)"
@@ -429,11 +422,9 @@ class GPT(nn.Module):
         lm_head: bool | None = None,
         score_head: bool | None = None,
     ) -> "GPT":
-        """A native GPT from one of our checkpoints (a path or the loaded dict): config from ckpt["model_config"],
-        weights from ckpt[key] (key="critic" works too), "_orig_mod."/"module." prefixes stripped. Heads default to
-        what the state dict holds; True adds one that is absent (a fresh score head, initialised from the global torch
-        seed; an lm head is wte itself), False drops one. Everything else loads strictly. A checkpoint of a Hugging
-        Face model (its model_config holds hf_config) is a ValueError: hf.model_from_checkpoint loads both kinds."""
+        """A native GPT from one of our checkpoints (a path or the dict): config from ckpt["model_config"], weights
+        from ckpt[key], loaded strictly. Heads default to the state dict's; True adds an absent one (a fresh score
+        head from the global torch seed), False drops one. A Hugging Face model's checkpoint is a ValueError."""
         if not isinstance(ckpt, dict):
             ckpt = torch.load(ckpt, map_location=map_location, weights_only=False)  # our own files hold RNG states
         if "hf_config" in ckpt["model_config"]:

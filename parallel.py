@@ -1,7 +1,7 @@
 """Devices and parallelism, plain torch: DDP and FSDP2 set-up under torchrun (gloo on CPU, nccl on GPU), batch splits
 over ranks (an RL rollout's too), dtype and autocast, torch.compile, model placement (--fsdp sharding, --lora-rank,
 --grad-ckpt), gradient accumulation without a sync (and an RL update's micro-batches), and the collectives the stages
-use (named sums in one all-reduce, moments over every rank).
+use (named sums in one all-reduce, moments over every rank). Dtypes and sharding: docs/design.md §7.
 """
 
 import os
@@ -197,12 +197,9 @@ def shard_model(model: torch.nn.Module, d: Dist, dtype: torch.dtype) -> torch.nn
 def store_low_precision(
     model: torch.nn.Module, dtype: torch.dtype, everything: bool = False, frozen_only: bool = False
 ) -> torch.nn.Module:
-    """A frozen model stored in dtype (docs/design.md §7), in place: every matrix (linear layers, embeddings, the
-    heads), which autocast casts to dtype at every op anyway, so the linear layers compute the same and read half the
-    bytes; the norms and biases stay fp32 (autocast runs norms in fp32), and the models keep their residual stream in
-    fp32 whatever their embeddings' dtype. everything: the 1-D parameters too (--fsdp, whose MixedPrecisionPolicy
-    computes with them in dtype already). frozen_only: the parameters that do not train alone (a LoRA model's base).
-    Returns the model."""
+    """A frozen model stored in dtype, in place: every matrix (linear layers, embeddings, heads), which autocast
+    casts at every op anyway; norms and biases stay fp32. everything: the 1-D parameters too (--fsdp).
+    frozen_only: only the parameters that do not train (a LoRA model's base). Returns the model."""
     for parameter in model.parameters():
         if frozen_only and parameter.requires_grad:
             continue
@@ -212,10 +209,8 @@ def store_low_precision(
 
 
 def place_model(model: torch.nn.Module, args: CommonArgs, d: Dist, dtype: torch.dtype, frozen: bool = False) -> None:
-    """The model onto the device: under --fsdp sharded block by block (a whole model is never there), else moved
-    whole. frozen (a reference, a reward model): stored in dtype under bf16 (store_low_precision), as is the frozen
-    base of a LoRA model (not under --fsdp). A LoRA BaseView moves only its own head: its base is placed as a model
-    of its own."""
+    """The model onto the device: under --fsdp sharded block by block, else moved whole. frozen: stored in dtype
+    under bf16, as is a LoRA model's frozen base (not under --fsdp). A LoRA BaseView moves only its own head."""
     low_precision = dtype != torch.float32 and not isinstance(model, BaseView)
     if low_precision and frozen:
         store_low_precision(model, dtype, everything=args.fsdp)
@@ -229,9 +224,8 @@ def place_model(model: torch.nn.Module, args: CommonArgs, d: Dist, dtype: torch.
 
 @contextmanager
 def gathered(model: torch.nn.Module):
-    """Under FSDP2, every parameter gathered once for a whole generation and freed after it: generate's token steps
-    call the blocks (and the root's own layers) outside the root forward, which would otherwise gather per block and
-    per token, or not at all. A LoRA BaseView gathers the model it shares. A no-op for an unsharded model."""
+    """Under FSDP2, every parameter gathered once for a whole generation (the decode calls the blocks outside the
+    root forward) and freed after it; a BaseView gathers the model it shares. A no-op for an unsharded model."""
     model = getattr(model, "_orig_mod", model)
     if isinstance(model, BaseView):
         model = model.shared[0]
@@ -252,18 +246,14 @@ def gathered(model: torch.nn.Module):
             module.set_reshard_after_forward(True, recurse=False)
 
 
-# dynamo caches graphs per code object: every model of a run (PPO's actor, reference, critic, each RM) is an entry of
-# GPT.forward's, once with grad and once without where both run, and the actor's ptx call (no mask) one more: 6 + K
-# for PPO with K reward models, each compiled once since no shape ever recompiles; the default limit of 8 would
-# leave an ensemble's last members eager
+# dynamo caches graphs per code object, and every model of a run is an entry of GPT.forward's: 6 + K for PPO with K
+# reward models, so the default limit of 8 would leave an ensemble's last members eager
 RECOMPILE_LIMIT = 64
 
 
 def compile_forward(model: torch.nn.Module) -> torch.nn.Module:
-    """torch.compile of a training forward with dynamic shapes (docs/design.md §7): every batch and sequence length, and
-    every logits_to_keep, is one graph, so a run of varying response lengths compiles each call signature once and
-    never reaches dynamo's recompile limit (static shapes recompiled at each new length: 8 times in 8 PPO iterations,
-    bench/recompiles.py). Eager runs are untouched."""
+    """torch.compile of a training forward with dynamic shapes: every batch, sequence length and logits_to_keep is
+    one graph, so a run compiles each call signature once (bench/recompiles.py)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(model, dynamic=True)
 
@@ -365,10 +355,8 @@ def barrier() -> None:
 
 
 def cleanup_dist() -> None:
-    """The end of a distributed run. Gloo's worker threads free each finished collective's tensors, which takes the
-    GIL; a DDP reducer freed later at the end of main (holding the GIL) destroys the process group and joins those
-    threads, and if one is still freeing the last all-gather the two wait for each other forever (pytorch/pytorch
-    #56297; seen at exit under a loaded CPU). A barrier, then a short GIL-free sleep, lets them finish first."""
+    """The end of a distributed run: a barrier and a short GIL-free sleep before destroy_process_group, so gloo's
+    workers finish freeing the last collective first (a deadlock at exit otherwise, pytorch/pytorch#56297)."""
     if dist.is_initialized():
         dist.barrier()
         time.sleep(0.05)

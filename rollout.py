@@ -10,9 +10,7 @@ frozen reference, the frozen reward models and the bf16 sampler; `load_inputs`, 
 3. log-probs: the policy's and the reference's over the response tokens from the training forward; the policy's
    checked against the sampler's own (TIS weights where they differ by design: a bf16 sampler).
 
-Then the rollout's metrics, and what an update measures of the policy it moved. What a stage makes of a rollout (the
-KL, the reward normalisation, the advantages, the losses and the update) is written in the stage; the stages import
-this module, never each other. bench/ and tests/ call `rollout` too.
+Then the rollout's metrics (docs/design.md §5, §6), and what an update measures of the policy it moved.
 """
 
 import copy
@@ -153,10 +151,8 @@ class Models:
         return Models(compile_role(self.actor), compile_role(self.ref), reward_models, self.sampler)
 
     def with_sampler(self, dtype: torch.dtype, fsdp: bool) -> "Models":
-        """Under bf16 (not --fsdp, whose sharded actor gathers its parameters in bf16 for the rollout already): a
-        frozen copy of the actor stored in bf16 (parallel.store_low_precision; LoRA adapters merged) that generates
-        the rollouts, so the decode reads 2 bytes a parameter and casts nothing; refresh_sampler copies the actor in
-        after every update, in place."""
+        """Under bf16, not --fsdp: a frozen bf16 copy of the actor (LoRA adapters merged) that generates the rollouts;
+        refresh_sampler copies the actor in after every update, in place."""
         if dtype == torch.float32 or fsdp:
             return self
         sampler = merge_lora(copy.deepcopy(self.actor)).requires_grad_(False).eval()
@@ -230,9 +226,8 @@ def build_reward_models(args, rms: list[dict], rm_base=None) -> list[torch.nn.Mo
 
 
 def place(models: Models, args, d: parallel.Dist, dtype: torch.dtype, critic=None) -> Models:
-    """Every role on the device in eval mode (dropout off in every model): what trains (the actor, PPO's critic) in
-    fp32, what is frozen stored in bf16 under bf16 (docs/design.md §7), all of it sharded under --fsdp; then, under
-    bf16, the sampler (with_sampler)."""
+    """Every role on the device in eval mode: what trains (the actor, PPO's critic) in fp32, what is frozen in bf16
+    under bf16, all of it sharded under --fsdp; then, under bf16, the sampler (with_sampler)."""
     trained = [models.actor] + ([critic] if critic is not None else [])
     for model in trained + models.frozen():
         model.eval()
@@ -276,12 +271,9 @@ class Responses:
 
 @torch.no_grad()
 def generate_responses(engine: Engine, prompts: list, prefix: Optional[tuple] = None) -> Responses:
-    """Step 1: the policy's responses to this rank's prompts from the KV-cache decode at --temperature (the tempered
-    distribution, no top-k/top-p: the ratio must be on-policy; 0: greedy), from the bf16 sampler when there is one;
-    under --compile static caches and the one-token step compiled (CUDA graphs on a GPU), not under --fsdp. A row
-    stops at its first EOS and is padded after it (the mask includes the EOS). prefix: (ids, mask) (B, Tp)
-    right-padded, a partial response per row that the policy continues with what is left of --max-new-tokens (a
-    prefix that ends with EOS gets no token); the response is then the prefix and its continuation as one."""
+    """Step 1: the policy's (or its bf16 sampler's) responses to this rank's prompts at --temperature, each row
+    stopping at its first EOS. prefix: (ids, mask) (B, Tp) right-padded, a partial response per row to continue with
+    what is left of --max-new-tokens; the response is then the prefix and its continuation as one."""
     tok, args, models = engine.tok, engine.args, engine.models
     device = next(models.actor.parameters()).device
     query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
@@ -324,10 +316,9 @@ MISSING_EOS_RM_SCORE = -1.0  # an RM's part of the score of a response without E
 
 @torch.no_grad()
 def response_scores(engine: Engine, responses: Responses, amp):
-    """Step 2's score of each response (B,): each RM's score read at the last real token of the packed row (its
-    calibration folded into its head), aggregated over an ensemble (--rm-agg), + coef * reward_fn(prompt, response,
-    ended); a response without EOS scores as --missing-eos-penalty says (missing_eos_rule). Returns (scores, the
-    parts logged apart: rm_score and reward_fn when there are two, score_std for an ensemble's spread)."""
+    """Step 2: scores (B,), each RM's at the last real token of the packed row, aggregated by --rm-agg, plus
+    coef * reward_fn(prompt, response, ended); --missing-eos-penalty applied. Returns (scores, parts logged apart:
+    rm_score and reward_fn when there are two, score_std for an ensemble)."""
     args = engine.args
     samples = responses.samples
     members = []  # (B,) each RM's
@@ -389,10 +380,9 @@ def missing_eos_rule(args: RolloutArgs) -> str:
 
 @torch.no_grad()
 def policy_and_reference_logprobs(engine: Engine, responses: Responses, amp) -> dict:
-    """Step 3's no-grad passes of the training forward over the packed rows, per micro-batch: the policy's and the
-    reference's log-probs of the response tokens and the policy's entropy, (B, T) each, masked. Under --fsdp each model
-    is gathered once for all its micro-batches: their count follows this rank's rows (VinePPO's differ between ranks),
-    so it must never reach a collective."""
+    """Step 3: no-grad training forwards over the packed rows, per micro-batch: the policy's and reference's
+    log-probs of the response tokens and the policy's entropy, (B, T) each, masked. The micro-batch count differs
+    between ranks (VinePPO), so nothing in here may reach a collective."""
     models, temperature = engine.models, engine.args.temperature
     chunks = {"logprobs": [], "ref_logprobs": [], "entropy": []}
     with parallel.gathered(models.actor):
@@ -410,19 +400,13 @@ def policy_and_reference_logprobs(engine: Engine, responses: Responses, amp) -> 
     return {key: torch.cat(values) * mask for key, values in chunks.items()}
 
 
-# the mean |log-prob difference| a token, sampler against trainer, above which bf16 rounding cannot explain it. bf16
-# rounding measured on CPU (64 responses of up to 48 tokens): make demo's PPO actor 2.4e-3 (its bf16 copy sampling),
-# a random 2-layer hf: GPT-2 and Llama of width 64 with wide weights 2.4e-2 and 4.5e-2; what the check must stop:
-# make demo's SFT weights sampling for its PPO actor (a stale copy) 0.34, an hf: GPT-2 decoding without its KV cache
-# 2.9. 0.15 leaves 3x the largest rounding seen (a 1 B model's longer responses) and stops both
+# mean |log-prob diff| a token, sampler vs trainer, above which bf16 rounding can't explain it
 BF16_LOGPROB_BOUND = 0.15
 
 
 def check_logprobs(generation_logprobs, logprobs, mask, dtype: torch.dtype) -> tuple[float, float]:
-    """The sampler's own log-probs must match the training forward's, or the first ratio is not 1: the max and the
-    mean |diff| a token over every rank (every rank raises together; one rank alone would leave the others waiting
-    in the next collective). An error: a max above 1e-4 in fp32 (parallel.full_precision); under bf16, or fp32 with
-    TF32 matmuls, whose rounding moves single tokens far (the max is reported only), a mean above BF16_LOGPROB_BOUND."""
+    """The sampler's log-probs against the training forward's, (B, T) each: returns (max, mean) |diff| a token over
+    every rank. Raises on every rank at once: fp32 max above 1e-4; bf16 or TF32 mean above BF16_LOGPROB_BOUND."""
     difference = (generation_logprobs - logprobs).abs() * mask
     largest = difference.max().double()
     totals = torch.stack([difference.sum(), mask.sum()]).double()
@@ -470,12 +454,10 @@ def tis_metrics(experience: dict, loss_mask, cap: float, device) -> tuple[torch.
 
 @torch.no_grad()
 def rollout(engine: Engine, prompts: list, prefix: Optional[tuple] = None, k: int = 1) -> tuple[dict, dict, list]:
-    """Steps 1-3 on this rank's prompts (a group's G copies of a prompt consecutive), with the models' training
-    forwards. prefix (ids, mask) (B, Tp): continue each row's partial response (generate_responses), scored as one
-    response with it; k: continuations a row, consecutive (a Monte-Carlo estimate from a prefix is one call). Returns
-    (experience: (B * k, ...) tensors query, query_mask, response, mask, logprobs, ref_logprobs, sampler_logprobs (0
-    on a prefix), scores (after the missing-EOS penalty) and ended; sums: this rank's named sums of the rollout's
-    metrics for rollout_metrics; records: this rank's responses as dicts for the logs)."""
+    """Steps 1-3 on this rank's prompts (a group's G copies consecutive). prefix (ids, mask) (B, Tp): partial
+    responses to continue; k: continuations a row, consecutive. Returns (experience: (B * k, ...) tensors query,
+    query_mask, response, mask, logprobs, ref_logprobs, sampler_logprobs (0 on a prefix), scores, ended; sums for
+    rollout_metrics; records: the responses as dicts for the logs)."""
     if k > 1:
         prompts = [prompt for prompt in prompts for _ in range(k)]
         prefix = None if prefix is None else tuple(tensor.repeat_interleave(k, 0) for tensor in prefix)
@@ -533,9 +515,8 @@ def rollout_sums(experience: dict, entropy, score_parts: dict, gold: Optional[li
 
 
 def rollout_metrics(sums: dict, device) -> tuple[dict, dict]:
-    """The rollout's docs/design.md §6 metrics, global means over every rank's responses and tokens from one
-    all-reduce of this rank's named sums (rollout_sums, plus the stage's own): returns (metrics, the global sums, for
-    the stage's own metrics). logprob_err and logprob_err_mean are already over every rank."""
+    """Global means of the rollout's metrics from one all-reduce of this rank's named sums (rollout_sums, plus the
+    stage's own). Returns (metrics, the global sums)."""
     logprob_error = sums.pop("logprob_err")
     mean_error = sums.pop("logprob_err_mean")
     totals = parallel.all_reduce_dict(sums, device)
@@ -585,10 +566,8 @@ def first_micro_batch(logprobs, old_logprobs, mask, sums: dict) -> dict:
 
 @torch.no_grad()
 def update_kl(actor, experience: dict, micro_batch_size: int, temperature: float, amp) -> float:
-    """How far an update moved the policy: KL(pi_old || pi_new) per response, the summed k3, (r - 1) - log r with
-    r = pi_new / pi_old (an unbiased estimate on pi_old's own samples), from one no-grad pass of the training forward
-    after the update over the first micro-batch of every rank's rollout: a sample of the rollout's responses, the
-    mean over all ranks' (the whole rollout's pass cost 3 % of an iteration at bench/README.md's shape S)."""
+    """KL(pi_old || pi_new) per response (summed k3, r = pi_new / pi_old) after an update, from one no-grad pass
+    over the first micro-batch of every rank's rollout, averaged over ranks."""
     rows = slice(0, micro_batch_size)
     batch = {key: experience[key][rows] for key in ("query", "query_mask", "response", "mask", "logprobs")}
     with amp:

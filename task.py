@@ -83,9 +83,8 @@ TEMPLATE_WEIGHTS = {"S1": 0.4, "S2": 0.25, "S3": 0.15, "S4": 0.2}
 EVAL_TITLE_FRAC = 0.15  # share of the 256 titles held out for eval_prompts
 BT_TEMPERATURE = 0.25  # preference labels: P(a > b) = sigmoid((gold_a - gold_b) / BT_TEMPERATURE)
 MAX_SENTENCES = 4
-# demonstrations talk about a requested aspect with this probability. Below 1, pairs differ in whether a mention is
-# relevant *and* in its polarity (an XOR a small RM does not pick up in one epoch: 0.75 left it 7 points under the
-# Bayes ceiling); at 1 the RM can reach the ceiling, and off-aspect praise stays an unseen way to hack it.
+# demonstrations talk about a requested aspect with this probability; at 1 the RM can reach the Bayes ceiling, and
+# off-aspect praise stays an unseen way to hack it
 ON_ASPECT_PROB = 1.0
 TASK_VERSION = 2  # bump when generation changes: the cache folder is keyed by it
 STEP_END = "."  # VinePPO's steps are sentences: a step ends with this token
@@ -180,10 +179,9 @@ def gold_reward(prompt: str, response: str, ended: bool) -> float:
 
 
 def off_aspect_praise(prompt: str, response: str) -> bool:
-    """A positive clause about an aspect the prompt did not name, sentence by sentence (a sentence the grammar does not
-    produce is skipped, so an invalid response counts too): S1 with a positive adjective, S2 with a positive verb,
-    either half of S3. "overall it was ..." (S4) names no aspect and never counts: gold gives half of it to every
-    requested aspect. Gold scores such praise 0; the KL pays for it."""
+    """Whether response praises an aspect the prompt did not name: a positive clause of S1, S2 or S3, sentence by
+    sentence (ungrammatical ones skipped). S4 ("overall it was ...") names no aspect and never counts. Gold scores
+    such praise 0; the KL pays for it."""
     requested = prompt_aspects(prompt)
     for sentence in response.strip().rstrip(".").split(". "):
         for name, pattern in SENTENCE_RES.items():
@@ -304,7 +302,7 @@ TINY_SIZES = {
 
 
 def task_record(name: str, rng: random.Random, prompt: str, response_fn: Callable, pair_fn: Callable) -> dict:
-    """One record of the file `name` (TASK_FILES) for a prompt, in its layout (docs/design.md §3), from a task's
+    """One record of the file `name` (TASK_FILES) for a prompt, in its layout, from a task's
     demonstration sampler response_fn(rng, prompt) and pair sampler pair_fn(rng, prompt): both built-in tasks' files."""
     if name == "pretrain":
         return {"text": prompt + response_fn(rng, prompt)}
@@ -331,12 +329,9 @@ def _task_records(name: str, rng: random.Random, n: int, train_titles: list[str]
 
 
 def build_task(data_dir: str, task_seed: int = 1337, tiny: bool = False) -> dict[str, str]:
-    """Write the task files under {data_dir}/v{TASK_VERSION}-seed{task_seed}[-tiny]/ (only those missing) and
-    return name -> path: every stage reads the built-in task through this dict. A task of your own returns the same
-    keys (README, "How to extend"): the JSONL files of TASK_FILES in the layouts of docs/design.md §3 (pretrain:
-    {"text"}; sft, sft_eval: {"prompt", "response"}; pairs, pairs_eval, pairs_extra: {"prompt", "chosen", "rejected"};
-    prompts, eval_prompts: {"prompt"}) and "tokenizer", anything tokenizer.load_tokenizer reads ("gpt2",
-    "hf:<path>", or a tokenizer.json holding tokenizer.Tokenizer.state())."""
+    """Write the task files under {data_dir}/v{TASK_VERSION}-seed{task_seed}[-tiny]/ (only those missing) and return
+    name -> path: the JSONL files of TASK_FILES and "tokenizer" (anything tokenizer.load_tokenizer reads). A task of
+    your own returns the same keys, its files in the same layouts."""
     out = os.path.join(data_dir, f"v{TASK_VERSION}-seed{task_seed}" + ("-tiny" if tiny else ""))
     paths = task_paths(out)
     if all(os.path.exists(p) for p in paths.values()):

@@ -1,8 +1,7 @@
 """Tokenizers behind one small interface (`Tokenizer`): the built-in task's byte-level BPE and GPT-2's through
 tiktoken, any Hugging Face tokenizer through transformers, chat templates (or HH's "\n\nHuman: ... \n\nAssistant:"
 without one), loading by name (`load_tokenizer`), BPE training for the built-in task (`train_bpe`) and the export as
-files that transformers' AutoTokenizer reads (`export_tokenizer`). Kept apart from the data code, as nanochat keeps
-its own.
+files that transformers' AutoTokenizer reads (`export_tokenizer`). Conversations: docs/design.md §3.
 """
 
 import base64
@@ -27,7 +26,7 @@ class Tokenizer:
     bos_id: the id a sequence starts with, or None. A Hugging Face tokenizer whose own encode adds a BOS (Llama) gets
     one; the task BPE and GPT-2 have none. encode(text, bos=True) prepends it: pass bos=True for what starts a sequence
     (a prompt, a {"text"} row) and never for a response that follows a prompt, so the BOS appears once, first.
-    chat: the tokenizer has a chat template (docs/design.md §3, "Conversational data"): conversations are rendered by
+    chat: the tokenizer has a chat template: conversations are rendered by
     it, and its end-of-turn token (<|im_end|>, <|eot_id|>, ...) is eos_id, every response's stop and score token.
     Without one, conversations take HH's layout ("\n\nHuman: ...\n\nAssistant: ...") as text."""
 
@@ -95,11 +94,8 @@ class Tokenizer:
         return _through_last(whole[len(head) :], self.eos_id)
 
     def conversation(self, messages: list[dict], learn_from: int = 0) -> tuple[list[int], list[int]]:
-        """SFT on a conversation: its ids through the last assistant turn and a target mask (per token, 1 = learned)
-        that covers every assistant turn, each from its first token through its end-of-turn, both read in the
-        rendering of the whole conversation: a turn starts where the conversation before it, rendered with the
-        generation prompt, ends (most templates mark no assistant spans themselves; that rendering must be a
-        prefix, or one line says so) and ends at its first end-of-turn token. learn_from: the first message whose
+        """SFT on a conversation -> (ids through the last assistant turn, target mask: 1 on every assistant turn through
+        its end-of-turn), read in the rendering of the whole conversation. learn_from: the first message whose
         assistant turns are learned (a prompt-completion record learns its completion only)."""
         if not self.chat:  # HH's layout: each assistant turn's text learned, its "\n\nAssistant:" header not
             ids, mask = [], []

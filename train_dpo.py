@@ -131,10 +131,8 @@ def dpo_loss(
     denom: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict]:
     """Per-sequence log-probs (P,) of the chosen and rejected responses under the policy and the reference (summed
-    over response tokens for dpo, per-token means for ipo) -> (loss, stats). The loss is the weighted mean over pairs;
-    denom replaces the sum of weights (the training loop passes the global pair weight of the step), and the stats
-    (rewards/chosen, rewards/rejected = β·(log π - log π_ref), rewards/accuracy with ties 1/2, rewards/margin) are
-    weighted the same way, so they add up over micro-batches and ranks."""
+    for dpo, per-token means for ipo) -> (loss, stats): the weighted mean over pairs, denom replacing the sum of
+    weights; stats (rewards/chosen, rewards/rejected, rewards/accuracy, rewards/margin) weighted the same way."""
     chosen_logratios = policy_chosen.float() - ref_chosen.float()  # (P,)
     rejected_logratios = policy_rejected.float() - ref_rejected.float()
     h = chosen_logratios - rejected_logratios
@@ -168,12 +166,9 @@ def kto_loss(
     undesirable_weight: float = 1.0,
     denoms: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, dict]:
-    """Per-sequence log-probs (N,) summed over response tokens under the policy and the reference, desirable (N,)
-    bool, z0 the detached reference point -> (loss, stats). With r = log π - log π_ref, a desirable response costs
-    λ_D·(1 - σ(β(r - z0))) and an undesirable one λ_U·(1 - σ(β(z0 - r))) (Ethayarajh et al. 2024, eq. 8); the loss
-    is their sum over the example count (TRL's mean over both kinds). denoms = (examples, desirable, undesirable)
-    replaces this batch's counts (the training loop passes the step's global ones), so the loss and the stats
-    (rewards/desirable, rewards/undesirable: β·r means over each kind) add up over micro-batches and ranks."""
+    """Per-sequence summed log-probs (N,) under the policy and the reference, desirable (N,) bool, z0 the detached
+    reference point -> (loss, stats): λ_D·(1 - σ(β(r - z0))) or λ_U·(1 - σ(β(z0 - r))) summed over the example count.
+    denoms = (examples, desirable, undesirable) replaces this batch's counts (the step's global ones)."""
     logratios = policy_logprobs.float() - ref_logprobs.float()  # (N,)
     desirable_losses = desirable_weight * (1 - torch.sigmoid(beta * (logratios - z0)))
     undesirable_losses = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - logratios)))
@@ -264,10 +259,8 @@ def sequence_logprobs(model, ids: torch.Tensor, targets_mask: torch.Tensor, aver
 
 @torch.no_grad()
 def reference_point(policy, ref, kl_examples: list, micro_batch_size: int, pad_id: int, amp) -> torch.Tensor:
-    """KTO's z0 = max(0, mean of log π(y'|x) - log π_ref(y'|x)) over the mismatched pairs (mismatched) of one step:
-    every micro-batch of this rank's share (kl_examples) in a no-grad pass, summed over ranks, before any loss of the
-    step is formed. TRL estimates it per micro-batch (gathered over ranks); then a step's loss depends on the
-    micro-batch size, which the stage's contract forbids (one big batch, whatever the micro-batching and the ranks)."""
+    """KTO's z0 = max(0, mean of log π(y'|x) - log π_ref(y'|x)) over one step's mismatched pairs: a no-grad pass over
+    this rank's share (kl_examples), summed over ranks, before any loss of the step is formed."""
     device = next(policy.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for start in range(0, len(kl_examples), micro_batch_size):
@@ -338,11 +331,8 @@ def heldout_sums(policy, ref, evals: list, loss_fn: Callable, average: bool, mic
 
 @torch.no_grad()
 def kto_heldout_sums(policy, ref, evals: list, kl_evals: list, args: Args, micro_batch_size: int, pad_id: int, amp):
-    """The KTO loss summed over encoded held-out KTO records against the held-out set's own reference point (z0 over
-    kl_evals, this rank's share of the whole set's mismatched pairs), and over the records that hold a desirable and
-    an undesirable response the accuracy of the implicit reward β·r: how often it ranks the held-out chosen above the
-    rejected (ties 1/2), as DPO's val/accuracy. {"loss", "examples", "accuracy", "pairs"} (and gold, kl, valid at 0
-    for the samples to fill)."""
+    """The held-out KTO loss against the held-out set's own z0 (over kl_evals), and on records holding a pair the
+    accuracy of β·r (ties 1/2). Returns sums {"loss", "examples", "accuracy", "pairs"} (gold, kl, valid at 0)."""
     device = next(policy.parameters()).device
     z0 = reference_point(policy, ref, kl_evals, micro_batch_size, pad_id, amp)
     sums = {"loss": 0.0, "examples": 0, "accuracy": 0.0, "pairs": 0, "gold": 0.0, "kl": 0.0, "valid": 0}
@@ -545,7 +535,7 @@ def main(args: Args) -> None:
     )
     ref.eval()
     parallel.place_model(model, args, d, dtype)
-    parallel.place_model(ref, args, d, dtype, frozen=True)  # stored in bf16 under bf16 (docs/design.md §7)
+    parallel.place_model(ref, args, d, dtype, frozen=True)  # stored in bf16 under bf16
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps, min_lr_ratio=0.0)
     trained = common.Trained("model", model, optimizer, schedule, args.grad_clip)
@@ -606,7 +596,7 @@ def main(args: Args) -> None:
         return metrics, samples
 
     # 3. training loop: each step takes the next global batch of the epoch order; rank r owns a slice
-    # dropout off (docs/design.md §2): the model stays in eval mode, the only thing the mode changes in a GPT
+    # dropout off: the model stays in eval mode, the only thing the mode changes in a GPT
     model.eval()
     stat_names = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
     if kto:

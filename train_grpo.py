@@ -11,8 +11,7 @@ of a critic: a step's (a sentence's) advantage is its rewards + V(after it) - V(
 --vine-k continuations sampled from s; REBEL (Gao et al. 2024) no surrogate but a least-squares regression of a
 pair's log-ratio gap onto its reward gap. Then clipped policy-gradient steps: DAPO's clip-higher, dynamic sampling
 and overlong filtering, dual-clip, three loss aggregations, the KL in the loss (k3 or k2) or in the reward (k1), and
-ptx as in PPO-max. What both RL stages do the same is rollout.py's (steps 1-3: generate, score, log-probs;
-docs/design.md §5b says more); this file writes the formulas it shares with train_ppo.py again (cleanrl's way).
+ptx as in PPO-max. Steps 1-3 (generate, score, log-probs) are rollout.rollout; docs/design.md §5b says more.
 
 Departures from the papers: sizes and beta are tuned for the built-in task (GRPO's G = 64 and beta = 0.04 are a
 model-scale recipe); each estimator's defaults are RECIPES below.
@@ -46,12 +45,8 @@ from model import entropy_from_logits, lm_loss, masked_mean
 from rollout import Models
 from tokenizer import Tokenizer
 
-# Each estimator's recipe: what a flag left at None becomes. beta in the loss (k3) and in the reward (k1, on raw
-# scores for rloo) are not on one scale. Measured on the built-in task (make demo's SFT and RM, 12,800 episodes,
-# eval.py on 512 held-out prompts, one seed; SFT gold 0.04, PPO-max 0.69 at KL 2.3): grpo beta 0.15 / 0.2 / 0.3 / 0.6
-# -> gold 0.59 / 0.56 / 0.51 / 0.38 at KL 2.8 / 2.3 / 1.4 / 0.5 nats, valid_frac 0.92-0.95 (beta 0.1: KL 4.2 and
-# valid_frac 0.85 after 3,200 episodes already); rloo beta 0.3 / 0.6 -> gold 0.63 / 0.55 at KL 1.9 / 1.1, valid_frac
-# 0.93 / 0.94 (beta 0.1: valid_frac 0.86 after 3,200). reinforce_pp: PPO-max's 0.3 on normalised scores, not tuned.
+# each estimator's recipe: what a flag left at None becomes. beta in the loss (k3) and in the reward (k1) are not on
+# one scale; tuned on the built-in task, reinforce_pp keeps PPO-max's 0.3
 RECIPES = {
     "grpo": dict(
         group_size=4, kl_penalty="loss", kl_coef=0.15, reward_norm="none", adv_whiten="none", loss_agg="seq_mean"
@@ -62,17 +57,12 @@ RECIPES = {
     "reinforce_pp": dict(
         group_size=1, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="rollout", loss_agg="token_mean"
     ),
-    # VinePPO: one response a prompt, its credit from Monte-Carlo values (--vine-k continuations from each step's
-    # start); the KL in the reward as PPO-max has it (k1, beta 0.3 on normalised scores), no whitening (the values are
-    # the baseline). Cost: --vine-k x (steps a response) continuations, each the rest of a response: on the built-in
-    # task 16 scored responses and 9x the tokens an episode, 93 % of the rollout's time (docs/results.md)
+    # vineppo: one response a prompt, Monte-Carlo values for credit; k1 in the reward as PPO-max, no whitening (the
+    # values are the baseline)
     "vineppo": dict(
         group_size=1, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="none", loss_agg="token_mean"
     ),
-    # REBEL: pairs of responses to one prompt, a least-squares regression of the log-ratio gap onto the reward gap;
-    # the KL in the reward (k1), as the paper has it; rewards on the normalised scale, as --rebel-eta is (on gold at
-    # beta 0.1, 12,800 episodes: eta 0.3 / 1 / 3 -> gold 0.788 / 0.772 / 0.798 at 3.45 / 3.59 / 3.30 nats, inside
-    # their noise: 1 kept)
+    # rebel: pairs of responses to one prompt; k1 in the reward, as the paper; --rebel-eta on normalised scores
     "rebel": dict(
         group_size=2, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="none", loss_agg="pair_mean"
     ),
@@ -254,8 +244,7 @@ def check_rebel_args(args: Args) -> None:
 
 # -----------------------------------------------------------------------------
 # the estimators' math: pure functions, imported by tests. Tensors are (B, T) over response tokens, mask 1.0 = real
-# token; scores (N,) with rows g*G .. g*G+G-1 one prompt's group. The running moments, the score normalisation, the
-# k1 penalty, the whitening and the ptx loss are PPO-max's (train_ppo.py), written here again.
+# token; scores (N,) with rows g*G .. g*G+G-1 one prompt's group
 
 
 class RunningMoments:
@@ -314,11 +303,8 @@ def normalize_scores(scores, mean: float, std: float, mode: str, clip: Optional[
 
 
 def kl_estimate(logprobs, ref_logprobs, mask, estimator: str) -> torch.Tensor:
-    """Per-token estimates (B, T) of KL(pi || ref), 0 on padding, masked before any exponential (a pad may hold any
-    log-prob). With d = logp - ref_logp (http://joschu.net/blog/kl-approx.html): k1 = d; k2 = d^2 / 2; k3 = (r - 1)
-    - log r, r = ref_p / p, unbiased and >= 0. Their gradients differ (docs/design.md §5d): as a detached reward
-    penalty only k1's expected gradient is that of KL(pi || ref); in the loss, on the current log-probs, k1's expected
-    gradient is zero, k2's is that of KL(pi || ref) and k3's that of KL(ref || pi)."""
+    """Per-token estimates (B, T) of KL(pi || ref), 0 on padding, d = logp - ref_logp: k1 = d; k2 = d^2 / 2;
+    k3 = (r - 1) - log r, r = ref_p / p. http://joschu.net/blog/kl-approx.html"""
     log_ratio = torch.where(mask.bool(), logprobs - ref_logprobs, 0.0)
     if estimator == "k1":
         kl = log_ratio
@@ -341,7 +327,7 @@ def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float) -> torch
 
 
 def group_advantages(scores, group_size: int, estimator: str, std_norm: bool = True) -> torch.Tensor:
-    """scores (N,) = the R_i of docs/design.md §5b -> advantages (N,). rloo: R_i - mean over the group's other responses
+    """scores (N,) = the R_i -> advantages (N,). rloo: R_i - mean over the group's other responses
     (G >= 2); grpo: (R_i - group mean) / (group std + 1e-4), unbiased std, without the division when std_norm is
     False (Dr. GRPO); reinforce_pp: R_i - group mean (REINFORCE++'s group baseline, G > 1)."""
     grouped = scores.view(-1, group_size)  # (N / G, G)
@@ -387,11 +373,9 @@ def loss_weights(mask, agg: str, n_seq, n_tok, max_new_tokens: int) -> tuple[tor
 def policy_loss(
     logprobs, old_logprobs, advantages, mask, cliprange, weights, denom, cliprange_high=None, dual_clip=None
 ):
-    """Clipped surrogate, per token l = max(-A*rho, -A*clip(rho, 1-eps, 1+eps_high)), eps_high = cliprange_high or
-    cliprange (DAPO clip-higher; cliprange None: no clip, l = -A*rho); with dual_clip c > 1, l = min(l, -c*A) where
-    A < 0 (Ye et al. 2020). All (B, T). Returns sum(l * weights) / denom (loss_weights). stats: clipfrac (clipped
-    term strictly larger), clipfrac_low / clipfrac_high (the part with rho below / above the range), approx_kl (mean
-    of (rho - 1) - log rho), ratio_mean."""
+    """Clipped surrogate l = max(-A*rho, -A*clip(rho, 1-eps, 1+eps_high)) per token, all (B, T), eps_high =
+    cliprange_high or cliprange (cliprange None: no clip); dual_clip c: l = min(l, -c*A) where A < 0. Returns
+    (sum(l * weights) / denom, stats: clipfrac, clipfrac_low, clipfrac_high, approx_kl, ratio_mean)."""
     log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)  # masked before the exponential
     ratio = torch.exp(log_ratio)
     lower, upper = 0.0, math.inf  # cliprange None: no clip (a ratio is > 0)
@@ -418,9 +402,8 @@ def policy_loss(
 
 
 def kl_loss(logprobs, ref_logprobs, mask, weights, denom, kl_coef: float, estimator: str) -> torch.Tensor:
-    """--kl-penalty loss (GRPO): kl_coef * sum(k * weights) / denom (loss_weights) per token on the current log-probs
-    (B, T), differentiable in logprobs (kl_estimate: k3 is an unbiased estimate of KL(pi || ref) whose on-policy
-    gradient is that of KL(ref || pi); k2's is that of KL(pi || ref), Liu et al. 2025, docs/design.md §5d)."""
+    """--kl-penalty loss (GRPO): kl_coef * sum(k * weights) / denom, k (k2 or k3) per token on the current
+    log-probs (B, T), differentiable in logprobs."""
     if estimator not in ("k2", "k3"):
         raise ValueError(f"kl_loss estimator {estimator!r}: k2 or k3 (k1's expected gradient is zero)")
     return kl_coef * (kl_estimate(logprobs, ref_logprobs, mask, estimator) * weights).sum() / denom
@@ -452,8 +435,7 @@ def vine_step_end(args: Args, tok: Tokenizer) -> Optional[int]:
 
 def vine_steps(response, mask, boundary_id: Optional[int], chunk: int) -> torch.Tensor:
     """response, mask (B, T) -> (B, T) long: the step of each token, from 0 in each row, -1 on padding. A step ends
-    with a boundary token (boundary_id: the built-in task's '.', so a step is a sentence and the EOS a step of its
-    own: stopping is a choice too) or, with boundary_id None, every `chunk` tokens."""
+    with boundary_id (the EOS then a step of its own) or, with boundary_id None, every `chunk` tokens."""
     if boundary_id is None:
         steps = torch.arange(mask.size(1), device=mask.device).expand(mask.size(0), -1) // chunk
     else:
@@ -507,10 +489,9 @@ def pair_gaps(rewards) -> torch.Tensor:
 
 
 def rebel_loss(logprobs, old_logprobs, gaps, mask, eta: float, denom):
-    """REBEL's loss on a micro-batch whose rows (2j, 2j + 1) are pairs (y, y') of one prompt: per pair
-    ((1/eta) [(log pi(y) - log pi_old(y)) - (log pi(y') - log pi_old(y'))] - (r(y) - r(y')))^2, log pi summed over
-    each response's tokens (mask (B, T)), gaps (B,) r(y) - r(y') on a pair's first row (pair_gaps); summed over the
-    pairs, over denom (the step's global pair count). stats as policy_loss's (nothing is clipped)."""
+    """REBEL's loss over pairs (rows 2j, 2j + 1) of one prompt: ((1/eta) * (log-ratio of y - log-ratio of y')
+    - gaps)^2 summed over pairs / denom, log-ratios summed over each row's mask (B, T), gaps (B,) from pair_gaps.
+    Returns (loss, stats as policy_loss's, nothing clipped)."""
     log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)
     sequence_log_ratio = log_ratio.sum(1).view(-1, 2)
     predicted = (sequence_log_ratio[:, 0] - sequence_log_ratio[:, 1]) / eta
@@ -620,10 +601,9 @@ ADVANTAGES["rebel"] = rebel_advantages
 
 @torch.no_grad()
 def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningMoments) -> tuple[dict, dict, list]:
-    """Steps 1-5 on this rank's prompts (a group's G copies of a prompt consecutive): rollout.rollout (1-3: generate,
-    score, log-probs), then the scores normalised (--reward-norm; reward_moments updated in place), the KL in the
-    rewards (--kl-penalty reward) and the estimator's advantages. Returns (experience, metrics: global means keyed by
-    docs/design.md §6 tags, records: the responses as dicts for the logs)."""
+    """Steps 1-5 on this rank's prompts (a group's G copies consecutive): rollout.rollout (1-3), the scores
+    normalised (reward_moments updated in place), the KL in the rewards if there, and the estimator's advantages.
+    Returns (experience, metrics: global means, records: the responses as dicts)."""
     args = engine.args
     experience, sums, records = rollout.rollout(engine, prompts)
     mask = experience["mask"]
@@ -637,7 +617,7 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
     reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
     rewards = shape_rewards(score_norm, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
     experience["rewards"] = rewards
-    # 5. advantages (docs/design.md §5b)
+    # 5. advantages
     advantages, estimator_sums = ADVANTAGES[args.estimator](engine, prompts, experience, score_norm, reward_moments)
     experience["advantages"] = advantages
     sums |= estimator_sums | {"score_norm": score_norm.sum(), "rlhf_reward": rewards.sum()}
@@ -655,9 +635,7 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
 
 
 # DAPO's dynamic sampling (Yu et al. 2025, https://arxiv.org/abs/2503.14476): a group whose G scores are all equal
-# carries no advantage to learn from, so an iteration samples fresh rounds of groups until it has enough
-# informative ones (docs/design.md §5b); main() calls dynamic_sampling after the first rollout round. Sampling
-# bookkeeping, not a formula of the update.
+# carries no advantage to learn from, so sample fresh rounds of groups until there are enough informative ones
 
 
 def informative_groups(scores, group_size: int) -> torch.Tensor:
@@ -731,10 +709,9 @@ def dynamic_sampling(first: dict, draw: Callable, args, prompts_per_rank: int, p
 
 
 def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
-    """Every term of the policy's loss on one micro-batch, each aggregated the same way (sum of per-token values times
-    batch["weights"], over denom: loss_weights): the clipped policy loss (times the --tis-cap weights), plus beta * k
-    against the reference with --kl-penalty loss; and its backward (gradients accumulate; DDP all-reduces where
-    sync). Returns (its sums for the metrics, the new log-probs)."""
+    """The policy's loss on one micro-batch, every term over batch["weights"] and denom: the clipped policy loss
+    (times the --tis-cap weights), plus beta * k under --kl-penalty loss; and its backward. Returns (sums for the
+    metrics, the new log-probs)."""
     mask = batch["loss_mask"]
     weights = batch["weights"]
     pg_weights = weights * batch["tis"] if "tis" in batch else weights  # --tis-cap: the policy loss only
@@ -776,14 +753,10 @@ def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
 
 
 def grpo_update(actor: Trained, experience: dict, args: Args, loop: checkpoints.Loop) -> tuple[dict, dict]:
-    """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one optimizer step per
-    minibatch through the Trained entry (its training forward `forward`, compiled and/or DDP). From the loop: the
-    generator that shuffles, the ptx stream (None: no ptx loss), the NaN guard and the iteration. A step whose
-    minibatch has no token left for the policy loss (--mask-truncated, --dynamic-sampling's filling) takes no step; a
-    step whose global grad norm is not finite is skipped (loop.guard.skipped). Returns (metrics: global means keyed
-    by docs/design.md §6 tags over the steps taken, and policy/update_kl, how far the update moved the policy;
-    diagnostics: {"updates": steps taken, "skipped": steps skipped, "first": while loop.first is empty, ratio_err,
-    approx_kl and clipfrac of the first micro-batch, which must read 0, 0, 0})."""
+    """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one guarded optimizer
+    step per minibatch (none when no policy-loss token is left). Returns (metrics: global means over the steps
+    taken, plus policy/update_kl; diagnostics: updates, skipped, and while loop.first is empty the first
+    micro-batch's ratio_err, approx_kl, clipfrac)."""
     mask = experience["mask"]
     device = mask.device
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")

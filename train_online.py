@@ -230,10 +230,9 @@ def sample_pairs(policy_path: str, prompts: list, args: Args, seed: int) -> tupl
 
 
 def tilted_pairs(cache: str, prompts: list, rms: list[str], args: Args, seed: int) -> tuple[list[dict], dict]:
-    """Pairs where the limit lives: from eval.py --kl-optimal's sample cache (the SFT policy's --tilt-samples
-    responses to each prompt, scored by every reward model in rms), for each prompt and each --tilt-betas beta two
-    responses drawn without replacement with weights softmax(score / beta) over the responses that ended; a prompt
-    with fewer than two distinct ones gives none (counted as identical or not ended)."""
+    """Pairs where the limit lives, from eval.py --kl-optimal's sample cache (SFT samples scored by every RM in rms):
+    for each prompt and --tilt-betas beta, two ended responses drawn without replacement with weights
+    softmax(score / beta). Returns (pairs, dropped: {"identical", "not_ended"} counts)."""
     stored = torch.load(cache, weights_only=False)
     samples = stored["samples"]
     members = torch.tensor([stored["rm_scores"][checkpoints.file_sha256(path)] for path in rms])
@@ -269,10 +268,9 @@ def tilted_pairs(cache: str, prompts: list, rms: list[str], args: Args, seed: in
 
 
 def round_pairs(args: Args, prompts: list, r: int, folder: str, policy: str, rms: list, eval_base: list):
-    """Round r's pairs to label and the counts dropped: --pairs-per-round of them, the prompts taken in turn round
-    after round; 1 - --tilted-frac of them from the round's policy (sample_pairs), the rest from the SFT policy's
-    --tilt-samples samples on prompts of their own, tilted by the round's reward model(s) rms (eval.py
-    --kl-optimal samples and scores them into folder/tilt.pt, then tilted_pairs)."""
+    """Round r's --pairs-per-round pairs to label and the counts dropped: 1 - --tilted-frac of them from the round's
+    policy (sample_pairs), the rest from SFT samples tilted by rms (eval.py --kl-optimal into folder/tilt.pt, then
+    tilted_pairs)."""
     seed = args.seed * 1000 + r
     tilted = round(args.pairs_per_round * args.tilted_frac)
     tilt_prompts = math.ceil(tilted / len(args.tilt_betas))  # a pair per beta from each prompt
@@ -341,10 +339,9 @@ def label_pairs(to_label: list[dict], args: Args, labels_path: str, seed: int) -
 
 
 def saved_args(args: Args) -> Args:
-    """The arguments a run in --out-dir keeps (args.json), written on its first start: a rerun takes the saved value
-    of every flag its command line does not give (cli.parse) and refuses a given one that differs (more --rounds
-    excepted), and a folder whose args.json lacks a flag (an older train_online.py's: today's default need not be
-    the value it ran with); --overwrite starts over."""
+    """The arguments a run in --out-dir keeps (args.json, written on its first start): a rerun takes the saved value
+    of every flag it does not give and refuses a given one that differs (more --rounds excepted, or a flag an older
+    args.json lacks); --overwrite starts over."""
     path = os.path.join(args.out_dir, "args.json")
     fresh = args.overwrite or not os.path.exists(path)
     if fresh:

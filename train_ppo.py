@@ -8,8 +8,7 @@ pre-training text (ptx). The PPO-max tricks: reward normalisation and clipping o
 the RM and critic warm-up, grad-norm clipping, ptx, and a collapse detector over the monitoring metrics.
 Paper: https://arxiv.org/abs/2307.04964 (Secrets of RLHF in Large Language Models Part I: PPO).
 
-Every formula of the paper is in this file. What both RL stages do the same is rollout.py (steps 1-3: generate, score,
-log-probs); the critic-free estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++) are train_grpo.py.
+Steps 1-3 (generate, score, log-probs) are rollout.rollout; the numbered steps are those of docs/design.md §5.
 
 python train_ppo.py                                                   # built-in task, 2 cores, 2-4 min (after SFT, RM)
 python train_ppo.py --rm-ckpt none --reward-fn task:gold_reward       # optimise the gold reward itself, no RM
@@ -159,8 +158,7 @@ class RunningMoments:
 
 def normalize_scores(scores, mean: float, std: float, mode: str, clip: Optional[float]) -> torch.Tensor:
     """PPO-max §3.2: scores (B,) normalised with running moments, then clipped to +-clip (None: no clip). mode none |
-    scale = s/std | norm = (s - mean)/std. A std under 1e-6 (every score seen so far equal: all responses missing EOS,
-    an all-invalid batch under --reward-fn) gives no scale to divide by and counts as 1, never s/1e-8."""
+    scale = s/std | norm = (s - mean)/std; a std under 1e-6 counts as 1."""
     scale = std + 1e-8 if std > 1e-6 else 1.0
     if mode == "norm":
         scores = (scores - mean) / scale
@@ -174,10 +172,8 @@ def normalize_scores(scores, mean: float, std: float, mode: str, clip: Optional[
 
 
 def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float):
-    """scores (B,), the rest (B, T) -> (rewards, kl), both (B, T) and 0 on padding: the per-token KL penalty
-    -kl_coef * k1, k1 = logp - ref_logp (masked before anything else reads it: a pad may hold any log-prob), plus the
-    score on the last valid token (the EOS). As a detached reward only k1's expected gradient is that of
-    KL(pi || ref) (docs/design.md §5d; http://joschu.net/blog/kl-approx.html)."""
+    """scores (B,), the rest (B, T) -> (rewards, kl), both (B, T), 0 on padding: rewards = -kl_coef * k1 per token,
+    k1 = logp - ref_logp, plus the score on the last valid token (the EOS). http://joschu.net/blog/kl-approx.html"""
     kl = torch.where(mask.bool(), logprobs - ref_logprobs, 0.0) * mask
     rewards = -kl_coef * kl
     last = (mask.sum(1).long() - 1).clamp(min=0)  # (B,) index of the last real token
@@ -201,10 +197,9 @@ def compute_gae(rewards, values, mask, gamma: float, lam: float):
 
 
 def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, cliprange: Optional[float], denom=None, weights=None):
-    """Clipped surrogate, per token l = max(-A*rho, -A*clip(rho, 1-eps, 1+eps)) (cliprange None: no clip, l = -A*rho),
-    all (B, T). Returns sum(l * weights) / denom (defaults: the mask and its count, the mean over valid entries;
-    PPO passes the minibatch's global token count, and the mask times the --tis-cap weights). stats: clipfrac
-    (clipped term strictly larger), approx_kl (mean of (rho - 1) - log rho), ratio_mean."""
+    """Clipped surrogate l = max(-A*rho, -A*clip(rho, 1-eps, 1+eps)) per token, all (B, T) (cliprange None: no
+    clip). Returns (sum(l * weights) / denom, stats: clipfrac, approx_kl, ratio_mean); weights and denom default to
+    the mask and its count."""
     log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)  # masked before the exponential
     ratio = torch.exp(log_ratio)
     lower, upper = 0.0, math.inf  # cliprange None: no clip (a ratio is > 0)
@@ -273,12 +268,9 @@ class KLController:
 
 
 class CollapseDetector:
-    """The PPO-max paper's collapse signature (§5.2) is sudden: each iteration's KL, response length and perplexity are
-    z-scored against the trailing window of the last `window` iterations (at least 3); the alarm is 1 while a KL jump
-    up (z > z_threshold) and a length jump up or perplexity jump down (|z| > z_threshold) both lie within the last
-    `lag` iterations. The std has a floor of 5% of the window's mean level, so a flat series does not alarm on noise,
-    and of 1 nat for KL, so the first rise from KL = 0 when the actor starts moving is not a jump.
-    Calibration on the built-in task: experiments/ablation.py replays it on every run (docs/results.md, "Ablation")."""
+    """The PPO-max paper's collapse signature (§5.2): KL, response length and perplexity z-scored against the last
+    `window` iterations; the alarm is 1 while a KL jump up and a length jump up or perplexity jump down both lie
+    within the last `lag` iterations. Std floors: 5% of the window's mean level, plus 1 nat for KL."""
 
     KEYS = ("kl", "response_len", "perplexity")
     FLOOR = {"kl": 1.0, "response_len": 0.0, "perplexity": 0.0}  # absolute std floors, in each series' units
@@ -315,15 +307,13 @@ class CollapseDetector:
 
 
 # -----------------------------------------------------------------------------
-# one iteration: rollout (steps 1-5) and update (step 6). These read the run's resolved Args (the engine's); what
-# changes while the run goes (the models, beta, the reward moments, the loop) comes as arguments. The math above
-# stays pure.
+# one iteration: rollout (steps 1-5) and update (step 6)
 
 
 @torch.no_grad()
 def critic_values(critic, experience: dict, micro_batch_size: int, temperature: float, amp) -> torch.Tensor:
-    """The critic's values (B, T) of the rollout's response tokens, per micro-batch, masked (docs/design.md §2: a
-    value is read where the token's log-prob is, one position before the token)."""
+    """The critic's values (B, T) of the rollout's response tokens, per micro-batch, masked (read one position
+    before each token, where its log-prob is)."""
     parts = []
     for start in range(0, experience["mask"].size(0), micro_batch_size):
         rows = slice(start, start + micro_batch_size)
@@ -337,9 +327,8 @@ def critic_values(critic, experience: dict, micro_batch_size: int, temperature: 
 def ppo_rollout(
     engine: rollout.Engine, critic, prompts: list, kl_coef: float, reward_moments: RunningMoments
 ) -> tuple[dict, dict, list]:
-    """Steps 1-5 on this rank's prompts: rollout.rollout (1-3: generate, score, log-probs), then the critic's values,
-    the rewards (reward_moments updated in place) and GAE's advantages. Returns (experience, metrics: global means
-    keyed by docs/design.md §6 tags, records: the responses as dicts for the logs)."""
+    """Steps 1-5 on this rank's prompts: rollout.rollout (1-3), the critic's values, the rewards (reward_moments
+    updated in place) and GAE. Returns (experience, metrics: global means, records: the responses as dicts)."""
     args = engine.args
     experience, sums, records = rollout.rollout(engine, prompts)
     mask = experience["mask"]
@@ -420,15 +409,10 @@ def critic_backward(critic, batch: dict, args: Args, token_count, sync: bool, am
 
 
 def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, loop: checkpoints.Loop):
-    """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one optimizer step per
-    minibatch for the critic and, after the critic warm-up, the actor, each through its Trained entry (the training
-    forward `forward`, compiled and/or DDP; common.guarded_step over the bare modules). From the loop: the generator
-    that shuffles, the ptx stream (None: no ptx loss), the NaN guard and the iteration. A model whose global grad norm
-    is not finite skips that step (the other still steps); the step counts once in loop.guard.skipped. Returns
-    (metrics: global means keyed by docs/design.md §6 tags over the steps each model took, policy/* only when the
-    actor trained, and policy/update_kl, how far the update moved the policy; diagnostics: {"updates": steps every
-    model took, "skipped": steps some model skipped, "first": while loop.first is empty, ratio_err, approx_kl and
-    clipfrac of the first micro-batch, which must read 0, 0, 0})."""
+    """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one guarded optimizer
+    step per minibatch for the critic and, after its warm-up, the actor. Returns (metrics: global means over the
+    steps each model took, plus policy/update_kl; diagnostics: updates, skipped, and while loop.first is empty the
+    first micro-batch's ratio_err, approx_kl, clipfrac)."""
     mask = experience["mask"]
     device = mask.device
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")
@@ -478,7 +462,7 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
                         common.add_all(step_sums["actor"], ptx_sums)
                     sums, logprobs = actor_backward(actor_forward, micro_batch, args, token_count, sync, amp)
                     common.add_all(step_sums["actor"], sums)
-                    if not loop.first and not first:  # must be ratio 1, approx_kl 0, clipfrac 0 (docs/design.md §5)
+                    if not loop.first and not first:  # must read ratio 1, approx_kl 0, clipfrac 0
                         first = rollout.first_micro_batch(logprobs, micro_batch["logprobs"], micro_batch["mask"], sums)
                 sums = critic_backward(critic_forward, micro_batch, args, token_count, sync, amp)
                 common.add_all(step_sums["critic"], sums)
@@ -500,10 +484,8 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
 
 
 def update_metrics(totals: dict, steps: dict, guard: common.StepGuard, device) -> dict:
-    """Global means over the steps each model took from this rank's sums (one all-reduce; every rank has the same
-    keys, since the steps are decided the same on every rank), and each model's mean grad norm (already global) from
-    the guard. A loss sum is the step's global loss (its denominators are global), a per-token stat sum is over
-    tokens."""
+    """Global means over the steps each model took, from this rank's sums (one all-reduce), and each model's mean
+    grad norm from the guard."""
     flat = {f"{role}/{key}": value for role, sums in totals.items() for key, value in sums.items()}
     summed = {}
     if flat:  # empty when every step was skipped: the same on every rank, so no rank waits in a lone collective

@@ -141,10 +141,9 @@ def fold_score_offset(model, offset: float) -> None:
 
 
 def pair_backward(model, batch: list, args: Args, denoms: tuple, sync: bool, amp) -> dict:
-    """One micro-batch of responses (collate's tensors on the device): the Bradley-Terry loss over the step's global
-    pair count plus --lm-coef x the next-token loss of the best responses over the step's global count of their
-    tokens, and its backward (gradients accumulate; DDP all-reduces where sync). Returns the terms' sums for the
-    logs: loss, bt_loss, lm_loss and the pairs' weighted accuracy (ties 1/2)."""
+    """One micro-batch (collate's tensors on the device): the Bradley-Terry loss over the step's global pair count
+    plus --lm-coef x the next-token loss of the best responses over their global token count, and its backward.
+    Returns sums for the logs: loss, bt_loss, lm_loss and the weighted accuracy (ties 1/2)."""
     ids, mask, chosen, rejected, weights, lm_mask = batch
     pair_denom, lm_denom = denoms
     with parallel.grad_sync(model, sync), amp:
@@ -222,9 +221,8 @@ def encode_probes(tok, prompts: list[str], size: int, seed: int, block_size: int
 
 
 def pair_metrics(scores: torch.Tensor, evals: list, golds: Optional[list]) -> tuple[dict, torch.Tensor, list]:
-    """Held-out metrics of encoded records `evals` (data.encode_prefs) from the scores (N,) of their sequences,
-    record by record: val/accuracy, val/margin, val/ece and, with the gold of every response (built-in task), the
-    Bayes ceiling (the gold's own accuracy on the drawn labels, ties 1/2) and the RM's agreement with the gold order.
+    """Held-out metrics of encoded records `evals` (data.encode_prefs) from their sequences' scores (N,): val/accuracy,
+    val/margin, val/ece and, with golds (built-in task), the Bayes ceiling and the RM's agreement with the gold order.
     Returns (metrics, gaps (P,) chosen minus rejected, the scored pairs as samples.jsonl records)."""
     pairs = [(record, *pair) for record in range(len(evals)) for pair in evals[record][2]]
     starts = [0]  # each record's first row in the flat list of scored sequences
@@ -339,7 +337,7 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
 
 def main(args: Args) -> None:
     t_start = time.time()
-    # --resume: the run's own flags, a changed one refused (docs/design.md §8)
+    # --resume: the run's own flags, a changed one refused
     args = checkpoints.task_from_checkpoint(args, args.init, "--init")  # --task: the init's unless given
     args = checkpoints.resume_args(args, "rm")
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
@@ -410,7 +408,7 @@ def main(args: Args) -> None:
         return metrics, gaps, scored
 
     # 3. training loop: each step takes the next global batch of the epoch order; rank r owns a slice
-    # dropout off (docs/design.md §2): the model stays in eval mode, the only thing the mode changes in a GPT
+    # dropout off: the model stays in eval mode, the only thing the mode changes in a GPT
     model.eval()
     window = {"loss": 0.0, "bt_loss": 0.0, "lm_loss": 0.0, "accuracy": 0.0, "tokens": 0}  # summed since the last log
     amp = parallel.autocast(d.device, dtype)

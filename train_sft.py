@@ -170,7 +170,7 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
 
 def main(args: Args) -> None:
     t_start = time.time()
-    # --resume: the run's own flags, a changed one refused (docs/design.md §8)
+    # --resume: the run's own flags, a changed one refused
     args = checkpoints.task_from_checkpoint(args, args.init, "--init")  # --task: the init's unless given
     args = checkpoints.resume_args(args, "sft")
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
