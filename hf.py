@@ -440,10 +440,9 @@ CHATML = (
 
 
 def write_tiny_chat_model(out_dir: str, tokenizer: str, n_layer: int = 2, n_embd: int = 64) -> None:
-    """A Hugging Face folder to try the conversational path with (README, "Your own model in two minutes"): a randomly
-    initialised Llama of n_layer layers and width n_embd, and `tokenizer` (anything tokenizer.load_tokenizer reads, e.g.
-    the built-in task's tokenizer.json) as a Hugging Face tokenizer with ChatML's template, <|im_end|> closing a
-    turn."""
+    """A Hugging Face folder to try the conversational path with (docs/usage.md, "A model of your own"): a random
+    Llama of n_layer layers and width n_embd, and `tokenizer` (anything tokenizer.load_tokenizer reads) as a Hugging
+    Face tokenizer with ChatML's template, <|im_end|> closing a turn."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from tokenizer import export_tokenizer
