@@ -89,8 +89,8 @@ class Args:
     {"prompt", "response"} (a response without EOS is left out), the data of a rejection-sampling warm-up
     (train_sft.py --init out/sft/ckpt.pt --data FILE); --prompts must be training prompts, never the held-out set"""
     pass_at: Optional[list[int]] = None
-    """pass@k for each k on a verifiable task (--task arith): --pass-samples responses per held-out problem, c of them
-    right (gold 1), and the unbiased estimate 1 - C(n-c, k)/C(n, k) (Chen et al. 2021,
+    """pass@k for each k on a verifiable task (--task arith, or --prompts with a --reward-fn that gives 1.0 to a right
+    answer): --pass-samples responses per held-out problem, c of them right (gold 1), and the unbiased estimate 1 - C(n-c, k)/C(n, k) (Chen et al. 2021,
     https://arxiv.org/abs/2107.03374) averaged over problems (keys pass@<k> and pass@<k>_se)"""
     pass_samples: int = 64
     """--pass-at: n, the responses sampled per problem (seeds --seed ...), at least the largest k"""
@@ -346,15 +346,18 @@ def policy_metrics(samples: dict, task: Optional[ModuleType], ref_gold: Optional
     return metrics, gold
 
 
-def pass_at_metrics(samples: dict, task: ModuleType, ks: list, n: int, first_seed: int) -> dict:
+def pass_at_metrics(samples: dict, task: ModuleType | None, ks: list, n: int, first_seed: int) -> dict:
     """pass@k for each k from sample_policy's lists: per problem the samples of seeds first_seed .. first_seed + n - 1,
-    right where the task's gold is 1 (arith: the verifier says yes and the answer ends), pass_at_k over them; the mean
-    over problems with its standard error (one value per problem)."""
+    right where the task's gold is 1 (arith: the verifier says yes and the answer ends), or with no task where
+    samples["reward_fn"] is 1; the mean over problems with its standard error (one value per problem)."""
     drawn, right = Counter(), Counter()
     for index, (prompt_index, seed) in enumerate(zip(samples["prompt_index"], samples["seed"])):
         if first_seed <= seed < first_seed + n:
             drawn[prompt_index] += 1
-            gold = task.gold_reward(samples["prompt"][index], samples["response"][index], samples["ended"][index])
+            if task is None:
+                gold = samples["reward_fn"][index]
+            else:
+                gold = task.gold_reward(samples["prompt"][index], samples["response"][index], samples["ended"][index])
             right[prompt_index] += gold == 1.0
     problems = sorted(drawn)
     metrics = {}
@@ -576,7 +579,7 @@ def check_args(args: Args) -> None:
         raise UserError(
             f"--pass-samples {args.pass_samples}: pass@{max(args.pass_at)} needs at least that many samples"
         )
-    if args.pass_at and not hasattr(TASKS[args.task], "verify"):
+    if args.pass_at and not hasattr(TASKS[args.task], "verify") and args.reward_fn is None:
         raise UserError(f"--pass-at counts right answers: the {args.task} task has no verifier (--task arith has one)")
     if args.write_best and (not args.best_of_n or len(args.best_of_n) != 1 or len(args.policy) != 1):
         raise UserError("--write-best writes one policy's best of N: pass one --policy and one --best-of-n N")
@@ -804,9 +807,10 @@ def main(args: Args) -> dict:
     # the gold reward knows the built-in task's prompts: task is its module when every prompt is one
     task_module = TASKS[args.task]
     task = task_module if all(task_module.is_task_prompt(prompt) for prompt in prompts) else None
-    if args.pass_at and task is None:
+    if args.pass_at and task is None and reward_fn is None:
         raise UserError(
-            f"--pass-at needs the built-in task's verifier (--task arith): --prompts {args.prompts} has none"
+            f"--pass-at needs a verifier: the built-in task's (--task arith), or a --reward-fn giving 1.0 to a right "
+            f"answer of --prompts {args.prompts}"
         )
     if args.write_best:  # training data: never from the held-out prompts
         held_out = [p for p in prompts if task_module.is_task_prompt(p) and task_module.is_held_out(p, args.task_seed)]

@@ -116,6 +116,17 @@ def test_pass_at_flags_are_checked():
     with pytest.raises(UserError, match="--pass-at counts right answers: the reviews task has no verifier"):
         ev.check_args(ev.Args(pass_at=[1, 4], pass_samples=8))  # it printed pass@1 = pass@4 = 0.000
     ev.check_args(ev.Args(pass_at=[1, 4], pass_samples=8, task="arith"))
+    ev.check_args(ev.Args(pass_at=[1, 4], pass_samples=8, reward_fn="verifier.py:reward"))  # a verifier of one's own
+
+
+def test_pass_at_k_counts_a_reward_fn_of_one_as_right_off_the_built_in_task():
+    """With no built-in task (prompts of one's own), a right answer is a --reward-fn value of 1.0: problem 0 has 1 of
+    4 right, problem 1 has 3 of 4 (0.5 and -1 are not right)."""
+    rewards = [1.0, 0.0, 0.5, -1.0, 1.0, 1.0, 0.0, 1.0]
+    samples = {"reward_fn": rewards, "seed": [0, 1, 2, 3] * 2, "prompt_index": [0] * 4 + [1] * 4}
+    metrics = ev.pass_at_metrics(samples, None, [1, 2], n=4, first_seed=0)
+    assert metrics["pass@1"] == pytest.approx((1 / 4 + 3 / 4) / 2)
+    assert metrics["pass@2"] == pytest.approx((1 - math.comb(3, 2) / math.comb(4, 2) + 1.0) / 2)
 
 
 def test_resume_refuses_another_task(tmp_path):

@@ -239,3 +239,32 @@ def test_the_simulated_annotator_ranks_in_bradley_terrys_order(tmp_path, monkeyp
     pair = real.label_answers(str(path), str(tmp_path / "pairs.jsonl"), 2, temperature, seed=0, keep_unended=False)
     assert pair["records"] == prompts * 2 - prompts // 2  # the last two: a pair only where both ended and differ
     assert {"prompt", "chosen", "rejected"} == set(json.loads(open(tmp_path / "pairs.jsonl").readline()))
+
+
+def test_the_real_rlvr_verifier_reads_the_last_integer_of_an_ended_answer():
+    """experiments/real_rlvr.py's reward: 1.0 when the response ended and its last integer is the sum the rendered
+    chat prompt asks for; an unended, wrong or numberless answer gets 0.0."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import real_rlvr
+
+    prompt = "<|im_start|>user\nWhat is 48 + 7? Answer with the number only.<|im_end|>\n<|im_start|>assistant\n"
+    assert real_rlvr.question("48+7=")[0]["content"] in prompt
+    assert real_rlvr.reward(prompt, "48 + 7 = 55", True) == 1.0
+    assert real_rlvr.reward(prompt, "The answer is 1,055", True) == 0.0
+    assert real_rlvr.reward(prompt, "55", False) == 0.0
+    assert real_rlvr.reward(prompt, "fifty-five", True) == 0.0
+    assert real_rlvr.reward(prompt, "55 or 54", True) == 0.0
+
+
+@pytest.mark.slow
+def test_make_real_rlvr_runs_on_smollm2s_weights(tmp_path, smollm2_two_layers):
+    """experiments/real_rlvr.py --tiny on SmolLM2's real tokenizer and its first two layers: GRPO on the verifier,
+    then pass@1 and pass@2 of both policies from eval.py."""
+    out = str(tmp_path / "real_rlvr")
+    command = [sys.executable, os.path.join(ROOT, "experiments", "real_rlvr.py"), "--tiny", "--out-dir", out]
+    done = subprocess.run(command + ["--model-dir", smollm2_two_layers], env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.load(open(os.path.join(out, "results.json")))
+    for name in ("instruct", "grpo"):
+        assert 0 <= results[name]["pass@1"] <= results[name]["pass@2"] <= 1
+    assert results["grpo"]["train_seconds"] > 0
