@@ -90,8 +90,9 @@ class Args:
     (train_sft.py --init out/sft/ckpt.pt --data FILE); --prompts must be training prompts, never the held-out set"""
     pass_at: Optional[list[int]] = None
     """pass@k for each k on a verifiable task (--task arith, or --prompts with a --reward-fn that gives 1.0 to a right
-    answer): --pass-samples responses per held-out problem, c of them right (gold 1), and the unbiased estimate 1 - C(n-c, k)/C(n, k) (Chen et al. 2021,
-    https://arxiv.org/abs/2107.03374) averaged over problems (keys pass@<k> and pass@<k>_se)"""
+    answer): --pass-samples responses per held-out problem, c of them right (gold 1), and the unbiased estimate
+    1 - C(n-c, k)/C(n, k) (Chen et al. 2021, https://arxiv.org/abs/2107.03374) averaged over problems (keys pass@<k>
+    and pass@<k>_se)"""
     pass_samples: int = 64
     """--pass-at: n, the responses sampled per problem (seeds --seed ...), at least the largest k"""
     kl_optimal: Optional[list[float]] = None
