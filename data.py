@@ -583,11 +583,8 @@ class PtxStream:
         ids, _ = pad_right([self.texts[row][0] for row in rows], self.pad_id)
         loss_mask, _ = pad_right([self.texts[row][1] for row in rows], 0)
         device = self.d.device
-        inputs, targets = (
-            ids[:, :-1].contiguous(),
-            ids[:, 1:],
-        )  # contiguous inputs: one compiled graph (model.left_pack)
-        return inputs.to(device), targets.to(device), loss_mask[:, 1:].float().to(device)
+        inputs = ids[:, :-1].contiguous()  # a sliced input is a compiled graph more (model.left_pack)
+        return inputs.to(device), ids[:, 1:].to(device), loss_mask[:, 1:].float().to(device)
 
 
 def as_conversation(row: dict) -> dict:

@@ -123,7 +123,6 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    B, P, R, V = args.batch, args.prompt_len, args.resp_len, args.vocab
     if args.model_dir is None:
         model = build_model(args, device).eval().requires_grad_(False)
     else:  # a real model behind the same adapter the hf: stages use
@@ -131,7 +130,7 @@ def main(args: Args) -> None:
 
         model = HFCausalLM.from_pretrained(args.model_dir).to(device).eval().requires_grad_(False)
         args.arch, args.vocab = "llama", model.config.vocab_size
-        V = args.vocab
+    B, P, R, V = args.batch, args.prompt_len, args.resp_len, args.vocab
     if args.weights == "bf16":
         model = model.to(torch.bfloat16)
     prompts = torch.randint(0, V, (B, P), generator=torch.Generator().manual_seed(args.seed)).to(device)

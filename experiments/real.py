@@ -185,7 +185,7 @@ def main(args: Args) -> None:
     write_prompts(paths["prompts"], train_titles, train_count, seed=1)
     write_rows(paths["pair_prompts"], [json.loads(line) for line in open(paths["prompts"])][:pair_count])
     write_prompts(paths["eval_prompts"], eval_titles, eval_count, seed=2)
-    # 2. pairs: two answers of the instruct model to each prompt, labelled by Bradley-Terry on gold
+    # 2. preferences: the instruct model's answers ranked on gold (K a training prompt, two a held-out one)
     pair_stats = {}
     splits = (("pairs", paths["pair_prompts"], args.answers_per_prompt), ("pairs_eval", paths["eval_prompts"], 2))
     for split, prompts, per_prompt in splits:
@@ -202,19 +202,9 @@ def main(args: Args) -> None:
         flags = ["--init", f"hf:{model}", "--data", os.path.join(out, "pairs.jsonl"), "--out-dir", os.path.dirname(rm)]
         flags += ["--eval-data", os.path.join(out, "pairs_eval.jsonl"), "--overwrite", "--lm-coef", "0"]
         # LoRA rank 16 (lr 2e-4): full fine-tuning at 2e-5 was as near chance (0.481) at 1.5x the seconds a record
-        flags += ["--lora-rank", "16", "--lora-alpha", "32", "--lr", "2e-4", "--batch-size", "8", "--warmup-steps", "3"]
-        flags += [
-            "--micro-batch-size",
-            "8",
-            "--epochs",
-            "2",
-            "--eval-every",
-            "16",
-            "--log-every",
-            "4",
-            "--calib-size",
-            "64",
-        ]
+        flags += ["--lora-rank", "16", "--lora-alpha", "32", "--lr", "2e-4", "--warmup-steps", "3", "--epochs", "2"]
+        flags += ["--batch-size", "8", "--micro-batch-size", "8", "--eval-every", "16", "--log-every", "4"]
+        flags += ["--calib-size", "64"]
         flags += ["--max-steps", "2", "--batch-size", "4", "--micro-batch-size", "4"] if sizes else []
         os.makedirs(os.path.dirname(rm), exist_ok=True)
         run(stage("train_rm.py", *flags), os.path.join(os.path.dirname(rm), "stdout.txt"))
