@@ -9,15 +9,14 @@ import random
 import shutil
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import CommonArgs, LRSchedule, StepGuard, Trained, UserError, is_master, print0
-from data import Order
+from common import CommonArgs, LRSchedule, Trained, UserError, is_master, print0
 from lora import lora_layers, merge_lora, merged_state_dict
 from parallel import Dist, is_sharded
 from tokenizer import export_tokenizer
@@ -122,7 +121,7 @@ def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None)
     if args.overwrite:
         raise UserError("--resume continues the run in --out-dir, --overwrite starts it over: pass one of them")
     path = os.path.join(args.out_dir, "ckpt.pt")
-    given = getattr(args, "given", None)  # the flags a command line gave (cli.parse); None when called from Python
+    given = getattr(args, "given", None)  # the flags a command line gave (common.parse); None when called from Python
     saved = load_checkpoint(path, kind=kind, flag="--resume", mmap=True).get("args", {})
     defaults = type(args)()
     names = [f.name for f in fields(args) if f.name in saved and f.name not in NOT_COMPARED]
@@ -343,10 +342,8 @@ def load_resume(path: str, kind: str, world_size: int, max_steps: int, inputs: d
         raise UserError(f"--resume {path}: saved with world size {ck['world_size']}, now {world_size}")
     if ck["step"] >= max_steps:
         raise UserError(f"--resume {path}: already at step {ck['step']} of {max_steps} (raise --max-steps)")
-    if "rm_hashes" not in ck and "rm_hash" in ck:  # a PPO checkpoint from before ensembles: one RM's hash, or None
-        ck["rm_hashes"] = [ck["rm_hash"]] if ck["rm_hash"] else []
     for key, (flag, digest) in inputs.items():
-        if ck.get(key, digest) != digest:  # a checkpoint from before hashes were recorded has none to compare
+        if ck[key] != digest:
             raise UserError(f"--resume {path}: {flag} changed since the run started (sha256 differs)")
     return ck
 
@@ -429,7 +426,7 @@ class Run:
 
 
 # -----------------------------------------------------------------------------
-# an RL stage's inputs and loop
+# an RL stage's inputs
 
 
 def input_hashes(args) -> dict:
@@ -442,44 +439,6 @@ def input_hashes(args) -> dict:
 
 
 HASH_FLAGS = {"sft_hash": "--sft-ckpt", "ref_hash": "--ref-ckpt", "rm_hashes": "--rm-ckpt"}
-
-
-@dataclass
-class Loop:
-    """An RL stage's loop state, what its iteration's functions share and its checkpoint keeps: the iteration `step`,
-    the optimizer steps taken, the responses sampled, the generator of every random draw (sampling and shuffling;
-    saved with the RNG states), the prompt and ptx streams (data.PromptStream, data.PtxStream or None: no ptx loss;
-    their orders are saved), the NaN guard (its skipped steps are saved), and `first`, this process's first update's
-    diagnostics (not saved)."""
-
-    generator: torch.Generator
-    prompt_stream: object = None
-    ptx_stream: object = None
-    guard: StepGuard = field(default_factory=StepGuard)
-    step: int = 0
-    updates: int = 0
-    episodes: int = 0
-    first: dict = field(default_factory=dict)
-
-    def data_state(self) -> dict:
-        """The checkpoint's data_state: the prompt and ptx orders, the optimizer steps, episodes and skipped steps."""
-        ptx = self.ptx_stream.order.state_dict() if self.ptx_stream is not None else None
-        prompts = self.prompt_stream.order.state_dict()
-        return dict(prompts=prompts, ptx=ptx, updates=self.updates, episodes=self.episodes, skipped=self.guard.skipped)
-
-    def resume(self, run: "Run", hashes: dict) -> dict:
-        """--resume: the run's checkpoint (its inputs checked against their hashes now) restored into the trained
-        models (Run.resume) and into this loop; returns it for the stage's own keys."""
-        ckpt = run.resume({key: (HASH_FLAGS[key], digest) for key, digest in hashes.items()}, self.generator)
-        data_state = ckpt["data_state"]
-        self.prompt_stream.order = Order(**data_state["prompts"])
-        if self.ptx_stream is not None:
-            self.ptx_stream.order = Order(**data_state["ptx"])
-        self.guard.skipped = data_state["skipped"]
-        self.step = ckpt["step"]
-        self.updates = data_state["updates"]
-        self.episodes = data_state["episodes"]
-        return ckpt
 
 
 def export_hf(model, tok, out_dir: str) -> None:

@@ -390,6 +390,10 @@ class Order:
     def state_dict(self) -> dict:
         return {"n": self.n, "seed": self.seed, "epoch": self.epoch, "pos": self.pos}
 
+    def load_state_dict(self, state: dict) -> None:
+        self.n, self.seed, self.epoch, self.pos = state["n"], state["seed"], state["epoch"], state["pos"]
+        self._perm = None
+
 
 def encode_sft(tok: Tokenizer, rows: list[dict], block_size: int, mask_prompt: bool) -> tuple[list, int]:
     """-> ([(ids, loss_mask), ...], n_skipped): ids = [BOS] + prompt + response + EOS (a BOS if the tokenizer has

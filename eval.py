@@ -40,7 +40,6 @@ from typing import Literal, Optional
 import torch
 
 import checkpoints
-import cli
 import common
 import hf
 import parallel
@@ -862,4 +861,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    common.run_main(main, cli.parse(Args))
+    common.run_main(main, common.parse(Args))

@@ -21,6 +21,7 @@ from typing import Callable, Literal, Optional
 import torch
 import torch.distributed as dist
 
+import checkpoints
 import common
 import hf
 import parallel
@@ -576,3 +577,46 @@ def update_kl(actor, experience: dict, micro_batch_size: int, temperature: float
     kl = ((torch.expm1(-log_ratio) + log_ratio) * batch["mask"]).sum()
     sums = parallel.all_reduce_dict({"kl": kl, "sequences": float(batch["mask"].size(0))}, kl.device)
     return sums["kl"] / sums["sequences"]
+
+
+# -----------------------------------------------------------------------------
+# the RL loop's state
+
+
+@dataclass
+class Loop:
+    """An RL stage's loop state, what its iteration's functions share and its checkpoint keeps: the iteration `step`,
+    the optimizer steps taken, the responses sampled, the generator of every random draw (sampling and shuffling;
+    saved with the RNG states), the prompt and ptx streams (data.PromptStream, data.PtxStream or None: no ptx loss;
+    their orders are saved), the NaN guard (its skipped steps are saved), and `first`, this process's first update's
+    diagnostics (not saved)."""
+
+    generator: torch.Generator
+    prompt_stream: object = None
+    ptx_stream: object = None
+    guard: common.StepGuard = field(default_factory=common.StepGuard)
+    step: int = 0
+    updates: int = 0
+    episodes: int = 0
+    first: dict = field(default_factory=dict)
+
+    def data_state(self) -> dict:
+        """The checkpoint's data_state: the prompt and ptx orders, the optimizer steps, episodes and skipped steps."""
+        ptx = self.ptx_stream.order.state_dict() if self.ptx_stream is not None else None
+        prompts = self.prompt_stream.order.state_dict()
+        return dict(prompts=prompts, ptx=ptx, updates=self.updates, episodes=self.episodes, skipped=self.guard.skipped)
+
+    def resume(self, run: checkpoints.Run, hashes: dict) -> dict:
+        """--resume: the run's checkpoint (its inputs checked against their hashes now) restored into the trained
+        models (Run.resume) and into this loop; returns it for the stage's own keys."""
+        inputs = {key: (checkpoints.HASH_FLAGS[key], digest) for key, digest in hashes.items()}
+        ckpt = run.resume(inputs, self.generator)
+        data_state = ckpt["data_state"]
+        self.prompt_stream.order.load_state_dict(data_state["prompts"])
+        if self.ptx_stream is not None:
+            self.ptx_stream.order.load_state_dict(data_state["ptx"])
+        self.guard.skipped = data_state["skipped"]
+        self.step = ckpt["step"]
+        self.updates = data_state["updates"]
+        self.episodes = data_state["episodes"]
+        return ckpt

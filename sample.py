@@ -14,7 +14,6 @@ import torch
 import tyro
 
 import checkpoints
-import cli
 import common
 import hf
 import parallel
@@ -96,4 +95,4 @@ def main(args: Args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    common.run_main(main, cli.parse(Args))
+    common.run_main(main, common.parse(Args))

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 import checkpoints
-import cli
 import common
 import hf
 import parallel
@@ -51,7 +50,7 @@ from tokenizer import Tokenizer, load_tokenizer
 DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5, "kto": 0.1}  # --beta None (IPO's β works on per-token mean log-probs)
 
 
-@cli.stage_args
+@common.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/dpo"
@@ -679,4 +678,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, cli.parse(Args))
+    common.run_main(main, common.parse(Args))

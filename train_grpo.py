@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 import checkpoints
-import cli
 import common
 import parallel
 import rollout
@@ -75,7 +74,7 @@ RECIPE_DEFAULTS = {
 RECIPE_DEFAULTS["kl_estimator"] = "None: k3 with the KL in the loss, k1 in the reward"
 
 
-@cli.stage_args
+@common.stage_args
 @dataclass
 class Args(rollout.RolloutArgs):
     out_dir: str = "out/grpo"
@@ -752,7 +751,7 @@ def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
     return {"ptx_loss": loss.detach()}
 
 
-def grpo_update(actor: Trained, experience: dict, args: Args, loop: checkpoints.Loop) -> tuple[dict, dict]:
+def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop) -> tuple[dict, dict]:
     """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one guarded optimizer
     step per minibatch (none when no policy-loss token is left). Returns (metrics: global means over the steps
     taken, plus policy/update_kl; diagnostics: updates, skipped, and while loop.first is empty the first
@@ -943,7 +942,7 @@ def main(args: Args) -> None:
     ptx_stream = None
     if sizes.ptx_micro_batch_size:
         ptx_stream = PtxStream(ptx, Order(len(ptx), args.seed + 1), sizes.ptx_micro_batch_size, d, tok.pad_id)
-    loop = checkpoints.Loop(generator, prompt_stream, ptx_stream)
+    loop = rollout.Loop(generator, prompt_stream, ptx_stream)
     reward_moments = RunningMoments()
     run = checkpoints.Run("grpo", args, d, tok, [actor], started=t_start)
     hashes = checkpoints.input_hashes(args)
@@ -1025,4 +1024,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, cli.parse(Args, RECIPE_DEFAULTS))
+    common.run_main(main, common.parse(Args, RECIPE_DEFAULTS))

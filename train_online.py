@@ -46,7 +46,6 @@ from typing import Callable, Literal, Optional
 import torch
 
 import checkpoints
-import cli
 import common
 import hf
 from common import UserError, print0, write_atomic, write_jsonl
@@ -494,4 +493,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, cli.parse(Args))
+    common.run_main(main, common.parse(Args))

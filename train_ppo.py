@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 import checkpoints
-import cli
 import common
 import hf
 import parallel
@@ -36,7 +35,7 @@ from rollout import Models
 from tokenizer import Tokenizer
 
 
-@cli.stage_args
+@common.stage_args
 @dataclass
 class Args(rollout.RolloutArgs):
     out_dir: str = "out/ppo"
@@ -408,7 +407,7 @@ def critic_backward(critic, batch: dict, args: Args, token_count, sync: bool, am
     return {"vf_loss": vf_loss.detach(), "vf_clipfrac": vf_stats["clipfrac"] * tokens, "tokens": tokens}
 
 
-def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, loop: checkpoints.Loop):
+def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, loop: rollout.Loop):
     """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one guarded optimizer
     step per minibatch for the critic and, after its warm-up, the actor. Returns (metrics: global means over the
     steps each model took, plus policy/update_kl; diagnostics: updates, skipped, and while loop.first is empty the
@@ -591,7 +590,7 @@ def main(args: Args) -> None:
     ptx_stream = None
     if sizes.ptx_micro_batch_size:
         ptx_stream = PtxStream(ptx, Order(len(ptx), args.seed + 1), sizes.ptx_micro_batch_size, d, tok.pad_id)
-    loop = checkpoints.Loop(generator, prompt_stream, ptx_stream)
+    loop = rollout.Loop(generator, prompt_stream, ptx_stream)
     kl_controller = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
     reward_moments = RunningMoments()
     detector = CollapseDetector(args.collapse_window, args.collapse_z, args.collapse_lag)
@@ -684,4 +683,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, cli.parse(Args))
+    common.run_main(main, common.parse(Args))

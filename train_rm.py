@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoints
-import cli
 import common
 import hf
 import parallel
@@ -42,7 +41,7 @@ from task import PROBE_KINDS, is_task_prompt, probe_texts
 from tokenizer import Tokenizer, load_tokenizer
 
 
-@cli.stage_args
+@common.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/rm"
@@ -488,4 +487,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, cli.parse(Args))
+    common.run_main(main, common.parse(Args))

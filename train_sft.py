@@ -17,7 +17,6 @@ from typing import Optional
 import torch
 
 import checkpoints
-import cli
 import common
 import hf
 import parallel
@@ -38,7 +37,7 @@ from model import lm_loss
 from tokenizer import Tokenizer, load_tokenizer
 
 
-@cli.stage_args
+@common.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/sft"
@@ -309,4 +308,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, cli.parse(Args))
+    common.run_main(main, common.parse(Args))

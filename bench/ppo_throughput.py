@@ -30,7 +30,6 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoints  # noqa: E402
 import common  # noqa: E402
 import generate as generation  # noqa: E402
 import parallel  # noqa: E402
@@ -314,7 +313,7 @@ def main(args: Args) -> None:
         assert exp["mask"].shape == (B, R) and bool(exp["mask"].all()), "every response must be exactly R tokens"
         if recorder:
             recorder.phase = "update"
-        loop = checkpoints.Loop(generator)
+        loop = rollout.Loop(generator)
         if critic_free:
             train_grpo.grpo_update(actor, exp, settings, loop)
         else:

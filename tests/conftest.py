@@ -241,12 +241,12 @@ def trained(name: str, model, grad_clip: float = 0.5, lr: float = 1e-2):
 def ppo_update_once(actor, critic, exp, micro_batch_size, **settings) -> dict:
     """One train_ppo.ppo_update over exp (one epoch, one minibatch, micro-batches of micro_batch_size rows) ->
     metrics | diagnostics."""
-    import checkpoints
+    import rollout
     import train_ppo
 
     args = train_ppo.Args(ppo_epochs=1, num_minibatches=1, temperature=1.0, micro_batch_size=micro_batch_size)
     args = replace(args, **settings)
-    loop = checkpoints.Loop(torch.Generator().manual_seed(0), step=args.critic_warmup_steps)
+    loop = rollout.Loop(torch.Generator().manual_seed(0), step=args.critic_warmup_steps)
     metrics, diagnostics = train_ppo.ppo_update(trained("model", actor), trained("critic", critic), exp, args, loop)
     return metrics | diagnostics
 
@@ -254,13 +254,13 @@ def ppo_update_once(actor, critic, exp, micro_batch_size, **settings) -> dict:
 def grpo_update_once(actor, exp, micro_batch_size, **settings) -> dict:
     """One train_grpo.grpo_update over exp (one epoch, one minibatch, micro-batches of micro_batch_size rows,
     kl_coef 0.1 unless set) -> metrics | diagnostics."""
-    import checkpoints
+    import rollout
     import train_grpo
 
     settings = dict(kl_coef=0.1) | settings
     args = train_grpo.Args(ppo_epochs=1, num_minibatches=1, temperature=1.0, micro_batch_size=micro_batch_size)
     args = train_grpo.resolve_args(replace(args, **settings))
-    loop = checkpoints.Loop(torch.Generator().manual_seed(0))
+    loop = rollout.Loop(torch.Generator().manual_seed(0))
     metrics, diagnostics = train_grpo.grpo_update(trained("model", actor), exp, args, loop)
     return metrics | diagnostics
 

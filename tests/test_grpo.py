@@ -32,7 +32,6 @@ from conftest import (
     trained,
 )
 
-import checkpoints
 import common
 import rollout
 import train_grpo
@@ -355,7 +354,7 @@ def test_rollout_advantages_and_the_first_minibatch(task_tok):
     )
     want = group_advantages(exp["scores"], 4, "grpo")
     assert torch.allclose(exp["advantages"], want[:, None] * mask, atol=1e-6)
-    loop = checkpoints.Loop(torch.Generator().manual_seed(0))
+    loop = rollout.Loop(torch.Generator().manual_seed(0))
     args = dataclasses.replace(args, micro_batch_size=2)
     metrics, diagnostics = train_grpo.grpo_update(trained("model", actor, grad_clip=1.0), exp, args, loop)
     first = diagnostics["first"]
@@ -905,7 +904,7 @@ def test_rebel_update_keeps_pairs_whole(monkeypatch):
     monkeypatch.setattr(train_grpo, "rebel_loss", recording_loss)
     settings = dict(estimator="rebel", group_size=4, ppo_epochs=3, num_minibatches=2, micro_batch_size=2)
     args = resolve_args(dataclasses.replace(train_grpo.Args(temperature=1.0), **settings))
-    loop = checkpoints.Loop(torch.Generator().manual_seed(0))
+    loop = rollout.Loop(torch.Generator().manual_seed(0))
     metrics, diagnostics = train_grpo.grpo_update(trained("model", actor), exp, args, loop)
     assert len(seen) == 3 * 2 * 2 and diagnostics["updates"] == 6
     for micro_gaps in seen:

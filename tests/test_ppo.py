@@ -426,7 +426,7 @@ def test_rollout_rewards_on_eos_and_the_first_minibatch(task_tok):
         assert (exp["rewards"][b, : n - 1] == 0).all() and (exp["rewards"][b, n:] == 0).all()
     want, _ = compute_gae(exp["rewards"], exp["values"], mask, args.gamma, args.lam)
     assert torch.allclose(exp["advantages"], want, atol=1e-6)
-    loop = checkpoints.Loop(torch.Generator().manual_seed(0), step=args.critic_warmup_steps)
+    loop = rollout.Loop(torch.Generator().manual_seed(0), step=args.critic_warmup_steps)
     actor_entry, critic_entry = trained("model", actor, grad_clip=1.0), trained("critic", critic, grad_clip=1.0)
     metrics, diagnostics = train_ppo.ppo_update(actor_entry, critic_entry, exp, replace(args, micro_batch_size=2), loop)
     first = diagnostics["first"]
