@@ -194,10 +194,8 @@ def seed_everything(seed: int) -> None:
 
 
 class StopSignal:
-    """SIGINT (Ctrl-C) and SIGTERM (a cluster's preemption; torchrun forwards it to every rank) ask a run to stop at
-    the end of its current step: the stage saves that step's checkpoint and exits with 128 + the signal's number, and
-    --resume continues it. A second signal exits at once (the last checkpoint saved stays). Installed by each stage
-    just before its loop; every rank agrees on the step to stop at through one all-reduce a step (requested)."""
+    """SIGINT or SIGTERM stops a run at the end of its step: the stage saves, exits 128 + signal, and --resume
+    continues it; a second signal exits at once. requested() all-reduces the flag so every rank stops at one step."""
 
     def __init__(self):
         self.signum = 0

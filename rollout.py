@@ -585,11 +585,9 @@ def update_kl(actor, experience: dict, micro_batch_size: int, temperature: float
 
 @dataclass
 class Loop:
-    """An RL stage's loop state, what its iteration's functions share and its checkpoint keeps: the iteration `step`,
-    the optimizer steps taken, the responses sampled, the generator of every random draw (sampling and shuffling;
-    saved with the RNG states), the prompt and ptx streams (data.PromptStream, data.PtxStream or None: no ptx loss;
-    their orders are saved), the NaN guard (its skipped steps are saved), and `first`, this process's first update's
-    diagnostics (not saved)."""
+    """An RL stage's loop state, saved with its checkpoint: the iteration, optimizer steps, episodes, the generator
+    of every draw, the prompt and ptx streams (ptx None: no ptx loss), the NaN guard; `first` (this process's first
+    update's diagnostics) is not saved."""
 
     generator: torch.Generator
     prompt_stream: object = None

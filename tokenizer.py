@@ -21,14 +21,11 @@ EOT = "<|endoftext|>"
 
 
 class Tokenizer:
-    """One small interface over a tiktoken.Encoding (task BPE, GPT-2) or a Hugging Face tokenizer.
+    """One interface over a tiktoken.Encoding (task BPE, GPT-2) or a Hugging Face tokenizer.
 
-    bos_id: the id a sequence starts with, or None. A Hugging Face tokenizer whose own encode adds a BOS (Llama) gets
-    one; the task BPE and GPT-2 have none. encode(text, bos=True) prepends it: pass bos=True for what starts a sequence
-    (a prompt, a {"text"} row) and never for a response that follows a prompt, so the BOS appears once, first.
-    chat: the tokenizer has a chat template: conversations are rendered by
-    it, and its end-of-turn token (<|im_end|>, <|eot_id|>, ...) is eos_id, every response's stop and score token.
-    Without one, conversations take HH's layout ("\n\nHuman: ...\n\nAssistant: ...") as text."""
+    bos_id: None, or the BOS a Hugging Face tokenizer adds (Llama); encode(text, bos=True) only where a sequence
+    starts. chat: conversations go through the chat template and its end-of-turn token is eos_id; without one they
+    take HH's layout as text."""
 
     def __init__(
         self,
