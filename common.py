@@ -108,12 +108,6 @@ def exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
-def every(step: int, interval: int) -> bool:
-    """The --*-every rule: step is a multiple of interval, never for interval 0 (off: the last step only, by the
-    caller's own `or step == max_steps`)."""
-    return interval > 0 and step % interval == 0
-
-
 def is_master() -> bool:
     """Rank 0 (also before init_process_group: torchrun sets RANK)."""
     return int(os.environ.get("RANK", "0")) == 0
@@ -328,12 +322,6 @@ class StepGuard:
         metrics["train/skipped_steps"] = self.skipped
         self.grad_norms = {}
         return metrics
-
-
-def add_all(sums: dict, values: dict) -> None:
-    """sums[key] += value for every entry, starting from 0 (running sums that stay on the device: no host sync)."""
-    for key, value in values.items():
-        sums[key] = sums[key] + value if key in sums else value
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

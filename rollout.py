@@ -286,7 +286,8 @@ def generate_responses(engine: Engine, prompts: list, prefix: Optional[tuple] = 
     compiled = parallel.use_compile(args.compile, device) and not args.fsdp
     policy = models.actor if models.sampler is None else models.sampler
     generator = engine.generator
-    with parallel.autocast(device, engine.dtype), parallel.gathered(policy):  # --fsdp: gathered once, not per token
+    amp = torch.autocast(device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
+    with amp, parallel.gathered(policy):  # --fsdp: gathered once, not per token
         samples = sample(
             policy, tok, inputs, input_mask, budget, args.temperature, generator=generator, compiled=compiled
         )
@@ -464,7 +465,7 @@ def rollout(engine: Engine, prompts: list, prefix: Optional[tuple] = None, k: in
         prefix = None if prefix is None else tuple(tensor.repeat_interleave(k, 0) for tensor in prefix)
     responses = generate_responses(engine, prompts, prefix)
     samples = responses.samples
-    amp = parallel.autocast(samples.mask.device, engine.dtype)
+    amp = torch.autocast(samples.mask.device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
     logprobs = policy_and_reference_logprobs(engine, responses, amp)
     logprob_error, mean_error = check_logprobs(samples.logprobs, logprobs["logprobs"], responses.sampled, engine.dtype)
     scores, score_parts = response_scores(engine, responses, amp)

@@ -28,11 +28,13 @@ python train_grpo.py --estimator rebel --rebel-eta 1.0                # REBEL: p
 
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoints
 import common
@@ -625,7 +627,7 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
     metrics["objective/rlhf_reward"] = totals["rlhf_reward"] / totals["sequences"]
     for name in estimator_sums:  # vineppo's continuations and their tokens over every rank, its seconds a rank
         if name.endswith("_s"):
-            metrics[f"perf/{name}"] = totals[name] / parallel.world_size()
+            metrics[f"perf/{name}"] = totals[name] / (dist.get_world_size() if dist.is_initialized() else 1)
         else:
             metrics[f"rollout/{name}"] = totals[name]
     if args.mask_truncated:  # responses without EOS: in the group statistics, not in the policy loss
@@ -734,11 +736,11 @@ def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
             sums["entropy_bonus"] = entropy.detach()
             loss = loss - args.entropy_coef * entropy
     # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
-    (loss * parallel.world_size()).backward()
+    (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
     tokens = mask.sum()
     sums["tokens"] = tokens
     for key in ("approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_mean"):
-        sums[key] = parallel.token_sum(stats[key], tokens)
+        sums[key] = torch.where(tokens > 0, stats[key] * tokens, 0.0)  # 0, not 0/0, without tokens
     return sums, logprobs
 
 
@@ -747,7 +749,7 @@ def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
     policy loss's comes after it)."""
     with parallel.grad_sync(actor, False), amp:
         loss = ptx_loss(actor, ptx_batch, ptx_tokens)
-    (args.ptx_coef * loss * parallel.world_size()).backward()
+    (args.ptx_coef * loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
     return {"ptx_loss": loss.detach()}
 
 
@@ -761,7 +763,8 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")
     micro_batch_size = min(args.micro_batch_size, minibatch_rows)  # parallel.rollout_split's rule
     grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
-    amp = parallel.autocast(device, parallel.resolve_dtype(args.dtype, device))
+    dtype = parallel.resolve_dtype(args.dtype, device)
+    amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     actor_forward = actor.model if actor.forward is None else actor.forward
     use_ptx = loop.ptx_stream is not None
     # the policy loss's tokens: --mask-truncated drops the responses without EOS, --dynamic-sampling the groups that
@@ -778,7 +781,7 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
     if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (REINFORCE++)
         mean, variance = parallel.global_moments(batch["advantages"], loss_mask, device)
         batch["advantages"] = whiten(batch["advantages"], mean, variance)
-    totals = {}  # this rank's sums over the steps taken
+    totals = defaultdict(float)  # this rank's sums over the steps taken
     first = {}
     updates = 0
     skipped_before = loop.guard.skipped
@@ -814,20 +817,23 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
                 minibatch_batch["loss_mask"], args.loss_agg, loss_sequences, loss_token_count, args.max_new_tokens
             )
             minibatch_batch["weights"] = weights
-            step_sums = {}  # this step's sums, kept if it steps
+            step_sums = defaultdict(float)  # this step's sums, kept if it steps
             for micro in range(grad_accum_steps):
                 rows = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
                 micro_batch = parallel.take_rows(minibatch_batch, rows, widths[minibatch * grad_accum_steps + micro])
                 sync = micro == grad_accum_steps - 1
                 if use_ptx:
                     ptx_sums = ptx_backward(actor_forward, ptx_batches[micro], args, ptx_token_count, amp)
-                    common.add_all(step_sums, ptx_sums)
+                    for key, value in ptx_sums.items():
+                        step_sums[key] += value
                 sums, logprobs = actor_backward(actor_forward, micro_batch, args, denom, sync, amp)
-                common.add_all(step_sums, sums)
+                for key, value in sums.items():
+                    step_sums[key] += value
                 if not loop.first and not first and sums["tokens"] > 0:  # must be ratio 1, approx_kl 0, clipfrac 0
                     first = rollout.first_micro_batch(logprobs, micro_batch["logprobs"], micro_batch["loss_mask"], sums)
             if common.guarded_step([actor], loop.guard, loop.step):
-                common.add_all(totals, step_sums)
+                for key, value in step_sums.items():
+                    totals[key] += value
                 updates += 1
             else:  # name the bad quantity (the loss sums are this rank's)
                 losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums.items())
@@ -952,8 +958,10 @@ def main(args: Args) -> None:
         rollout.refresh_sampler(models)  # the resumed actor into its bf16 copy, before it samples
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     forward = models.compiled(args.compile, d.device)
-    replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
-    actor.forward = parallel.replicate(forward.actor, d) if replicated else forward.actor
+    actor.forward = forward.actor
+    if d.ddp and not args.fsdp:  # FSDP2 needs no wrapper; DDP's gradients are views into its all-reduce buckets
+        device_ids = [d.local_rank] if d.device.type == "cuda" else None
+        actor.forward = DDP(forward.actor, device_ids=device_ids, gradient_as_bucket_view=True)
     engine = rollout.Engine(forward, tok, args, sizes.micro_batch_size, generator, dtype, reward_fn, data.gold_fn)
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
@@ -1001,10 +1009,11 @@ def main(args: Args) -> None:
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
             largest, mean = metrics["rollout/logprob_err"], metrics["rollout/logprob_err_mean"]
             print0(f"step {step}: generation vs training-forward log-probs, |diff| max {largest:.1e} mean {mean:.1e}")
-        logger.log(step, metrics, max_steps, console=common.every(step, args.log_every) or last)
-        if common.every(step, args.sample_every) or last:
+        # --*-every N: every N iterations and the last (0: the last only)
+        logger.log(step, metrics, max_steps, console=(args.log_every > 0 and step % args.log_every == 0) or last)
+        if (args.sample_every > 0 and step % args.sample_every == 0) or last:
             logger.sample_table(step, records)
-        if common.every(step, args.save_every) or last or stopping:
+        if (args.save_every > 0 and step % args.save_every == 0) or last or stopping:
             run.save(step, loop.data_state(), generator, reward_moments=reward_moments.state_dict(), **hashes)
         if stopping:
             logger.close()

@@ -17,11 +17,13 @@ torchrun --standalone --nproc_per_node 8 train_ppo.py --sft-ckpt sft/ckpt.pt --r
 
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoints
 import common
@@ -331,7 +333,7 @@ def ppo_rollout(
     args = engine.args
     experience, sums, records = rollout.rollout(engine, prompts)
     mask = experience["mask"]
-    amp = parallel.autocast(mask.device, engine.dtype)
+    amp = torch.autocast(mask.device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
     values = critic_values(critic, experience, engine.micro_batch_size, args.temperature, amp)
     # 4. rewards: running moments over all history and ranks, normalise, clip (PPO-max §3.2); -beta * k1 per token
     scores = experience["scores"]
@@ -377,11 +379,11 @@ def actor_backward(actor, batch: dict, args: Args, token_count, sync: bool, amp)
             sums["entropy_bonus"] = entropy.detach()
             loss = loss - args.entropy_coef * entropy
     # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
-    (loss * parallel.world_size()).backward()
+    (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
     tokens = mask.sum()
     sums["tokens"] = tokens
     for key in ("approx_kl", "clipfrac", "ratio_mean"):
-        sums[key] = parallel.token_sum(stats[key], tokens)
+        sums[key] = torch.where(tokens > 0, stats[key] * tokens, 0.0)  # 0, not 0/0, without tokens
     return sums, logprobs
 
 
@@ -390,7 +392,7 @@ def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
     policy loss's comes after it)."""
     with parallel.grad_sync(actor, False), amp:
         loss = ptx_loss(actor, ptx_batch, ptx_tokens)
-    (args.ptx_coef * loss * parallel.world_size()).backward()
+    (args.ptx_coef * loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
     return {"ptx_loss": loss.detach()}
 
 
@@ -402,7 +404,7 @@ def critic_backward(critic, batch: dict, args: Args, token_count, sync: bool, am
         vf_loss, vf_stats = ppo_value_loss(
             new_values, batch["values"], batch["returns"], batch["mask"], args.cliprange_value, denom=token_count
         )
-    (vf_loss * parallel.world_size()).backward()
+    (vf_loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
     tokens = batch["mask"].sum()
     return {"vf_loss": vf_loss.detach(), "vf_clipfrac": vf_stats["clipfrac"] * tokens, "tokens": tokens}
 
@@ -417,7 +419,8 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")
     micro_batch_size = min(args.micro_batch_size, minibatch_rows)  # parallel.rollout_split's rule
     grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
-    amp = parallel.autocast(device, parallel.resolve_dtype(args.dtype, device))
+    dtype = parallel.resolve_dtype(args.dtype, device)
+    amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     actor_forward = actor.model if actor.forward is None else actor.forward
     critic_forward = critic.model if critic.forward is None else critic.forward
     train_actor = loop.step >= args.critic_warmup_steps  # the critic warm-up: only the critic trains
@@ -429,7 +432,7 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
     if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (TRL)
         mean, variance = parallel.global_moments(batch["advantages"], mask, device)
         batch["advantages"] = whiten(batch["advantages"], mean, variance)
-    totals = {"actor": {}, "critic": {}}  # this rank's sums over the steps each model took
+    totals = {"actor": defaultdict(float), "critic": defaultdict(float)}  # this rank's sums over the steps each took
     steps = {"actor": 0, "critic": 0}  # the steps each model took (the same on every rank)
     first = {}
     updates = 0  # optimizer steps every model took
@@ -450,28 +453,31 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
             # the step's global token counts (loss denominators): one all-reduce per step, left on device
             ptx_tokens = sum((ptx_batch[2].sum() for ptx_batch in ptx_batches), torch.zeros((), device=device))
             token_count, ptx_token_count = parallel.all_reduce_stack([minibatch_mask.sum(), ptx_tokens], device).float()
-            step_sums = {"actor": {}, "critic": {}}  # this step's sums per model, kept if that model steps
+            step_sums = {"actor": defaultdict(float), "critic": defaultdict(float)}  # kept if that model steps
             for micro in range(grad_accum_steps):
                 rows = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
                 micro_batch = parallel.take_rows(minibatch_batch, rows, widths[minibatch * grad_accum_steps + micro])
                 sync = micro == grad_accum_steps - 1
                 if train_actor:
+                    ptx_sums = {}
                     if use_ptx:
                         ptx_sums = ptx_backward(actor_forward, ptx_batches[micro], args, ptx_token_count, amp)
-                        common.add_all(step_sums["actor"], ptx_sums)
                     sums, logprobs = actor_backward(actor_forward, micro_batch, args, token_count, sync, amp)
-                    common.add_all(step_sums["actor"], sums)
+                    for key, value in (ptx_sums | sums).items():
+                        step_sums["actor"][key] += value
                     if not loop.first and not first:  # must read ratio 1, approx_kl 0, clipfrac 0
                         first = rollout.first_micro_batch(logprobs, micro_batch["logprobs"], micro_batch["mask"], sums)
                 sums = critic_backward(critic_forward, micro_batch, args, token_count, sync, amp)
-                common.add_all(step_sums["critic"], sums)
+                for key, value in sums.items():
+                    step_sums["critic"][key] += value
             # separate optimizers and clips; each norm is global (after DDP's all-reduce; FSDP2's is a DTensor whose
             # full value is the global norm), so every rank takes the same decision
             trained = {"actor": actor, "critic": critic} if train_actor else {"critic": critic}
             stepped = common.guarded_step(list(trained.values()), loop.guard, loop.step)
             for role, entry in trained.items():
                 if entry.name in stepped:
-                    common.add_all(totals[role], step_sums[role])
+                    for key, value in step_sums[role].items():
+                        totals[role][key] += value
                     steps[role] += 1
                 else:  # name the bad quantity (the loss sums are this rank's)
                     losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums[role].items())
@@ -607,9 +613,12 @@ def main(args: Args) -> None:
     critic_forward = (
         rollout.compile_role(critic_model) if parallel.use_compile(args.compile, d.device) else critic_model
     )
-    replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
-    actor.forward = parallel.replicate(forward.actor, d) if replicated else forward.actor
-    critic.forward = parallel.replicate(critic_forward, d) if replicated else critic_forward
+    actor.forward = forward.actor
+    critic.forward = critic_forward
+    if d.ddp and not args.fsdp:  # FSDP2 needs no wrapper; DDP's gradients are views into its all-reduce buckets
+        device_ids = [d.local_rank] if d.device.type == "cuda" else None
+        actor.forward = DDP(forward.actor, device_ids=device_ids, gradient_as_bucket_view=True)
+        critic.forward = DDP(critic_forward, device_ids=device_ids, gradient_as_bucket_view=True)
     engine = rollout.Engine(forward, tok, args, sizes.micro_batch_size, generator, dtype, reward_fn, data.gold_fn)
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
@@ -655,13 +664,16 @@ def main(args: Args) -> None:
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
             largest, mean = metrics["rollout/logprob_err"], metrics["rollout/logprob_err_mean"]
             print0(f"step {step}: generation vs training-forward log-probs, |diff| max {largest:.1e} mean {mean:.1e}")
-        logger.log(step, metrics, max_steps, console=common.every(step, args.log_every) or step == max_steps or alarm)
-        if common.every(step, args.sample_every) or step == max_steps:
+        last = step == max_steps
+        # --*-every N: every N iterations and the last (0: the last only)
+        console = (args.log_every > 0 and step % args.log_every == 0) or last or alarm
+        logger.log(step, metrics, max_steps, console=console)
+        if (args.sample_every > 0 and step % args.sample_every == 0) or last:
             logger.sample_table(step, records)
         if alarm and args.stop_on_collapse:
             print0(f"collapse alarm at step {step}: stopping (the last checkpoint saved before it is kept)")
             break
-        if common.every(step, args.save_every) or step == max_steps or stopping:
+        if (args.save_every > 0 and step % args.save_every == 0) or last or stopping:
             data_state = loop.data_state() | {"collapse": detector.state_dict()}
             ppo_state = dict(reward_moments=reward_moments.state_dict(), kl_ctl=kl_controller.state_dict())
             run.save(step, data_state, generator, **ppo_state, **hashes)
