@@ -619,13 +619,13 @@ def iteration_flops(models, sequence_len: int, sequences: int, epochs: int, crit
     return sequences * sequence_len * (rollout_flops + update_flops)
 
 
-def perf_metrics(models, experience: dict, epochs: int, times: tuple, peak: float, world_size: int, critic=None):
+def perf_metrics(models, experience: dict, epochs: int, times: tuple, peak: float, world_size: int):
     """perf/ of one RL iteration: its rollout and update seconds, tokens per second and MFU (iteration_flops against
     the peak of every rank); times: the iteration's start, the update's start and the end."""
     t_rollout, t_update, t_end = times
     sequence_len = experience["query"].size(1) + experience["mask"].size(1)
     sequences = experience["mask"].size(0) * world_size
-    flops = iteration_flops(models, sequence_len, sequences, epochs, critic=critic)
+    flops = iteration_flops(models, sequence_len, sequences, epochs, critic=models.critic)
     return {
         "perf/rollout_s": t_update - t_rollout,
         "perf/update_s": t_end - t_update,

@@ -41,10 +41,8 @@ import common
 import parallel
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
-from data import TASKS, Order, PromptStream, PtxStream, load_prompts, prompt_text
+from data import TASKS
 from model import entropy_from_logits, lm_loss, masked_mean
-from rollout import Models
-from tokenizer import Tokenizer
 
 # each estimator's recipe: what a flag left at None becomes. beta in the loss (k3) and in the reward (k1) are not on
 # one scale; tuned on the built-in task, reinforce_pp keeps PPO-max's 0.3
@@ -150,7 +148,6 @@ def resolve_args(args: Args) -> Args:
     """A copy of args where every flag left at None holds its estimator's RECIPES value, and the KL estimator that of
     its placement (k3 in the loss, k1 in the reward): run once at start-up (checkpoints.resume_args, on the saved
     args too), so everything after it, and the checkpoint, see the resolved values."""
-    args = rollout.resolve_rollout_args(args)
     recipe = RECIPES[args.estimator]
     resolved = {key: value if getattr(args, key) is None else getattr(args, key) for key, value in recipe.items()}
     args = replace(args, **resolved)
@@ -427,7 +424,7 @@ def ptx_loss(actor, ptx_batch: tuple, ptx_tokens) -> torch.Tensor:
 # VinePPO (Kazemnejad et al. 2024): the value of a state is the mean return of --vine-k continuations sampled from it
 
 
-def vine_step_end(args: Args, tok: Tokenizer) -> Optional[int]:
+def vine_step_end(args: Args, tok) -> Optional[int]:
     """The token that ends a VinePPO step: the built-in task's STEP_END (reviews: '.'), or None on arith and on
     --prompts, whose steps are --vine-chunk tokens."""
     step_end = TASKS[args.task].STEP_END if args.prompts is None else None
@@ -811,7 +808,7 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
                 continue
             if use_ptx:
                 ptx_tokens = sum(ptx_batch[2].sum() for ptx_batch in ptx_batches)
-                ptx_token_count = parallel.all_reduce_sum(ptx_tokens.double()).float()  # left on device
+                ptx_token_count = parallel.all_reduce_stack([ptx_tokens], device)[0].float()  # left on device
             loss_token_count = counts_on_device[0, minibatch].float()
             weights, denom = loss_weights(
                 minibatch_batch["loss_mask"], args.loss_agg, loss_sequences, loss_token_count, args.max_new_tokens
@@ -838,16 +835,17 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
             else:  # name the bad quantity (the loss sums are this rank's)
                 losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums.items())
                 print0(f"step {loop.step}: the actor's sums when its grad norm was not finite: {losses}")
-    metrics |= update_metrics(totals, updates, loop.guard, device)
+    metrics |= loop.guard.read()
+    metrics |= update_metrics(totals, updates, device)
     metrics["policy/update_kl"] = rollout.update_kl(actor_forward, experience, micro_batch_size, args.temperature, amp)
     return metrics, {"updates": updates, "skipped": loop.guard.skipped - skipped_before, "first": first}
 
 
-def update_metrics(totals: dict, updates: int, guard: common.StepGuard, device) -> dict:
+def update_metrics(totals: dict, updates: int, device) -> dict:
     """Global means over the steps taken from this rank's sums (one all-reduce; the steps are decided the same on
-    every rank), and the mean grad norm (already global) from the guard. A loss sum is the step's global loss (its
-    denominators are global), a per-token stat sum is over tokens."""
-    metrics = guard.read()
+    every rank). A loss sum is the step's global loss (its denominators are global), a per-token stat sum is over
+    tokens."""
+    metrics = {}
     if not updates:  # every step skipped: the same on every rank, so no rank waits in a lone collective
         return metrics
     summed = parallel.all_reduce_dict({key: totals[key] for key in sorted(totals)}, device)
@@ -891,17 +889,12 @@ def main(args: Args) -> None:
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses to replace a run silently
     common.seed_everything(args.seed)
 
-    # checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
-    sft, ref, rms = rollout.load_inputs(args)
-    tok = Tokenizer.from_state(sft["tokenizer"])
-    data = load_prompts(args, tok, sft["model_config"]["block_size"])
-    prompts, ptx = data.prompts, data.ptx
-    reward_fn = common.load_reward_fn(args.reward_fn, prompt_text(tok, prompts[0])) if args.reward_fn else None
-    actor_model, reference = rollout.build_policy(args, sft, ref)
-    models = Models(actor_model, reference, rollout.build_reward_models(args, rms))
+    # checkpoints, tokenizer, data, models (user mistakes surface here, before any process group)
+    sft, ref, rms, tok, data = rollout.load_inputs(args)
+    models = rollout.build_models(args, sft, ref, rms)  # no critic
 
     # sizes, distributed set-up, placement, optimizer, the loop's state
-    sizes = parallel.rollout_split(args, args.group_size, has_ptx=bool(ptx) and args.ptx_coef > 0)
+    sizes = parallel.rollout_split(args, args.group_size, has_ptx=bool(data.ptx) and args.ptx_coef > 0)
     if args.estimator == "rebel" and sizes.micro_batch_size % args.group_size:
         raise UserError(
             f"--micro-batch-size {sizes.micro_batch_size} (a rank's): rebel keeps a group's pairs in one micro-batch, "
@@ -914,13 +907,13 @@ def main(args: Args) -> None:
     common.size_warnings(
         prompts_per_iteration,
         "--rollout-batch-size / --group-size",
-        len(prompts),
+        len(data.prompts),
         None,
         args.warmup_steps,
         max_steps,
     )
     print0(
-        f"grpo: {len(prompts)} prompts ({data.too_long} too long, skipped) | policy "
+        f"grpo: {len(data.prompts)} prompts ({data.too_long} too long, skipped) | policy "
         f"{models.actor.num_params() / 1e6:.2f} M | rollout {args.rollout_batch_size} = {d.world_size} ranks x "
         f"{args.num_minibatches} minibatches x {sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | "
         f"{max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}"
@@ -936,38 +929,32 @@ def main(args: Args) -> None:
         print0(f"vineppo: values from {args.vine_k} continuations at each step's start; a step: {step}")
     if args.estimator == "rebel":
         print0(f"rebel: eta {args.rebel_eta}, no clip (the cliprange above is unused), pairs of consecutive responses")
-    print0(f"a response without EOS scores {rollout.missing_eos_rule(args)}")
-    print0(f"ptx {rollout.ptx_rule(args, data)}")
+    print0(rollout.rules(args, data))
     models = rollout.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
     optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps)
     actor = Trained("model", models.actor, optimizer, schedule, args.grad_clip)
-    generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
-    order = Order(len(prompts), args.seed)
-    prompt_stream = PromptStream(prompts, order, sizes.prompts_per_rank, args.group_size, d)
-    ptx_stream = None
-    if sizes.ptx_micro_batch_size:
-        ptx_stream = PtxStream(ptx, Order(len(ptx), args.seed + 1), sizes.ptx_micro_batch_size, d, tok.pad_id)
-    loop = rollout.Loop(generator, prompt_stream, ptx_stream)
+    loop = rollout.build_loop(args, data, sizes, args.group_size, d, tok.pad_id)  # its generator: sampling, shuffling
     reward_moments = RunningMoments()
     run = checkpoints.Run("grpo", args, d, tok, [actor], started=t_start)
-    hashes = checkpoints.input_hashes(args)
     if args.resume:
-        ckpt = loop.resume(run, hashes)
+        ckpt = loop.resume(run)
         reward_moments.load_state_dict(ckpt["reward_moments"])
-        rollout.refresh_sampler(models)  # the resumed actor into its bf16 copy, before it samples
+        models.refresh_sampler()  # the resumed actor into its bf16 copy, before it samples
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     forward = models.compiled(args.compile, d.device)
     actor.forward = forward.actor
     if d.ddp and not args.fsdp:  # FSDP2 needs no wrapper; DDP's gradients are views into its all-reduce buckets
         device_ids = [d.local_rank] if d.device.type == "cuda" else None
         actor.forward = DDP(forward.actor, device_ids=device_ids, gradient_as_bucket_view=True)
-    engine = rollout.Engine(forward, tok, args, sizes.micro_batch_size, generator, dtype, reward_fn, data.gold_fn)
+    engine = rollout.Engine(
+        forward, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn
+    )
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
 
     def draw() -> tuple[dict, dict, list]:  # one rollout round on this rank's share of the next prompts
-        return grpo_rollout(engine, prompt_stream.next(), reward_moments)
+        return grpo_rollout(engine, loop.prompt_stream.next(), reward_moments)
 
     # the loop: steps 1-5 (grpo_rollout, dynamic sampling), 6 (grpo_update), 7 (log, samples, checkpoint)
     start_step = loop.step
@@ -987,7 +974,7 @@ def main(args: Args) -> None:
         lr = common.step_lr(actor, loop.step)
         updated, diagnostics = grpo_update(actor, experience, args, loop)
         loop.first = loop.first or diagnostics["first"]
-        rollout.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
+        models.refresh_sampler()  # the updated actor into its bf16 copy, in place
         loop.step += 1
         loop.updates += diagnostics["updates"]
         loop.episodes += args.rollout_batch_size * int(metrics.get("rollout/sample_rounds", 1))
@@ -1014,7 +1001,7 @@ def main(args: Args) -> None:
         if (args.sample_every > 0 and step % args.sample_every == 0) or last:
             logger.sample_table(step, records)
         if (args.save_every > 0 and step % args.save_every == 0) or last or stopping:
-            run.save(step, loop.data_state(), generator, reward_moments=reward_moments.state_dict(), **hashes)
+            run.save(step, loop.data_state(), loop.generator, reward_moments=reward_moments.state_dict(), **loop.hashes)
         if stopping:
             logger.close()
             stop.exit(stopping, run.path)

@@ -27,14 +27,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoints
 import common
-import hf
 import parallel
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
-from data import Order, PromptStream, PtxStream, load_prompts, prompt_text
 from model import entropy_from_logits, lm_loss, masked_mean, response_forward
-from rollout import Models
-from tokenizer import Tokenizer
 
 
 @common.stage_args
@@ -483,19 +479,19 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
                     losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums[role].items())
                     print0(f"step {loop.step}: the {role}'s sums when its grad norm was not finite: {losses}")
             updates += len(stepped) == len(trained)
-    metrics |= update_metrics(totals, steps, loop.guard, device)
+    metrics |= loop.guard.read({"model": "train/grad_norm", "critic": "value/grad_norm"})  # the actor is "model"
+    metrics |= update_metrics(totals, steps, device)
     metrics["policy/update_kl"] = rollout.update_kl(actor_forward, experience, micro_batch_size, args.temperature, amp)
     return metrics, {"updates": updates, "skipped": loop.guard.skipped - skipped_before, "first": first}
 
 
-def update_metrics(totals: dict, steps: dict, guard: common.StepGuard, device) -> dict:
-    """Global means over the steps each model took, from this rank's sums (one all-reduce), and each model's mean
-    grad norm from the guard."""
+def update_metrics(totals: dict, steps: dict, device) -> dict:
+    """Global means over the steps each model took, from this rank's sums (one all-reduce)."""
     flat = {f"{role}/{key}": value for role, sums in totals.items() for key, value in sums.items()}
     summed = {}
     if flat:  # empty when every step was skipped: the same on every rank, so no rank waits in a lone collective
         summed = parallel.all_reduce_dict({key: flat[key] for key in sorted(flat)}, device)
-    metrics = guard.read({"model": "train/grad_norm", "critic": "value/grad_norm"})  # the actor's entry is "model"
+    metrics = {}
     if steps["critic"]:
         metrics["value/loss"] = summed["critic/vf_loss"] / steps["critic"]
         metrics["value/clipfrac"] = summed["critic/vf_clipfrac"] / summed["critic/tokens"]
@@ -514,21 +510,13 @@ def update_metrics(totals: dict, steps: dict, guard: common.StepGuard, device) -
 # main: the set-up in named builders, then the loop
 
 
-def build_critic(args: Args, sft: dict, rms: list[dict]) -> torch.nn.Module:
-    """PPO-max's critic: the first RM's trunk and score head (with no RM, the SFT trunk with a fresh head), on the
-    CPU, LoRA and --grad-ckpt applied."""
-    critic = hf.model_from_checkpoint(rms[0] if rms else sft, lm_head=False, score_head=True)
-    parallel.prepare_model(critic, args, "critic")
-    return critic
-
-
-def build_optimizers(args: Args, models: Models, critic, max_steps: int, device_type: str) -> tuple[Trained, Trained]:
+def build_optimizers(args: Args, actor_model, critic, max_steps: int, device_type: str) -> tuple[Trained, Trained]:
     """The actor's and the critic's AdamW, LR schedule and grad-norm clip, as Trained entries (the checkpoint keys
     `model` and `critic`). The actor's schedule starts when it starts moving, after the critic warm-up."""
     betas = (0.9, 0.95)
-    actor_optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, betas, device_type)
+    actor_optimizer = actor_model.configure_optimizers(args.weight_decay, args.lr, betas, device_type)
     actor_schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps, delay=args.critic_warmup_steps)
-    actor = Trained("model", models.actor, actor_optimizer, actor_schedule, args.grad_clip)
+    actor = Trained("model", actor_model, actor_optimizer, actor_schedule, args.grad_clip)
     critic_optimizer = critic.configure_optimizers(args.weight_decay, args.critic_lr, betas, device_type)
     critic_schedule = common.LRSchedule(args.critic_lr, args.warmup_steps, max_steps)
     return actor, Trained("critic", critic, critic_optimizer, critic_schedule, args.critic_grad_clip)
@@ -556,70 +544,58 @@ def main(args: Args) -> None:
     t_start = time.time()
     # the run's flags (with --resume, the checkpoint's wherever the command line gives none)
     args = checkpoints.task_from_checkpoint(args, args.sft_ckpt, "--sft-ckpt")  # --task: the SFT's unless given
-    args = checkpoints.resume_args(args, "ppo", rollout.resolve_rollout_args)
+    args = checkpoints.resume_args(args, "ppo")
     check_args(args)
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses to replace a run silently
     common.seed_everything(args.seed)  # before any model is built: a fresh critic head follows --seed
 
-    # checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
-    sft, ref, rms = rollout.load_inputs(args)
-    tok = Tokenizer.from_state(sft["tokenizer"])
-    data = load_prompts(args, tok, sft["model_config"]["block_size"])
-    prompts, ptx = data.prompts, data.ptx
-    reward_fn = common.load_reward_fn(args.reward_fn, prompt_text(tok, prompts[0])) if args.reward_fn else None
-    actor_model, reference = rollout.build_policy(args, sft, ref)
-    critic_model = build_critic(args, sft, rms)
-    models = Models(actor_model, reference, rollout.build_reward_models(args, rms, rm_base=critic_model))
+    # checkpoints, tokenizer, data, models (user mistakes surface here, before any process group)
+    sft, ref, rms, tok, data = rollout.load_inputs(args)
+    # PPO-max's critic starts from the (first) reward model, its trunk and score head; with no RM, from the SFT trunk
+    # and a fresh head
+    models = rollout.build_models(args, sft, ref, rms, critic_init=rms[0] if rms else sft)
 
     # sizes, distributed set-up, placement, optimizers, the loop's state
-    sizes = parallel.rollout_split(args, group_size=1, has_ptx=bool(ptx) and args.ptx_coef > 0)
+    sizes = parallel.rollout_split(args, group_size=1, has_ptx=bool(data.ptx) and args.ptx_coef > 0)
     d = parallel.setup_dist(args.device)
     dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
     actor_steps = max_steps - args.critic_warmup_steps  # the actor warms up after the critic's warm-up
     common.size_warnings(
-        args.rollout_batch_size, "--rollout-batch-size", len(prompts), None, args.warmup_steps, actor_steps
+        args.rollout_batch_size, "--rollout-batch-size", len(data.prompts), None, args.warmup_steps, actor_steps
     )
     print0(
-        f"ppo: {len(prompts)} prompts ({data.too_long} too long, skipped) | actor "
-        f"{models.actor.num_params() / 1e6:.2f} M, critic {critic_model.num_params() / 1e6:.2f} M | rollout "
+        f"ppo: {len(data.prompts)} prompts ({data.too_long} too long, skipped) | actor "
+        f"{models.actor.num_params() / 1e6:.2f} M, critic {models.critic.num_params() / 1e6:.2f} M | rollout "
         f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x "
         f"{sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | "
         f"kl_coef {args.kl_coef} | device {d.device} {dtype}"
     )
-    print0(f"a response without EOS scores {rollout.missing_eos_rule(args)}")
-    print0(f"ptx {rollout.ptx_rule(args, data)}")
-    models = rollout.place(models, args, d, dtype, critic=critic_model)  # under bf16, a bf16 sampler copy of the actor
-    actor, critic = build_optimizers(args, models, critic_model, max_steps, d.device.type)
-    generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
-    prompt_stream = PromptStream(prompts, Order(len(prompts), args.seed), sizes.prompts_per_rank, 1, d)
-    ptx_stream = None
-    if sizes.ptx_micro_batch_size:
-        ptx_stream = PtxStream(ptx, Order(len(ptx), args.seed + 1), sizes.ptx_micro_batch_size, d, tok.pad_id)
-    loop = rollout.Loop(generator, prompt_stream, ptx_stream)
+    print0(rollout.rules(args, data))
+    models = rollout.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
+    actor, critic = build_optimizers(args, models.actor, models.critic, max_steps, d.device.type)
+    loop = rollout.build_loop(args, data, sizes, 1, d, tok.pad_id)  # its generator: sampling and shuffling
     kl_controller = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
     reward_moments = RunningMoments()
     detector = CollapseDetector(args.collapse_window, args.collapse_z, args.collapse_lag)
     run = checkpoints.Run("ppo", args, d, tok, [actor, critic], started=t_start)
-    hashes = checkpoints.input_hashes(args)
     if args.resume:
-        ckpt = loop.resume(run, hashes)
+        ckpt = loop.resume(run)
         reward_moments.load_state_dict(ckpt["reward_moments"])
         kl_controller.load_state_dict(ckpt["kl_ctl"])
         detector.load_state_dict(ckpt["data_state"]["collapse"])
-        rollout.refresh_sampler(models)  # the resumed actor into its bf16 copy, before it samples
+        models.refresh_sampler()  # the resumed actor into its bf16 copy, before it samples
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     forward = models.compiled(args.compile, d.device)
-    critic_forward = (
-        rollout.compile_role(critic_model) if parallel.use_compile(args.compile, d.device) else critic_model
-    )
     actor.forward = forward.actor
-    critic.forward = critic_forward
+    critic.forward = forward.critic
     if d.ddp and not args.fsdp:  # FSDP2 needs no wrapper; DDP's gradients are views into its all-reduce buckets
         device_ids = [d.local_rank] if d.device.type == "cuda" else None
         actor.forward = DDP(forward.actor, device_ids=device_ids, gradient_as_bucket_view=True)
-        critic.forward = DDP(critic_forward, device_ids=device_ids, gradient_as_bucket_view=True)
-    engine = rollout.Engine(forward, tok, args, sizes.micro_batch_size, generator, dtype, reward_fn, data.gold_fn)
+        critic.forward = DDP(forward.critic, device_ids=device_ids, gradient_as_bucket_view=True)
+    engine = rollout.Engine(
+        forward, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn
+    )
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
 
@@ -631,14 +607,14 @@ def main(args: Args) -> None:
         t_rollout = time.time()
         kl_coef = kl_controller.value
         experience, metrics, records = ppo_rollout(
-            engine, critic_forward, prompt_stream.next(), kl_coef, reward_moments
+            engine, forward.critic, loop.prompt_stream.next(), kl_coef, reward_moments
         )
         kl_controller.update(metrics["objective/kl"], args.rollout_batch_size)
         t_update = time.time()
         lr, critic_lr = common.step_lr(actor, loop.step), common.step_lr(critic, loop.step)
         updated, diagnostics = ppo_update(actor, critic, experience, args, loop)
         loop.first = loop.first or diagnostics["first"]
-        rollout.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
+        models.refresh_sampler()  # the updated actor into its bf16 copy, in place
         loop.step += 1
         loop.updates += diagnostics["updates"]
         loop.episodes += args.rollout_batch_size
@@ -651,7 +627,7 @@ def main(args: Args) -> None:
             metrics["objective/kl"], metrics["rollout/response_len"], metrics["rollout/perplexity"]
         )
         times = (t_rollout, t_update, t_end)
-        metrics |= common.perf_metrics(models, experience, args.ppo_epochs, times, peak, d.world_size, critic_model)
+        metrics |= common.perf_metrics(models, experience, args.ppo_epochs, times, peak, d.world_size)
         metrics |= updated | {
             "train/lr": lr,
             "train/critic_lr": critic_lr,
@@ -676,7 +652,7 @@ def main(args: Args) -> None:
         if (args.save_every > 0 and step % args.save_every == 0) or last or stopping:
             data_state = loop.data_state() | {"collapse": detector.state_dict()}
             ppo_state = dict(reward_moments=reward_moments.state_dict(), kl_ctl=kl_controller.state_dict())
-            run.save(step, data_state, generator, **ppo_state, **hashes)
+            run.save(step, data_state, loop.generator, **ppo_state, **loop.hashes)
         if stopping:
             logger.close()
             stop.exit(stopping, run.path)
