@@ -156,20 +156,15 @@ def resolve_args(args: Args) -> Args:
     return args
 
 
-GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages from comparing a prompt's G responses: G >= 2 (step 5: ADVANTAGES)
+GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages from comparing a prompt's G responses: G >= 2
 
 
 def check_args(args: Args) -> None:
-    """Settings no run can mean (on resolve_args' resolved args; an estimator of RECIPES needs its step 5 in
-    ADVANTAGES): a one-line UserError naming the flag, before any work."""
+    """Settings no run can mean (on resolve_args' resolved args): a one-line UserError naming the flag, before any
+    work."""
     rollout.check_rollout_args(args)
     defaults = type(args)  # the dataclass: each flag's default
     estimator = args.estimator
-    if estimator not in ADVANTAGES:
-        raise UserError(
-            f"--estimator {estimator}: RECIPES has it, but step 5 has no advantage for it (add its function to "
-            "ADVANTAGES in train_grpo.py)"
-        )
     if args.kl_penalty == "loss" and args.kl_estimator == "k1":
         raise UserError("--kl-estimator k1 in the loss: its expected gradient is zero; use k2 or k3")
     if args.kl_penalty == "reward" and args.kl_estimator != "k1":
@@ -511,41 +506,7 @@ def rebel_loss(logprobs, old_logprobs, gaps, mask, eta: float, denom):
 # one iteration: rollout (steps 1-5), DAPO's dynamic sampling, update (step 6)
 
 
-# step 5 of each estimator, under its name: (engine, this rank's prompts, the experience with its rewards, the
-# normalised scores, the reward moments) -> (advantages (B, T), this rank's sums of the estimator's own metrics,
-# logged as rollout/<name>); an estimator of RECIPES without one is refused at start-up (check_args)
-ADVANTAGES = {}
-
-
-def group_baseline_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm, moments) -> tuple:
-    """grpo, rloo: one advantage per response (group_advantages) from R_i = s_i - beta * sum_t k1, every token."""
-    args = engine.args
-    sequence_rewards = experience["rewards"].sum(1)  # (B,)
-    advantages = group_advantages(sequence_rewards, args.group_size, args.estimator, args.grpo_std_norm)
-    return advantages[:, None] * experience["mask"], {}
-
-
-ADVANTAGES["grpo"] = group_baseline_advantages
-ADVANTAGES["rloo"] = group_baseline_advantages
-
-
-def reinforce_pp_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm, moments) -> tuple:
-    """REINFORCE++: the reward-to-go of the per-token rewards (whitened over the rollout in the update); with G > 1
-    the group mean as baseline, s_i - mean_group(s) in place of s_i."""
-    args = engine.args
-    mask = experience["mask"]
-    rewards = experience["rewards"]
-    if args.group_size > 1:
-        centred = group_advantages(score_norm, args.group_size, "reinforce_pp")
-        reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
-        rewards = shape_rewards(centred, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
-    return reward_to_go(rewards, mask, args.gamma), {}
-
-
-ADVANTAGES["reinforce_pp"] = reinforce_pp_advantages
-
-
-def vineppo_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm, moments) -> tuple:
+def vineppo_advantages(engine: rollout.Engine, prompts: list, experience: dict, moments: RunningMoments) -> tuple:
     """VinePPO: the value of the state before each step of each response (the prompt alone before the first) is the
     mean return of --vine-k continuations the policy samples from it (continuation_returns: scores normalised with
     the run's moments, which they do not update), and each step's tokens take its advantage (vine_advantages)."""
@@ -584,19 +545,6 @@ def vineppo_advantages(engine: rollout.Engine, prompts: list, experience: dict, 
     return advantages, sums
 
 
-ADVANTAGES["vineppo"] = vineppo_advantages
-
-
-def rebel_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm, moments) -> tuple:
-    """REBEL's regression targets, on every token of each row: its reward R_i = s_i - beta * sum_t k1 minus its
-    pair partner's (pair_gaps: rows 2j and 2j + 1 of a group)."""
-    gaps = pair_gaps(experience["rewards"].sum(1))
-    return gaps[:, None] * experience["mask"], {}
-
-
-ADVANTAGES["rebel"] = rebel_advantages
-
-
 @torch.no_grad()
 def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningMoments) -> tuple[dict, dict, list]:
     """Steps 1-5 on this rank's prompts (a group's G copies consecutive): rollout.rollout (1-3), the scores
@@ -615,8 +563,24 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
     reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
     rewards = shape_rewards(score_norm, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
     experience["rewards"] = rewards
-    # 5. advantages
-    advantages, estimator_sums = ADVANTAGES[args.estimator](engine, prompts, experience, score_norm, reward_moments)
+    # 5. advantages, by estimator, from R_i = s_i - beta * sum_t k1 (the KL in the reward) or the scores
+    sequence_rewards = rewards.sum(1)  # (B,)
+    estimator_sums = {}  # an estimator's own metrics: rollout/<name>, perf/<name> for its seconds
+    if args.estimator in GROUP_ESTIMATORS:  # grpo, rloo: one advantage a response, on every token
+        group = group_advantages(sequence_rewards, args.group_size, args.estimator, args.grpo_std_norm)
+        advantages = group[:, None] * mask
+    elif args.estimator == "reinforce_pp":  # the reward-to-go; with G > 1 the group mean of the scores as baseline
+        baselined = rewards
+        if args.group_size > 1:
+            centred = group_advantages(score_norm, args.group_size, "reinforce_pp")
+            baselined = shape_rewards(centred, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
+        advantages = reward_to_go(baselined, mask, args.gamma)
+    elif args.estimator == "vineppo":  # Monte-Carlo values from continuations sampled at each step's start
+        advantages, estimator_sums = vineppo_advantages(engine, prompts, experience, reward_moments)
+    elif args.estimator == "rebel":  # the regression's target on every token: the reward gap to the pair's partner
+        advantages = pair_gaps(sequence_rewards)[:, None] * mask
+    else:
+        raise ValueError(f"--estimator {args.estimator}: a row of RECIPES without a branch in grpo_rollout's step 5")
     experience["advantages"] = advantages
     sums |= estimator_sums | {"score_norm": score_norm.sum(), "rlhf_reward": rewards.sum()}
     metrics, totals = rollout.rollout_metrics(sums, mask.device)
@@ -717,7 +681,7 @@ def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
     with parallel.grad_sync(actor, sync), amp:
         logits, logprobs = rollout.policy_logprobs(actor, batch, args.temperature)
         advantages = batch["advantages"]
-        if args.estimator == "rebel":  # a response's tokens all hold its pair's reward gap (rebel_advantages)
+        if args.estimator == "rebel":  # a response's tokens all hold its pair's reward gap (grpo_rollout's step 5)
             loss, stats = rebel_loss(logprobs, batch["logprobs"], advantages[:, 0], mask, args.rebel_eta, denom)
         else:
             loss, stats = policy_loss(
