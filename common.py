@@ -639,21 +639,6 @@ def perf_metrics(models, experience: dict, epochs: int, times: tuple, peak: floa
 # and --help lists the flags by importance under headings (tyro's own prints one flat box)
 
 
-def stage_args(cls):
-    """Decorator of a stage's Args (a dataclass subclass of CommonArgs, possibly through rollout.RolloutArgs): --help
-    lists the stage's own flags first, then those of each base class in turn, CommonArgs' last. Dataclasses put a
-    base class's fields first; this reorders the field table that dataclasses.fields(), asdict() and tyro read
-    (keyword construction is unchanged)."""
-    table = cls.__dataclass_fields__
-    ordered = []
-    for klass in cls.__mro__:  # the class itself first, then its bases
-        for name in klass.__dict__.get("__annotations__", {}):
-            if name in table and name not in ordered:
-                ordered.append(name)
-    cls.__dataclass_fields__ = {name: table[name] for name in ordered}
-    return cls
-
-
 def given_flags(argv: list[str], cls) -> frozenset[str]:
     """The fields of the dataclass cls that the command line argv gives a value: --name, --name=value, and a bool's
     --no-name."""

@@ -51,7 +51,6 @@ from tokenizer import Tokenizer, load_tokenizer
 DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5, "kto": 0.1}  # --beta None (IPO's β works on per-token mean log-probs)
 
 
-@common.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/dpo"

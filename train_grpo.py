@@ -74,7 +74,6 @@ RECIPE_DEFAULTS = {
 RECIPE_DEFAULTS["kl_estimator"] = "None: k3 with the KL in the loss, k1 in the reward"
 
 
-@common.stage_args
 @dataclass
 class Args(rollout.RolloutArgs):
     out_dir: str = "out/grpo"

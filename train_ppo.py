@@ -33,7 +33,6 @@ from common import Trained, UserError, exact_div, format_sample, print0
 from model import entropy_from_logits, lm_loss, masked_mean, response_forward
 
 
-@common.stage_args
 @dataclass
 class Args(rollout.RolloutArgs):
     out_dir: str = "out/ppo"

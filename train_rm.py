@@ -41,7 +41,6 @@ from task import PROBE_KINDS, is_task_prompt, probe_texts
 from tokenizer import Tokenizer, load_tokenizer
 
 
-@common.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/rm"

@@ -37,7 +37,6 @@ from model import lm_loss
 from tokenizer import Tokenizer, load_tokenizer
 
 
-@common.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/sft"
