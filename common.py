@@ -108,12 +108,6 @@ def exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
-def every(step: int, interval: int) -> bool:
-    """The --*-every rule: step is a multiple of interval, never for interval 0 (off: the last step only, by the
-    caller's own `or step == max_steps`)."""
-    return interval > 0 and step % interval == 0
-
-
 def is_master() -> bool:
     """Rank 0 (also before init_process_group: torchrun sets RANK)."""
     return int(os.environ.get("RANK", "0")) == 0
@@ -326,12 +320,6 @@ class StepGuard:
         metrics["train/skipped_steps"] = self.skipped
         self.grad_norms = {}
         return metrics
-
-
-def add_all(sums: dict, values: dict) -> None:
-    """sums[key] += value for every entry, starting from 0 (running sums that stay on the device: no host sync)."""
-    for key, value in values.items():
-        sums[key] = sums[key] + value if key in sums else value
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -629,13 +617,13 @@ def iteration_flops(models, sequence_len: int, sequences: int, epochs: int, crit
     return sequences * sequence_len * (rollout_flops + update_flops)
 
 
-def perf_metrics(models, experience: dict, epochs: int, times: tuple, peak: float, world_size: int, critic=None):
+def perf_metrics(models, experience: dict, epochs: int, times: tuple, peak: float, world_size: int):
     """perf/ of one RL iteration: its rollout and update seconds, tokens per second and MFU (iteration_flops against
     the peak of every rank); times: the iteration's start, the update's start and the end."""
     t_rollout, t_update, t_end = times
     sequence_len = experience["query"].size(1) + experience["mask"].size(1)
     sequences = experience["mask"].size(0) * world_size
-    flops = iteration_flops(models, sequence_len, sequences, epochs, critic=critic)
+    flops = iteration_flops(models, sequence_len, sequences, epochs, critic=models.critic)
     return {
         "perf/rollout_s": t_update - t_rollout,
         "perf/update_s": t_end - t_update,
@@ -647,21 +635,6 @@ def perf_metrics(models, experience: dict, epochs: int, times: tuple, peak: floa
 # -----------------------------------------------------------------------------
 # the command line: tyro parses a stage's Args, `none` spells None, the flags given are recorded for --resume,
 # and --help lists the flags by importance under headings (tyro's own prints one flat box)
-
-
-def stage_args(cls):
-    """Decorator of a stage's Args (a dataclass subclass of CommonArgs, possibly through rollout.RolloutArgs): --help
-    lists the stage's own flags first, then those of each base class in turn, CommonArgs' last. Dataclasses put a
-    base class's fields first; this reorders the field table that dataclasses.fields(), asdict() and tyro read
-    (keyword construction is unchanged)."""
-    table = cls.__dataclass_fields__
-    ordered = []
-    for klass in cls.__mro__:  # the class itself first, then its bases
-        for name in klass.__dict__.get("__annotations__", {}):
-            if name in table and name not in ordered:
-                ordered.append(name)
-    cls.__dataclass_fields__ = {name: table[name] for name in ordered}
-    return cls
 
 
 def given_flags(argv: list[str], cls) -> frozenset[str]:

@@ -13,7 +13,7 @@ import torch
 
 import arith
 import task as reviews
-from common import UserError, write_jsonl
+from common import UserError, load_reward_fn, write_jsonl
 from tokenizer import HH_ASSISTANT, HH_NAMES, Tokenizer, load_tokenizer
 
 # the built-in tasks by --task (reviews: task.py): each module has build_task, gold_reward, is_valid, is_task_prompt and
@@ -508,6 +508,7 @@ class RLData:
     ptx_too_long: int  # pre-training texts longer than the context, skipped
     gold_fn: Optional[Callable]  # the gold reward on the built-in task, else None
     ptx_path: Optional[str]  # the ptx texts' file: --ptx-data, or the reviews task's own (None: no ptx text)
+    reward_fn: Optional[Callable]  # --reward-fn, tried on the first prompt (None: none given)
 
 
 def same_encoding(tok: Tokenizer, task_tok: Tokenizer, texts: list[str]) -> bool:
@@ -520,9 +521,9 @@ def same_encoding(tok: Tokenizer, task_tok: Tokenizer, texts: list[str]) -> bool
 
 def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
     """An RL run's data (args: rollout.RolloutArgs): --prompts and --ptx-data, or without --prompts the built-in
-    task's (--task) prompts and (without --ptx-data) its pre-training text. No prompt with room for a response,
-    --ptx-data with no text that fits while --ptx-coef asks for a ptx loss, or a policy with another tokenizer than
-    the built-in task's, is a one-line error."""
+    task's (--task) prompts and (without --ptx-data) its pre-training text; and --reward-fn. No prompt with room for a
+    response, no ptx text that fits while --ptx-coef asks for a ptx loss, or another tokenizer than the built-in
+    task's, is a one-line error."""
     builtin = args.prompts is None
     task_module = TASKS[args.task] if builtin else None
     task = task_module.build_task(args.task_dir, args.task_seed) if builtin else None
@@ -550,7 +551,8 @@ def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
             "ptx loss (shorten them, or --ptx-coef 0)"
         )
     gold_fn = task_module.gold_reward if builtin else None
-    return RLData(fitting, len(prompts) - len(fitting), ptx, ptx_too_long, gold_fn, ptx_path)
+    reward_fn = load_reward_fn(args.reward_fn, prompt_text(tok, fitting[0])) if args.reward_fn else None
+    return RLData(fitting, len(prompts) - len(fitting), ptx, ptx_too_long, gold_fn, ptx_path, reward_fn)
 
 
 class PromptStream:

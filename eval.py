@@ -247,7 +247,8 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
     """One response per prompt of one generation batch; per-sample lists (see sample_policy)."""
     query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
     compiled = parallel.use_compile(args.compile, device)
-    amp = parallel.autocast(device, parallel.resolve_dtype(args.dtype, device))
+    dtype = parallel.resolve_dtype(args.dtype, device)
+    amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     with amp:
         samples = sample(
             model, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator, compiled=compiled

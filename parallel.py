@@ -1,5 +1,5 @@
 """Devices and parallelism, plain torch: DDP and FSDP2 set-up under torchrun (gloo on CPU, nccl on GPU), batch splits
-over ranks (an RL rollout's too), dtype and autocast, torch.compile, model placement (--fsdp sharding, --lora-rank,
+over ranks (an RL rollout's too), the dtype, torch.compile, model placement (--fsdp sharding, --lora-rank,
 --grad-ckpt), gradient accumulation without a sync (and an RL update's micro-batches), and the collectives the stages
 use (named sums in one all-reduce, moments over every rank). Dtypes and sharding: docs/design.md §7.
 """
@@ -78,11 +78,6 @@ def rollout_split(args, group_size: int, has_ptx: bool) -> RolloutSizes:
     return RolloutSizes(prompts_per_rank, micro_batch_size, grad_accum_steps, ptx_micro_batch_size)
 
 
-def world_size() -> int:
-    """The process group's size (1 without one)."""
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 def setup_dist(device: str = "auto") -> Dist:
     """Initialise DDP when launched by torchrun (nccl on GPU, gloo on CPU); a plain process otherwise."""
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -119,14 +114,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def full_precision(dtype: torch.dtype) -> bool:
     """fp32 with fp32 matmuls: no autocast, and no TF32 (torch's default, which setup_dist keeps)."""
     return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
-
-
-def autocast(device: torch.device, dtype: torch.dtype):
-    """bf16 autocast context (the trained models' weights stay fp32; frozen ones are stored in bf16,
-    store_low_precision); a no-op for fp32."""
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -264,14 +251,10 @@ def wrap_model(model: torch.nn.Module, d: Dist, compile: str) -> torch.nn.Module
     if use_compile(compile, d.device):
         model = compile_forward(model)
     if d.ddp and not is_sharded(getattr(model, "_orig_mod", model)):  # FSDP2 needs no wrapper
-        model = replicate(model, d)
+        # the gradients as views into DDP's all-reduce buckets: no second copy of every gradient
+        device_ids = [d.local_rank] if d.device.type == "cuda" else None
+        model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
     return model
-
-
-def replicate(model: torch.nn.Module, d: Dist) -> DDP:
-    """DDP with the gradients as views into its all-reduce buckets: no second copy of every gradient."""
-    device_ids = [d.local_rank] if d.device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
 
 def grad_sync(model: torch.nn.Module, sync: bool):
@@ -308,11 +291,6 @@ def micro_batch_widths(lengths: list[int], order: list[int], micro_batch_size: i
     return [
         max(lengths[row] for row in order[s : s + micro_batch_size]) for s in range(0, len(order), micro_batch_size)
     ]
-
-
-def token_sum(mean: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """A per-token mean times its token count, 0 for a micro-batch without tokens (whose mean is 0/0; no host sync)."""
-    return torch.where(tokens > 0, mean * tokens, torch.zeros_like(mean))
 
 
 # -----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The rollout both RL stages share (train_ppo.py: PPO-max; train_grpo.py: the critic-free family), steps 1-3 of an
 iteration, with the flags they read (`RolloutArgs`) and the models they run, by role (`Models`: the actor, its
-frozen reference, the frozen reward models and the bf16 sampler; `load_inputs`, `build_policy`, `build_reward_models`,
-`place`, `refresh_sampler`):
+frozen reference, the frozen reward models, PPO's critic and the bf16 sampler; `load_inputs`, `build_models`, `place`),
+and the RL loop's state (`Loop`, `build_loop`):
 
 1. generate: the policy answers each prompt, or continues a partial response (`prefix`; k continuations a row in one
    call), from the KV-cache decode at the rollout's temperature;
@@ -27,7 +27,7 @@ import hf
 import parallel
 from checkpoints import POLICY_KINDS, load_checkpoint
 from common import UserError
-from data import encode_prompts, prompt_text
+from data import Order, PromptStream, PtxStream, RLData, encode_prompts, load_prompts, prompt_text
 from generate import Samples, continuation_budget, join_samples, sample
 from lora import BaseView, merge_lora, merged_state_dict
 from model import (
@@ -99,12 +99,9 @@ class RolloutArgs(common.CommonArgs):
     sample_every: int = 25
     """iterations between sample tables (TensorBoard text and samples.jsonl; 0: only the last)"""
 
-
-def resolve_rollout_args(args):
-    """--rm-ckpt as a list: one RM path from code may come as a string. Applied to the saved args too
-    (checkpoints.resume_args), so both compare like with like."""
-    rm_ckpt = [args.rm_ckpt] if isinstance(args.rm_ckpt, str) else list(args.rm_ckpt)
-    return replace(args, rm_ckpt=rm_ckpt)
+    def __post_init__(self):
+        # one RM path from code may come as a string (the saved args of --resume are rebuilt through here too)
+        self.rm_ckpt = [self.rm_ckpt] if isinstance(self.rm_ckpt, str) else list(self.rm_ckpt)
 
 
 def check_rollout_args(args: RolloutArgs) -> None:
@@ -122,22 +119,26 @@ def check_rollout_args(args: RolloutArgs) -> None:
 
 
 # -----------------------------------------------------------------------------
-# the models an RL stage runs, by role: the policy (actor, LM head), its frozen reference and the frozen reward
-# models (scalar heads: one, the K members of an ensemble, or none with --rm-ckpt none), built from their
-# checkpoints; their training forwards under --compile; and the sampler, a frozen bf16 copy of the actor that
-# generates the rollouts under bf16, refreshed after every update
+# the models an RL stage runs, by role: the policy (actor, LM head), its frozen reference, the frozen reward
+# models (scalar heads: one, the K members of an ensemble, or none with --rm-ckpt none) and PPO's critic, built
+# from their checkpoints; their training forwards under --compile; and the sampler, a frozen bf16 copy of the actor
+# that generates the rollouts under bf16, refreshed after every update
 
 
 @dataclass
 class Models:
-    """The roles both RL stages have. Under LoRA the reference is the actor with its adapters off (lora.BaseView), and
+    """The roles of an RL stage. Under LoRA the reference is the actor with its adapters off (lora.BaseView), and
     PPO's first reward model its critic's base with the RM's head. sampler: what generates the rollouts when it is not
-    the actor itself, a bf16 copy of it (with_sampler)."""
+    the actor itself, a bf16 copy of it (with_sampler); critic: PPO's value model (None in GRPO)."""
 
     actor: torch.nn.Module
     ref: torch.nn.Module
     reward_models: list[torch.nn.Module]
     sampler: Optional[torch.nn.Module] = None
+    critic: Optional[torch.nn.Module] = None
+
+    def trained(self) -> list[torch.nn.Module]:
+        return [self.actor] + ([self.critic] if self.critic is not None else [])
 
     def frozen(self) -> list[torch.nn.Module]:
         return [self.ref, *self.reward_models]
@@ -149,7 +150,8 @@ class Models:
         if not parallel.use_compile(setting, device):
             return self
         reward_models = [compile_role(m) for m in self.reward_models]
-        return Models(compile_role(self.actor), compile_role(self.ref), reward_models, self.sampler)
+        actor, ref, critic = compile_role(self.actor), compile_role(self.ref), compile_role(self.critic)
+        return Models(actor, ref, reward_models, self.sampler, critic)
 
     def with_sampler(self, dtype: torch.dtype, fsdp: bool) -> "Models":
         """Under bf16, not --fsdp: a frozen bf16 copy of the actor (LoRA adapters merged) that generates the rollouts;
@@ -158,6 +160,13 @@ class Models:
             return self
         sampler = merge_lora(copy.deepcopy(self.actor)).requires_grad_(False).eval()
         return replace(self, sampler=parallel.store_low_precision(sampler, dtype))
+
+    @torch.no_grad()
+    def refresh_sampler(self) -> None:
+        """The actor's weights (adapters merged) into its bf16 sampler, in place (copy_: static caches and CUDA graphs
+        keep their addresses, no recompile); the actor's fp32 master weights and optimizer state are untouched."""
+        if self.sampler is not None:
+            self.sampler.load_state_dict(merged_state_dict(self.actor))
 
 
 def policy_checkpoint(spec: str, flag: str) -> dict:
@@ -171,9 +180,9 @@ def policy_checkpoint(spec: str, flag: str) -> dict:
     return {"kind": "sft", "model": model.state_dict(), "model_config": asdict(model.config), "tokenizer": tok.state()}
 
 
-def load_inputs(args) -> tuple[dict, dict, list[dict]]:
-    """An RL run's inputs (args: RolloutArgs) as checkpoint dicts: the policy's init, the reference's
-    (--ref-ckpt, else the same) and the RMs' (none with --rm-ckpt none), checked to share one tokenizer."""
+def load_inputs(args) -> tuple[dict, dict, list[dict], Tokenizer, RLData]:
+    """An RL run's inputs (args: RolloutArgs): the policy's init, the reference's (--ref-ckpt, else the same) and the
+    RMs' (none with --rm-ckpt none) as checkpoint dicts, checked to share one tokenizer; that tokenizer; the data."""
     sft = policy_checkpoint(args.sft_ckpt, "--sft-ckpt")
     ref = sft
     if args.ref_ckpt is not None:
@@ -186,15 +195,8 @@ def load_inputs(args) -> tuple[dict, dict, list[dict]]:
                 f"{flag} {path}: its tokenizer differs from --sft-ckpt {args.sft_ckpt}'s (train it from this SFT "
                 "checkpoint)"
             )
-    return sft, ref, rms
-
-
-@torch.no_grad()
-def refresh_sampler(models: Models) -> None:
-    """The actor's weights (adapters merged) into its bf16 sampler, in place (copy_: static caches and CUDA graphs
-    keep their addresses, no recompile); the actor's fp32 master weights and optimizer state are untouched."""
-    if models.sampler is not None:
-        models.sampler.load_state_dict(merged_state_dict(models.actor))
+    tok = Tokenizer.from_state(sft["tokenizer"])
+    return sft, ref, rms, tok, load_prompts(args, tok, sft["model_config"]["block_size"])
 
 
 def compile_role(model):
@@ -202,34 +204,33 @@ def compile_role(model):
     return model if model is None or isinstance(model, BaseView) else parallel.compile_forward(model)
 
 
-def build_policy(args, sft: dict, ref: dict) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The policy (LoRA and --grad-ckpt applied) and its frozen reference from the checkpoints in memory, on the CPU.
-    Under LoRA the reference is the policy with its adapters off when it is the policy's init (lora.BaseView)."""
+def build_models(args, sft: dict, ref: dict, rms: list[dict], critic_init: Optional[dict] = None) -> Models:
+    """The roles from the checkpoints in memory, on the CPU, LoRA and --grad-ckpt on what trains: the policy, its
+    frozen reference (under LoRA the policy's adapters off when ref is its init), the frozen RMs, and with
+    critic_init a critic of its trunk and score head (a fresh head if it has none)."""
     actor = hf.model_from_checkpoint(sft)
     parallel.prepare_model(actor, args, "actor")
     lora = args.lora_rank > 0
     reference = BaseView(actor) if lora and ref is sft else hf.model_from_checkpoint(ref)
-    return actor, reference.requires_grad_(False)
-
-
-def build_reward_models(args, rms: list[dict], rm_base=None) -> list[torch.nn.Module]:
-    """The frozen reward models from their checkpoints in memory, on the CPU. Under LoRA with rm_base (PPO's critic,
-    built from the first RM) the first member is that base with the RM's own frozen score head (lora.BaseView); the
-    other members of an ensemble are full frozen models."""
+    critic = None
+    if critic_init is not None:
+        critic = hf.model_from_checkpoint(critic_init, lm_head=False, score_head=True)
+        parallel.prepare_model(critic, args, "critic")
     reward_models = []
-    for k, rm in enumerate(rms):
-        if k == 0 and args.lora_rank > 0 and rm_base is not None:
-            head = copy.deepcopy(rm_base.score_head).requires_grad_(False)
-            reward_models.append(BaseView(rm_base, score_head=head))
+    for rm in rms:
+        if lora and critic_init is rm:  # the critic's frozen base is this RM's trunk: only its head is added
+            head = copy.deepcopy(critic.score_head).requires_grad_(False)
+            reward_models.append(BaseView(critic, score_head=head))
         else:
             reward_models.append(hf.model_from_checkpoint(rm))
-    return [model.requires_grad_(False) for model in reward_models]
+    reward_models = [model.requires_grad_(False) for model in reward_models]
+    return Models(actor, reference.requires_grad_(False), reward_models, critic=critic)
 
 
-def place(models: Models, args, d: parallel.Dist, dtype: torch.dtype, critic=None) -> Models:
+def place(models: Models, args, d: parallel.Dist, dtype: torch.dtype) -> Models:
     """Every role on the device in eval mode: what trains (the actor, PPO's critic) in fp32, what is frozen in bf16
     under bf16, all of it sharded under --fsdp; then, under bf16, the sampler (with_sampler)."""
-    trained = [models.actor] + ([critic] if critic is not None else [])
+    trained = models.trained()
     for model in trained + models.frozen():
         model.eval()
         frozen = not any(model is other for other in trained)
@@ -286,7 +287,8 @@ def generate_responses(engine: Engine, prompts: list, prefix: Optional[tuple] = 
     compiled = parallel.use_compile(args.compile, device) and not args.fsdp
     policy = models.actor if models.sampler is None else models.sampler
     generator = engine.generator
-    with parallel.autocast(device, engine.dtype), parallel.gathered(policy):  # --fsdp: gathered once, not per token
+    amp = torch.autocast(device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
+    with amp, parallel.gathered(policy):  # --fsdp: gathered once, not per token
         samples = sample(
             policy, tok, inputs, input_mask, budget, args.temperature, generator=generator, compiled=compiled
         )
@@ -352,8 +354,13 @@ def response_scores(engine: Engine, responses: Responses, amp):
     return scores, score_parts
 
 
-def ptx_rule(args: RolloutArgs, data) -> str:
-    """Whether the ptx loss is on and on what text (data: data.RLData), in words for the start-up line."""
+def rules(args: RolloutArgs, data: RLData) -> str:
+    """The start-up lines of how a response without EOS scores and whether the ptx loss is on, and on what text."""
+    return f"a response without EOS scores {missing_eos_rule(args)}\nptx {ptx_rule(args, data)}"
+
+
+def ptx_rule(args: RolloutArgs, data: RLData) -> str:
+    """Whether the ptx loss is on, and on what text."""
     if data.ptx_path is None:
         where = "--prompts" if args.prompts else f"the {args.task} task, whose demonstrations are wrong on purpose"
         return f"off: no --ptx-data on {where}"
@@ -366,7 +373,7 @@ def ptx_rule(args: RolloutArgs, data) -> str:
 
 
 def missing_eos_rule(args: RolloutArgs) -> str:
-    """How a response without EOS is scored under these flags, in words for the start-up line."""
+    """How a response without EOS scores under these flags."""
     if args.missing_eos_penalty is not None:
         return f"{args.missing_eos_penalty:g} (--missing-eos-penalty)"
     has_rm = args.rm_ckpt != ["none"]
@@ -464,7 +471,7 @@ def rollout(engine: Engine, prompts: list, prefix: Optional[tuple] = None, k: in
         prefix = None if prefix is None else tuple(tensor.repeat_interleave(k, 0) for tensor in prefix)
     responses = generate_responses(engine, prompts, prefix)
     samples = responses.samples
-    amp = parallel.autocast(samples.mask.device, engine.dtype)
+    amp = torch.autocast(samples.mask.device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
     logprobs = policy_and_reference_logprobs(engine, responses, amp)
     logprob_error, mean_error = check_logprobs(samples.logprobs, logprobs["logprobs"], responses.sampled, engine.dtype)
     scores, score_parts = response_scores(engine, responses, amp)
@@ -586,13 +593,14 @@ def update_kl(actor, experience: dict, micro_batch_size: int, temperature: float
 @dataclass
 class Loop:
     """An RL stage's loop state, saved with its checkpoint: the iteration, optimizer steps, episodes, the generator
-    of every draw, the prompt and ptx streams (ptx None: no ptx loss), the NaN guard; `first` (this process's first
-    update's diagnostics) is not saved."""
+    of every draw, the prompt and ptx streams (ptx None: no ptx loss), the NaN guard, the inputs' hashes (checked by
+    --resume); `first` (this process's first update's diagnostics) is not saved."""
 
     generator: torch.Generator
-    prompt_stream: object = None
-    ptx_stream: object = None
+    prompt_stream: Optional[PromptStream] = None
+    ptx_stream: Optional[PtxStream] = None  # None: no ptx loss
     guard: common.StepGuard = field(default_factory=common.StepGuard)
+    hashes: dict = field(default_factory=dict)  # checkpoints.input_hashes
     step: int = 0
     updates: int = 0
     episodes: int = 0
@@ -604,10 +612,10 @@ class Loop:
         prompts = self.prompt_stream.order.state_dict()
         return dict(prompts=prompts, ptx=ptx, updates=self.updates, episodes=self.episodes, skipped=self.guard.skipped)
 
-    def resume(self, run: checkpoints.Run, hashes: dict) -> dict:
+    def resume(self, run: checkpoints.Run) -> dict:
         """--resume: the run's checkpoint (its inputs checked against their hashes now) restored into the trained
         models (Run.resume) and into this loop; returns it for the stage's own keys."""
-        inputs = {key: (checkpoints.HASH_FLAGS[key], digest) for key, digest in hashes.items()}
+        inputs = {key: (checkpoints.HASH_FLAGS[key], digest) for key, digest in self.hashes.items()}
         ckpt = run.resume(inputs, self.generator)
         data_state = ckpt["data_state"]
         self.prompt_stream.order.load_state_dict(data_state["prompts"])
@@ -618,3 +626,16 @@ class Loop:
         self.updates = data_state["updates"]
         self.episodes = data_state["episodes"]
         return ckpt
+
+
+def build_loop(args, data: RLData, sizes: parallel.RolloutSizes, group_size: int, d, pad_id: int) -> Loop:
+    """An RL run's loop state at its start: the generator (seed * 1000 + rank), the prompt stream (each prompt
+    group_size times in a row) and the ptx stream (None without a ptx loss) over their global orders, the hashes."""
+    generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
+    order = Order(len(data.prompts), args.seed)
+    prompt_stream = PromptStream(data.prompts, order, sizes.prompts_per_rank, group_size, d)
+    ptx_stream = None
+    if sizes.ptx_micro_batch_size:
+        ptx_order = Order(len(data.ptx), args.seed + 1)
+        ptx_stream = PtxStream(data.ptx, ptx_order, sizes.ptx_micro_batch_size, d, pad_id)
+    return Loop(generator, prompt_stream, ptx_stream, hashes=checkpoints.input_hashes(args))

@@ -74,7 +74,7 @@ def main(args: Args) -> list[dict]:
     repeated = [prompt for prompt in prompts for _ in range(args.answers)]
     query, query_mask = (tensor.to(d.device) for tensor in encode_prompts(tok, repeated))
     compiled = parallel.use_compile(args.compile, d.device)
-    with parallel.autocast(d.device, dtype):
+    with torch.autocast(d.device.type, dtype=dtype, enabled=dtype != torch.float32):
         samples = sample(
             model, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator, compiled=compiled
         )

@@ -24,6 +24,7 @@ from functools import partial
 from typing import Callable, Literal, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoints
@@ -50,7 +51,6 @@ from tokenizer import Tokenizer, load_tokenizer
 DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5, "kto": 0.1}  # --beta None (IPO's β works on per-token mean log-probs)
 
 
-@common.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/dpo"
@@ -381,7 +381,7 @@ def pair_backward(policy, ref, batch: list, args: Args, denoms: tuple, sync: boo
         nll_loss = -best_logprobs.sum() / nll_denom
         loss = loss + args.nll_coef * nll_loss
         # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
-        (loss * parallel.world_size()).backward()
+        (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
     return {"train/loss": loss.detach(), "train/nll_loss": nll_loss.detach()} | stats
 
 
@@ -413,7 +413,8 @@ def kto_backward(policy, ref, batch: list, args: Args, denoms: tuple, z0: torch.
         loss, stats = kto_loss(policy_logprobs, ref_logprobs, desirable, z0, args.beta, *weights, example_denoms)
         nll_loss = -policy_logprobs[desirable].sum() / nll_denom
         loss = loss + args.nll_coef * nll_loss
-        (loss * parallel.world_size()).backward()  # DDP averages over ranks (pair_backward)
+        # DDP averages over ranks (pair_backward)
+        (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
     return {"train/loss": loss.detach(), "train/nll_loss": nll_loss.detach()} | stats
 
 
@@ -560,7 +561,7 @@ def main(args: Args) -> None:
         ...); on the built-in task, gold, kl and valid_frac of n_samples sampled held-out responses. Returns them and
         this rank's samples."""
         my_evals = evals[d.rank :: d.world_size]
-        amp = parallel.autocast(d.device, dtype)
+        amp = torch.autocast(d.device.type, dtype=dtype, enabled=dtype != torch.float32)
         if kto:
             my_kl_evals = kl_evals[d.rank :: d.world_size]
             sums = kto_heldout_sums(raw_model, ref, my_evals, my_kl_evals, args, micro_batch_size, tok.pad_id, amp)
@@ -601,7 +602,7 @@ def main(args: Args) -> None:
     if kto:
         stat_names = ("rewards/desirable", "rewards/undesirable", "train/kto_z0")
     window = dict.fromkeys(("train/loss", "train/nll_loss", *stat_names, "tokens"), 0.0)  # summed since the last log
-    amp = parallel.autocast(d.device, dtype)
+    amp = torch.autocast(d.device.type, dtype=dtype, enabled=dtype != torch.float32)
     window_steps = 0
     stop = common.StopSignal()  # SIGINT/SIGTERM: save the step, exit 128 + signal
     while step < max_steps:
@@ -627,14 +628,15 @@ def main(args: Args) -> None:
             batch = [t.to(d.device) for t in collate_fn(micro_batch, tok.pad_id)]
             sync = micro_step == grad_accum_steps - 1
             sums = backward(model, ref, batch, args, sync=sync, amp=amp)
-            common.add_all(window, sums)
+            for key, value in sums.items():
+                window[key] += value
             window["tokens"] += sum(len(seq) for seqs, *_ in micro_batch for seq in seqs)
         common.guarded_step([trained], guard, step)
         step += 1
         window_steps += 1
         stopping = stop.requested(d.device)
 
-        if common.every(step, args.log_every) or step == max_steps:
+        if (args.log_every > 0 and step % args.log_every == 0) or step == max_steps:
             totals = parallel.all_reduce_dict(window, d.device)
             metrics = {name: totals[name] / window_steps for name in ("train/loss", "train/nll_loss", *stat_names)}
             metrics["train/lr"] = lr
@@ -647,7 +649,7 @@ def main(args: Args) -> None:
                 run.save(step, dict(order=order.state_dict(), skipped=guard.skipped), init_hash=init_hash)
                 logger.close()
                 stop.exit(stopping, run.path)
-            if common.every(step, args.eval_every) or final:
+            if (args.eval_every > 0 and step % args.eval_every == 0) or final:
                 with parallel.gathered(raw_model), parallel.gathered(ref):  # ranks run unequal numbers of forwards
                     metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
                 logger.log(step, metrics, max_steps)
@@ -655,7 +657,7 @@ def main(args: Args) -> None:
                 logger.text("samples", "\n\n".join(shown[:8]), step)
             if final:
                 logger.samples(step, samples)
-            if common.every(step, args.save_every) or final:
+            if (args.save_every > 0 and step % args.save_every == 0) or final:
                 run.save(step, dict(order=order.state_dict(), skipped=guard.skipped), init_hash=init_hash)
 
     stop.close()

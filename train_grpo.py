@@ -28,21 +28,21 @@ python train_grpo.py --estimator rebel --rebel-eta 1.0                # REBEL: p
 
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoints
 import common
 import parallel
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
-from data import TASKS, Order, PromptStream, PtxStream, load_prompts, prompt_text
+from data import TASKS
 from model import entropy_from_logits, lm_loss, masked_mean
-from rollout import Models
-from tokenizer import Tokenizer
 
 # each estimator's recipe: what a flag left at None becomes. beta in the loss (k3) and in the reward (k1) are not on
 # one scale; tuned on the built-in task, reinforce_pp keeps PPO-max's 0.3
@@ -74,7 +74,6 @@ RECIPE_DEFAULTS = {
 RECIPE_DEFAULTS["kl_estimator"] = "None: k3 with the KL in the loss, k1 in the reward"
 
 
-@common.stage_args
 @dataclass
 class Args(rollout.RolloutArgs):
     out_dir: str = "out/grpo"
@@ -148,7 +147,6 @@ def resolve_args(args: Args) -> Args:
     """A copy of args where every flag left at None holds its estimator's RECIPES value, and the KL estimator that of
     its placement (k3 in the loss, k1 in the reward): run once at start-up (checkpoints.resume_args, on the saved
     args too), so everything after it, and the checkpoint, see the resolved values."""
-    args = rollout.resolve_rollout_args(args)
     recipe = RECIPES[args.estimator]
     resolved = {key: value if getattr(args, key) is None else getattr(args, key) for key, value in recipe.items()}
     args = replace(args, **resolved)
@@ -157,20 +155,15 @@ def resolve_args(args: Args) -> Args:
     return args
 
 
-GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages from comparing a prompt's G responses: G >= 2 (step 5: ADVANTAGES)
+GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages from comparing a prompt's G responses: G >= 2
 
 
 def check_args(args: Args) -> None:
-    """Settings no run can mean (on resolve_args' resolved args; an estimator of RECIPES needs its step 5 in
-    ADVANTAGES): a one-line UserError naming the flag, before any work."""
+    """Settings no run can mean (on resolve_args' resolved args): a one-line UserError naming the flag, before any
+    work."""
     rollout.check_rollout_args(args)
     defaults = type(args)  # the dataclass: each flag's default
     estimator = args.estimator
-    if estimator not in ADVANTAGES:
-        raise UserError(
-            f"--estimator {estimator}: RECIPES has it, but step 5 has no advantage for it (add its function to "
-            "ADVANTAGES in train_grpo.py)"
-        )
     if args.kl_penalty == "loss" and args.kl_estimator == "k1":
         raise UserError("--kl-estimator k1 in the loss: its expected gradient is zero; use k2 or k3")
     if args.kl_penalty == "reward" and args.kl_estimator != "k1":
@@ -425,7 +418,7 @@ def ptx_loss(actor, ptx_batch: tuple, ptx_tokens) -> torch.Tensor:
 # VinePPO (Kazemnejad et al. 2024): the value of a state is the mean return of --vine-k continuations sampled from it
 
 
-def vine_step_end(args: Args, tok: Tokenizer) -> Optional[int]:
+def vine_step_end(args: Args, tok) -> Optional[int]:
     """The token that ends a VinePPO step: the built-in task's STEP_END (reviews: '.'), or None on arith and on
     --prompts, whose steps are --vine-chunk tokens."""
     step_end = TASKS[args.task].STEP_END if args.prompts is None else None
@@ -512,41 +505,7 @@ def rebel_loss(logprobs, old_logprobs, gaps, mask, eta: float, denom):
 # one iteration: rollout (steps 1-5), DAPO's dynamic sampling, update (step 6)
 
 
-# step 5 of each estimator, under its name: (engine, this rank's prompts, the experience with its rewards, the
-# normalised scores, the reward moments) -> (advantages (B, T), this rank's sums of the estimator's own metrics,
-# logged as rollout/<name>); an estimator of RECIPES without one is refused at start-up (check_args)
-ADVANTAGES = {}
-
-
-def group_baseline_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm, moments) -> tuple:
-    """grpo, rloo: one advantage per response (group_advantages) from R_i = s_i - beta * sum_t k1, every token."""
-    args = engine.args
-    sequence_rewards = experience["rewards"].sum(1)  # (B,)
-    advantages = group_advantages(sequence_rewards, args.group_size, args.estimator, args.grpo_std_norm)
-    return advantages[:, None] * experience["mask"], {}
-
-
-ADVANTAGES["grpo"] = group_baseline_advantages
-ADVANTAGES["rloo"] = group_baseline_advantages
-
-
-def reinforce_pp_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm, moments) -> tuple:
-    """REINFORCE++: the reward-to-go of the per-token rewards (whitened over the rollout in the update); with G > 1
-    the group mean as baseline, s_i - mean_group(s) in place of s_i."""
-    args = engine.args
-    mask = experience["mask"]
-    rewards = experience["rewards"]
-    if args.group_size > 1:
-        centred = group_advantages(score_norm, args.group_size, "reinforce_pp")
-        reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
-        rewards = shape_rewards(centred, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
-    return reward_to_go(rewards, mask, args.gamma), {}
-
-
-ADVANTAGES["reinforce_pp"] = reinforce_pp_advantages
-
-
-def vineppo_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm, moments) -> tuple:
+def vineppo_advantages(engine: rollout.Engine, prompts: list, experience: dict, moments: RunningMoments) -> tuple:
     """VinePPO: the value of the state before each step of each response (the prompt alone before the first) is the
     mean return of --vine-k continuations the policy samples from it (continuation_returns: scores normalised with
     the run's moments, which they do not update), and each step's tokens take its advantage (vine_advantages)."""
@@ -585,19 +544,6 @@ def vineppo_advantages(engine: rollout.Engine, prompts: list, experience: dict, 
     return advantages, sums
 
 
-ADVANTAGES["vineppo"] = vineppo_advantages
-
-
-def rebel_advantages(engine: rollout.Engine, prompts: list, experience: dict, score_norm, moments) -> tuple:
-    """REBEL's regression targets, on every token of each row: its reward R_i = s_i - beta * sum_t k1 minus its
-    pair partner's (pair_gaps: rows 2j and 2j + 1 of a group)."""
-    gaps = pair_gaps(experience["rewards"].sum(1))
-    return gaps[:, None] * experience["mask"], {}
-
-
-ADVANTAGES["rebel"] = rebel_advantages
-
-
 @torch.no_grad()
 def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningMoments) -> tuple[dict, dict, list]:
     """Steps 1-5 on this rank's prompts (a group's G copies consecutive): rollout.rollout (1-3), the scores
@@ -616,8 +562,24 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
     reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
     rewards = shape_rewards(score_norm, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
     experience["rewards"] = rewards
-    # 5. advantages
-    advantages, estimator_sums = ADVANTAGES[args.estimator](engine, prompts, experience, score_norm, reward_moments)
+    # 5. advantages, by estimator, from R_i = s_i - beta * sum_t k1 (the KL in the reward) or the scores
+    sequence_rewards = rewards.sum(1)  # (B,)
+    estimator_sums = {}  # an estimator's own metrics: rollout/<name>, perf/<name> for its seconds
+    if args.estimator in GROUP_ESTIMATORS:  # grpo, rloo: one advantage a response, on every token
+        group = group_advantages(sequence_rewards, args.group_size, args.estimator, args.grpo_std_norm)
+        advantages = group[:, None] * mask
+    elif args.estimator == "reinforce_pp":  # the reward-to-go; with G > 1 the group mean of the scores as baseline
+        baselined = rewards
+        if args.group_size > 1:
+            centred = group_advantages(score_norm, args.group_size, "reinforce_pp")
+            baselined = shape_rewards(centred, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
+        advantages = reward_to_go(baselined, mask, args.gamma)
+    elif args.estimator == "vineppo":  # Monte-Carlo values from continuations sampled at each step's start
+        advantages, estimator_sums = vineppo_advantages(engine, prompts, experience, reward_moments)
+    elif args.estimator == "rebel":  # the regression's target on every token: the reward gap to the pair's partner
+        advantages = pair_gaps(sequence_rewards)[:, None] * mask
+    else:
+        raise ValueError(f"--estimator {args.estimator}: a row of RECIPES without a branch in grpo_rollout's step 5")
     experience["advantages"] = advantages
     sums |= estimator_sums | {"score_norm": score_norm.sum(), "rlhf_reward": rewards.sum()}
     metrics, totals = rollout.rollout_metrics(sums, mask.device)
@@ -625,7 +587,7 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
     metrics["objective/rlhf_reward"] = totals["rlhf_reward"] / totals["sequences"]
     for name in estimator_sums:  # vineppo's continuations and their tokens over every rank, its seconds a rank
         if name.endswith("_s"):
-            metrics[f"perf/{name}"] = totals[name] / parallel.world_size()
+            metrics[f"perf/{name}"] = totals[name] / (dist.get_world_size() if dist.is_initialized() else 1)
         else:
             metrics[f"rollout/{name}"] = totals[name]
     if args.mask_truncated:  # responses without EOS: in the group statistics, not in the policy loss
@@ -718,7 +680,7 @@ def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
     with parallel.grad_sync(actor, sync), amp:
         logits, logprobs = rollout.policy_logprobs(actor, batch, args.temperature)
         advantages = batch["advantages"]
-        if args.estimator == "rebel":  # a response's tokens all hold its pair's reward gap (rebel_advantages)
+        if args.estimator == "rebel":  # a response's tokens all hold its pair's reward gap (grpo_rollout's step 5)
             loss, stats = rebel_loss(logprobs, batch["logprobs"], advantages[:, 0], mask, args.rebel_eta, denom)
         else:
             loss, stats = policy_loss(
@@ -734,11 +696,11 @@ def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
             sums["entropy_bonus"] = entropy.detach()
             loss = loss - args.entropy_coef * entropy
     # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
-    (loss * parallel.world_size()).backward()
+    (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
     tokens = mask.sum()
     sums["tokens"] = tokens
     for key in ("approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_mean"):
-        sums[key] = parallel.token_sum(stats[key], tokens)
+        sums[key] = torch.where(tokens > 0, stats[key] * tokens, 0.0)  # 0, not 0/0, without tokens
     return sums, logprobs
 
 
@@ -747,7 +709,7 @@ def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
     policy loss's comes after it)."""
     with parallel.grad_sync(actor, False), amp:
         loss = ptx_loss(actor, ptx_batch, ptx_tokens)
-    (args.ptx_coef * loss * parallel.world_size()).backward()
+    (args.ptx_coef * loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
     return {"ptx_loss": loss.detach()}
 
 
@@ -761,7 +723,8 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")
     micro_batch_size = min(args.micro_batch_size, minibatch_rows)  # parallel.rollout_split's rule
     grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
-    amp = parallel.autocast(device, parallel.resolve_dtype(args.dtype, device))
+    dtype = parallel.resolve_dtype(args.dtype, device)
+    amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     actor_forward = actor.model if actor.forward is None else actor.forward
     use_ptx = loop.ptx_stream is not None
     # the policy loss's tokens: --mask-truncated drops the responses without EOS, --dynamic-sampling the groups that
@@ -778,7 +741,7 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
     if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (REINFORCE++)
         mean, variance = parallel.global_moments(batch["advantages"], loss_mask, device)
         batch["advantages"] = whiten(batch["advantages"], mean, variance)
-    totals = {}  # this rank's sums over the steps taken
+    totals = defaultdict(float)  # this rank's sums over the steps taken
     first = {}
     updates = 0
     skipped_before = loop.guard.skipped
@@ -808,40 +771,44 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
                 continue
             if use_ptx:
                 ptx_tokens = sum(ptx_batch[2].sum() for ptx_batch in ptx_batches)
-                ptx_token_count = parallel.all_reduce_sum(ptx_tokens.double()).float()  # left on device
+                ptx_token_count = parallel.all_reduce_stack([ptx_tokens], device)[0].float()  # left on device
             loss_token_count = counts_on_device[0, minibatch].float()
             weights, denom = loss_weights(
                 minibatch_batch["loss_mask"], args.loss_agg, loss_sequences, loss_token_count, args.max_new_tokens
             )
             minibatch_batch["weights"] = weights
-            step_sums = {}  # this step's sums, kept if it steps
+            step_sums = defaultdict(float)  # this step's sums, kept if it steps
             for micro in range(grad_accum_steps):
                 rows = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
                 micro_batch = parallel.take_rows(minibatch_batch, rows, widths[minibatch * grad_accum_steps + micro])
                 sync = micro == grad_accum_steps - 1
                 if use_ptx:
                     ptx_sums = ptx_backward(actor_forward, ptx_batches[micro], args, ptx_token_count, amp)
-                    common.add_all(step_sums, ptx_sums)
+                    for key, value in ptx_sums.items():
+                        step_sums[key] += value
                 sums, logprobs = actor_backward(actor_forward, micro_batch, args, denom, sync, amp)
-                common.add_all(step_sums, sums)
+                for key, value in sums.items():
+                    step_sums[key] += value
                 if not loop.first and not first and sums["tokens"] > 0:  # must be ratio 1, approx_kl 0, clipfrac 0
                     first = rollout.first_micro_batch(logprobs, micro_batch["logprobs"], micro_batch["loss_mask"], sums)
             if common.guarded_step([actor], loop.guard, loop.step):
-                common.add_all(totals, step_sums)
+                for key, value in step_sums.items():
+                    totals[key] += value
                 updates += 1
             else:  # name the bad quantity (the loss sums are this rank's)
                 losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums.items())
                 print0(f"step {loop.step}: the actor's sums when its grad norm was not finite: {losses}")
-    metrics |= update_metrics(totals, updates, loop.guard, device)
+    metrics |= loop.guard.read()
+    metrics |= update_metrics(totals, updates, device)
     metrics["policy/update_kl"] = rollout.update_kl(actor_forward, experience, micro_batch_size, args.temperature, amp)
     return metrics, {"updates": updates, "skipped": loop.guard.skipped - skipped_before, "first": first}
 
 
-def update_metrics(totals: dict, updates: int, guard: common.StepGuard, device) -> dict:
+def update_metrics(totals: dict, updates: int, device) -> dict:
     """Global means over the steps taken from this rank's sums (one all-reduce; the steps are decided the same on
-    every rank), and the mean grad norm (already global) from the guard. A loss sum is the step's global loss (its
-    denominators are global), a per-token stat sum is over tokens."""
-    metrics = guard.read()
+    every rank). A loss sum is the step's global loss (its denominators are global), a per-token stat sum is over
+    tokens."""
+    metrics = {}
     if not updates:  # every step skipped: the same on every rank, so no rank waits in a lone collective
         return metrics
     summed = parallel.all_reduce_dict({key: totals[key] for key in sorted(totals)}, device)
@@ -885,17 +852,12 @@ def main(args: Args) -> None:
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses to replace a run silently
     common.seed_everything(args.seed)
 
-    # checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
-    sft, ref, rms = rollout.load_inputs(args)
-    tok = Tokenizer.from_state(sft["tokenizer"])
-    data = load_prompts(args, tok, sft["model_config"]["block_size"])
-    prompts, ptx = data.prompts, data.ptx
-    reward_fn = common.load_reward_fn(args.reward_fn, prompt_text(tok, prompts[0])) if args.reward_fn else None
-    actor_model, reference = rollout.build_policy(args, sft, ref)
-    models = Models(actor_model, reference, rollout.build_reward_models(args, rms))
+    # checkpoints, tokenizer, data, models (user mistakes surface here, before any process group)
+    sft, ref, rms, tok, data = rollout.load_inputs(args)
+    models = rollout.build_models(args, sft, ref, rms)  # no critic
 
     # sizes, distributed set-up, placement, optimizer, the loop's state
-    sizes = parallel.rollout_split(args, args.group_size, has_ptx=bool(ptx) and args.ptx_coef > 0)
+    sizes = parallel.rollout_split(args, args.group_size, has_ptx=bool(data.ptx) and args.ptx_coef > 0)
     if args.estimator == "rebel" and sizes.micro_batch_size % args.group_size:
         raise UserError(
             f"--micro-batch-size {sizes.micro_batch_size} (a rank's): rebel keeps a group's pairs in one micro-batch, "
@@ -908,13 +870,13 @@ def main(args: Args) -> None:
     common.size_warnings(
         prompts_per_iteration,
         "--rollout-batch-size / --group-size",
-        len(prompts),
+        len(data.prompts),
         None,
         args.warmup_steps,
         max_steps,
     )
     print0(
-        f"grpo: {len(prompts)} prompts ({data.too_long} too long, skipped) | policy "
+        f"grpo: {len(data.prompts)} prompts ({data.too_long} too long, skipped) | policy "
         f"{models.actor.num_params() / 1e6:.2f} M | rollout {args.rollout_batch_size} = {d.world_size} ranks x "
         f"{args.num_minibatches} minibatches x {sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | "
         f"{max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}"
@@ -930,36 +892,32 @@ def main(args: Args) -> None:
         print0(f"vineppo: values from {args.vine_k} continuations at each step's start; a step: {step}")
     if args.estimator == "rebel":
         print0(f"rebel: eta {args.rebel_eta}, no clip (the cliprange above is unused), pairs of consecutive responses")
-    print0(f"a response without EOS scores {rollout.missing_eos_rule(args)}")
-    print0(f"ptx {rollout.ptx_rule(args, data)}")
+    print0(rollout.rules(args, data))
     models = rollout.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
     optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps)
     actor = Trained("model", models.actor, optimizer, schedule, args.grad_clip)
-    generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
-    order = Order(len(prompts), args.seed)
-    prompt_stream = PromptStream(prompts, order, sizes.prompts_per_rank, args.group_size, d)
-    ptx_stream = None
-    if sizes.ptx_micro_batch_size:
-        ptx_stream = PtxStream(ptx, Order(len(ptx), args.seed + 1), sizes.ptx_micro_batch_size, d, tok.pad_id)
-    loop = rollout.Loop(generator, prompt_stream, ptx_stream)
+    loop = rollout.build_loop(args, data, sizes, args.group_size, d, tok.pad_id)  # its generator: sampling, shuffling
     reward_moments = RunningMoments()
     run = checkpoints.Run("grpo", args, d, tok, [actor], started=t_start)
-    hashes = checkpoints.input_hashes(args)
     if args.resume:
-        ckpt = loop.resume(run, hashes)
+        ckpt = loop.resume(run)
         reward_moments.load_state_dict(ckpt["reward_moments"])
-        rollout.refresh_sampler(models)  # the resumed actor into its bf16 copy, before it samples
+        models.refresh_sampler()  # the resumed actor into its bf16 copy, before it samples
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     forward = models.compiled(args.compile, d.device)
-    replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
-    actor.forward = parallel.replicate(forward.actor, d) if replicated else forward.actor
-    engine = rollout.Engine(forward, tok, args, sizes.micro_batch_size, generator, dtype, reward_fn, data.gold_fn)
+    actor.forward = forward.actor
+    if d.ddp and not args.fsdp:  # FSDP2 needs no wrapper; DDP's gradients are views into its all-reduce buckets
+        device_ids = [d.local_rank] if d.device.type == "cuda" else None
+        actor.forward = DDP(forward.actor, device_ids=device_ids, gradient_as_bucket_view=True)
+    engine = rollout.Engine(
+        forward, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn
+    )
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
 
     def draw() -> tuple[dict, dict, list]:  # one rollout round on this rank's share of the next prompts
-        return grpo_rollout(engine, prompt_stream.next(), reward_moments)
+        return grpo_rollout(engine, loop.prompt_stream.next(), reward_moments)
 
     # the loop: steps 1-5 (grpo_rollout, dynamic sampling), 6 (grpo_update), 7 (log, samples, checkpoint)
     start_step = loop.step
@@ -979,7 +937,7 @@ def main(args: Args) -> None:
         lr = common.step_lr(actor, loop.step)
         updated, diagnostics = grpo_update(actor, experience, args, loop)
         loop.first = loop.first or diagnostics["first"]
-        rollout.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
+        models.refresh_sampler()  # the updated actor into its bf16 copy, in place
         loop.step += 1
         loop.updates += diagnostics["updates"]
         loop.episodes += args.rollout_batch_size * int(metrics.get("rollout/sample_rounds", 1))
@@ -1001,11 +959,12 @@ def main(args: Args) -> None:
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
             largest, mean = metrics["rollout/logprob_err"], metrics["rollout/logprob_err_mean"]
             print0(f"step {step}: generation vs training-forward log-probs, |diff| max {largest:.1e} mean {mean:.1e}")
-        logger.log(step, metrics, max_steps, console=common.every(step, args.log_every) or last)
-        if common.every(step, args.sample_every) or last:
+        # --*-every N: every N iterations and the last (0: the last only)
+        logger.log(step, metrics, max_steps, console=(args.log_every > 0 and step % args.log_every == 0) or last)
+        if (args.sample_every > 0 and step % args.sample_every == 0) or last:
             logger.sample_table(step, records)
-        if common.every(step, args.save_every) or last or stopping:
-            run.save(step, loop.data_state(), generator, reward_moments=reward_moments.state_dict(), **hashes)
+        if (args.save_every > 0 and step % args.save_every == 0) or last or stopping:
+            run.save(step, loop.data_state(), loop.generator, reward_moments=reward_moments.state_dict(), **loop.hashes)
         if stopping:
             logger.close()
             stop.exit(stopping, run.path)

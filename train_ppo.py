@@ -17,25 +17,22 @@ torchrun --standalone --nproc_per_node 8 train_ppo.py --sft-ckpt sft/ckpt.pt --r
 
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoints
 import common
-import hf
 import parallel
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
-from data import Order, PromptStream, PtxStream, load_prompts, prompt_text
 from model import entropy_from_logits, lm_loss, masked_mean, response_forward
-from rollout import Models
-from tokenizer import Tokenizer
 
 
-@common.stage_args
 @dataclass
 class Args(rollout.RolloutArgs):
     out_dir: str = "out/ppo"
@@ -331,7 +328,7 @@ def ppo_rollout(
     args = engine.args
     experience, sums, records = rollout.rollout(engine, prompts)
     mask = experience["mask"]
-    amp = parallel.autocast(mask.device, engine.dtype)
+    amp = torch.autocast(mask.device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
     values = critic_values(critic, experience, engine.micro_batch_size, args.temperature, amp)
     # 4. rewards: running moments over all history and ranks, normalise, clip (PPO-max §3.2); -beta * k1 per token
     scores = experience["scores"]
@@ -377,11 +374,11 @@ def actor_backward(actor, batch: dict, args: Args, token_count, sync: bool, amp)
             sums["entropy_bonus"] = entropy.detach()
             loss = loss - args.entropy_coef * entropy
     # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
-    (loss * parallel.world_size()).backward()
+    (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
     tokens = mask.sum()
     sums["tokens"] = tokens
     for key in ("approx_kl", "clipfrac", "ratio_mean"):
-        sums[key] = parallel.token_sum(stats[key], tokens)
+        sums[key] = torch.where(tokens > 0, stats[key] * tokens, 0.0)  # 0, not 0/0, without tokens
     return sums, logprobs
 
 
@@ -390,7 +387,7 @@ def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
     policy loss's comes after it)."""
     with parallel.grad_sync(actor, False), amp:
         loss = ptx_loss(actor, ptx_batch, ptx_tokens)
-    (args.ptx_coef * loss * parallel.world_size()).backward()
+    (args.ptx_coef * loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
     return {"ptx_loss": loss.detach()}
 
 
@@ -402,7 +399,7 @@ def critic_backward(critic, batch: dict, args: Args, token_count, sync: bool, am
         vf_loss, vf_stats = ppo_value_loss(
             new_values, batch["values"], batch["returns"], batch["mask"], args.cliprange_value, denom=token_count
         )
-    (vf_loss * parallel.world_size()).backward()
+    (vf_loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
     tokens = batch["mask"].sum()
     return {"vf_loss": vf_loss.detach(), "vf_clipfrac": vf_stats["clipfrac"] * tokens, "tokens": tokens}
 
@@ -417,7 +414,8 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")
     micro_batch_size = min(args.micro_batch_size, minibatch_rows)  # parallel.rollout_split's rule
     grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
-    amp = parallel.autocast(device, parallel.resolve_dtype(args.dtype, device))
+    dtype = parallel.resolve_dtype(args.dtype, device)
+    amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     actor_forward = actor.model if actor.forward is None else actor.forward
     critic_forward = critic.model if critic.forward is None else critic.forward
     train_actor = loop.step >= args.critic_warmup_steps  # the critic warm-up: only the critic trains
@@ -429,7 +427,7 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
     if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (TRL)
         mean, variance = parallel.global_moments(batch["advantages"], mask, device)
         batch["advantages"] = whiten(batch["advantages"], mean, variance)
-    totals = {"actor": {}, "critic": {}}  # this rank's sums over the steps each model took
+    totals = {"actor": defaultdict(float), "critic": defaultdict(float)}  # this rank's sums over the steps each took
     steps = {"actor": 0, "critic": 0}  # the steps each model took (the same on every rank)
     first = {}
     updates = 0  # optimizer steps every model took
@@ -450,46 +448,49 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
             # the step's global token counts (loss denominators): one all-reduce per step, left on device
             ptx_tokens = sum((ptx_batch[2].sum() for ptx_batch in ptx_batches), torch.zeros((), device=device))
             token_count, ptx_token_count = parallel.all_reduce_stack([minibatch_mask.sum(), ptx_tokens], device).float()
-            step_sums = {"actor": {}, "critic": {}}  # this step's sums per model, kept if that model steps
+            step_sums = {"actor": defaultdict(float), "critic": defaultdict(float)}  # kept if that model steps
             for micro in range(grad_accum_steps):
                 rows = slice(micro * micro_batch_size, (micro + 1) * micro_batch_size)
                 micro_batch = parallel.take_rows(minibatch_batch, rows, widths[minibatch * grad_accum_steps + micro])
                 sync = micro == grad_accum_steps - 1
                 if train_actor:
+                    ptx_sums = {}
                     if use_ptx:
                         ptx_sums = ptx_backward(actor_forward, ptx_batches[micro], args, ptx_token_count, amp)
-                        common.add_all(step_sums["actor"], ptx_sums)
                     sums, logprobs = actor_backward(actor_forward, micro_batch, args, token_count, sync, amp)
-                    common.add_all(step_sums["actor"], sums)
+                    for key, value in (ptx_sums | sums).items():
+                        step_sums["actor"][key] += value
                     if not loop.first and not first:  # must read ratio 1, approx_kl 0, clipfrac 0
                         first = rollout.first_micro_batch(logprobs, micro_batch["logprobs"], micro_batch["mask"], sums)
                 sums = critic_backward(critic_forward, micro_batch, args, token_count, sync, amp)
-                common.add_all(step_sums["critic"], sums)
+                for key, value in sums.items():
+                    step_sums["critic"][key] += value
             # separate optimizers and clips; each norm is global (after DDP's all-reduce; FSDP2's is a DTensor whose
             # full value is the global norm), so every rank takes the same decision
             trained = {"actor": actor, "critic": critic} if train_actor else {"critic": critic}
             stepped = common.guarded_step(list(trained.values()), loop.guard, loop.step)
             for role, entry in trained.items():
                 if entry.name in stepped:
-                    common.add_all(totals[role], step_sums[role])
+                    for key, value in step_sums[role].items():
+                        totals[role][key] += value
                     steps[role] += 1
                 else:  # name the bad quantity (the loss sums are this rank's)
                     losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums[role].items())
                     print0(f"step {loop.step}: the {role}'s sums when its grad norm was not finite: {losses}")
             updates += len(stepped) == len(trained)
-    metrics |= update_metrics(totals, steps, loop.guard, device)
+    metrics |= loop.guard.read({"model": "train/grad_norm", "critic": "value/grad_norm"})  # the actor is "model"
+    metrics |= update_metrics(totals, steps, device)
     metrics["policy/update_kl"] = rollout.update_kl(actor_forward, experience, micro_batch_size, args.temperature, amp)
     return metrics, {"updates": updates, "skipped": loop.guard.skipped - skipped_before, "first": first}
 
 
-def update_metrics(totals: dict, steps: dict, guard: common.StepGuard, device) -> dict:
-    """Global means over the steps each model took, from this rank's sums (one all-reduce), and each model's mean
-    grad norm from the guard."""
+def update_metrics(totals: dict, steps: dict, device) -> dict:
+    """Global means over the steps each model took, from this rank's sums (one all-reduce)."""
     flat = {f"{role}/{key}": value for role, sums in totals.items() for key, value in sums.items()}
     summed = {}
     if flat:  # empty when every step was skipped: the same on every rank, so no rank waits in a lone collective
         summed = parallel.all_reduce_dict({key: flat[key] for key in sorted(flat)}, device)
-    metrics = guard.read({"model": "train/grad_norm", "critic": "value/grad_norm"})  # the actor's entry is "model"
+    metrics = {}
     if steps["critic"]:
         metrics["value/loss"] = summed["critic/vf_loss"] / steps["critic"]
         metrics["value/clipfrac"] = summed["critic/vf_clipfrac"] / summed["critic/tokens"]
@@ -508,21 +509,13 @@ def update_metrics(totals: dict, steps: dict, guard: common.StepGuard, device) -
 # main: the set-up in named builders, then the loop
 
 
-def build_critic(args: Args, sft: dict, rms: list[dict]) -> torch.nn.Module:
-    """PPO-max's critic: the first RM's trunk and score head (with no RM, the SFT trunk with a fresh head), on the
-    CPU, LoRA and --grad-ckpt applied."""
-    critic = hf.model_from_checkpoint(rms[0] if rms else sft, lm_head=False, score_head=True)
-    parallel.prepare_model(critic, args, "critic")
-    return critic
-
-
-def build_optimizers(args: Args, models: Models, critic, max_steps: int, device_type: str) -> tuple[Trained, Trained]:
+def build_optimizers(args: Args, actor_model, critic, max_steps: int, device_type: str) -> tuple[Trained, Trained]:
     """The actor's and the critic's AdamW, LR schedule and grad-norm clip, as Trained entries (the checkpoint keys
     `model` and `critic`). The actor's schedule starts when it starts moving, after the critic warm-up."""
     betas = (0.9, 0.95)
-    actor_optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, betas, device_type)
+    actor_optimizer = actor_model.configure_optimizers(args.weight_decay, args.lr, betas, device_type)
     actor_schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps, delay=args.critic_warmup_steps)
-    actor = Trained("model", models.actor, actor_optimizer, actor_schedule, args.grad_clip)
+    actor = Trained("model", actor_model, actor_optimizer, actor_schedule, args.grad_clip)
     critic_optimizer = critic.configure_optimizers(args.weight_decay, args.critic_lr, betas, device_type)
     critic_schedule = common.LRSchedule(args.critic_lr, args.warmup_steps, max_steps)
     return actor, Trained("critic", critic, critic_optimizer, critic_schedule, args.critic_grad_clip)
@@ -550,67 +543,58 @@ def main(args: Args) -> None:
     t_start = time.time()
     # the run's flags (with --resume, the checkpoint's wherever the command line gives none)
     args = checkpoints.task_from_checkpoint(args, args.sft_ckpt, "--sft-ckpt")  # --task: the SFT's unless given
-    args = checkpoints.resume_args(args, "ppo", rollout.resolve_rollout_args)
+    args = checkpoints.resume_args(args, "ppo")
     check_args(args)
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)  # refuses to replace a run silently
     common.seed_everything(args.seed)  # before any model is built: a fresh critic head follows --seed
 
-    # checkpoints, tokenizer, models, data (user mistakes surface here, before any process group)
-    sft, ref, rms = rollout.load_inputs(args)
-    tok = Tokenizer.from_state(sft["tokenizer"])
-    data = load_prompts(args, tok, sft["model_config"]["block_size"])
-    prompts, ptx = data.prompts, data.ptx
-    reward_fn = common.load_reward_fn(args.reward_fn, prompt_text(tok, prompts[0])) if args.reward_fn else None
-    actor_model, reference = rollout.build_policy(args, sft, ref)
-    critic_model = build_critic(args, sft, rms)
-    models = Models(actor_model, reference, rollout.build_reward_models(args, rms, rm_base=critic_model))
+    # checkpoints, tokenizer, data, models (user mistakes surface here, before any process group)
+    sft, ref, rms, tok, data = rollout.load_inputs(args)
+    # PPO-max's critic starts from the (first) reward model, its trunk and score head; with no RM, from the SFT trunk
+    # and a fresh head
+    models = rollout.build_models(args, sft, ref, rms, critic_init=rms[0] if rms else sft)
 
     # sizes, distributed set-up, placement, optimizers, the loop's state
-    sizes = parallel.rollout_split(args, group_size=1, has_ptx=bool(ptx) and args.ptx_coef > 0)
+    sizes = parallel.rollout_split(args, group_size=1, has_ptx=bool(data.ptx) and args.ptx_coef > 0)
     d = parallel.setup_dist(args.device)
     dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
     actor_steps = max_steps - args.critic_warmup_steps  # the actor warms up after the critic's warm-up
     common.size_warnings(
-        args.rollout_batch_size, "--rollout-batch-size", len(prompts), None, args.warmup_steps, actor_steps
+        args.rollout_batch_size, "--rollout-batch-size", len(data.prompts), None, args.warmup_steps, actor_steps
     )
     print0(
-        f"ppo: {len(prompts)} prompts ({data.too_long} too long, skipped) | actor "
-        f"{models.actor.num_params() / 1e6:.2f} M, critic {critic_model.num_params() / 1e6:.2f} M | rollout "
+        f"ppo: {len(data.prompts)} prompts ({data.too_long} too long, skipped) | actor "
+        f"{models.actor.num_params() / 1e6:.2f} M, critic {models.critic.num_params() / 1e6:.2f} M | rollout "
         f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x "
         f"{sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | "
         f"kl_coef {args.kl_coef} | device {d.device} {dtype}"
     )
-    print0(f"a response without EOS scores {rollout.missing_eos_rule(args)}")
-    print0(f"ptx {rollout.ptx_rule(args, data)}")
-    models = rollout.place(models, args, d, dtype, critic=critic_model)  # under bf16, a bf16 sampler copy of the actor
-    actor, critic = build_optimizers(args, models, critic_model, max_steps, d.device.type)
-    generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)  # sampling and shuffling
-    prompt_stream = PromptStream(prompts, Order(len(prompts), args.seed), sizes.prompts_per_rank, 1, d)
-    ptx_stream = None
-    if sizes.ptx_micro_batch_size:
-        ptx_stream = PtxStream(ptx, Order(len(ptx), args.seed + 1), sizes.ptx_micro_batch_size, d, tok.pad_id)
-    loop = rollout.Loop(generator, prompt_stream, ptx_stream)
+    print0(rollout.rules(args, data))
+    models = rollout.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
+    actor, critic = build_optimizers(args, models.actor, models.critic, max_steps, d.device.type)
+    loop = rollout.build_loop(args, data, sizes, 1, d, tok.pad_id)  # its generator: sampling and shuffling
     kl_controller = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
     reward_moments = RunningMoments()
     detector = CollapseDetector(args.collapse_window, args.collapse_z, args.collapse_lag)
     run = checkpoints.Run("ppo", args, d, tok, [actor, critic], started=t_start)
-    hashes = checkpoints.input_hashes(args)
     if args.resume:
-        ckpt = loop.resume(run, hashes)
+        ckpt = loop.resume(run)
         reward_moments.load_state_dict(ckpt["reward_moments"])
         kl_controller.load_state_dict(ckpt["kl_ctl"])
         detector.load_state_dict(ckpt["data_state"]["collapse"])
-        rollout.refresh_sampler(models)  # the resumed actor into its bf16 copy, before it samples
+        models.refresh_sampler()  # the resumed actor into its bf16 copy, before it samples
     # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
     forward = models.compiled(args.compile, d.device)
-    critic_forward = (
-        rollout.compile_role(critic_model) if parallel.use_compile(args.compile, d.device) else critic_model
+    actor.forward = forward.actor
+    critic.forward = forward.critic
+    if d.ddp and not args.fsdp:  # FSDP2 needs no wrapper; DDP's gradients are views into its all-reduce buckets
+        device_ids = [d.local_rank] if d.device.type == "cuda" else None
+        actor.forward = DDP(forward.actor, device_ids=device_ids, gradient_as_bucket_view=True)
+        critic.forward = DDP(forward.critic, device_ids=device_ids, gradient_as_bucket_view=True)
+    engine = rollout.Engine(
+        forward, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn
     )
-    replicated = d.ddp and not args.fsdp  # FSDP2 needs no wrapper
-    actor.forward = parallel.replicate(forward.actor, d) if replicated else forward.actor
-    critic.forward = parallel.replicate(critic_forward, d) if replicated else critic_forward
-    engine = rollout.Engine(forward, tok, args, sizes.micro_batch_size, generator, dtype, reward_fn, data.gold_fn)
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops)
 
@@ -622,14 +606,14 @@ def main(args: Args) -> None:
         t_rollout = time.time()
         kl_coef = kl_controller.value
         experience, metrics, records = ppo_rollout(
-            engine, critic_forward, prompt_stream.next(), kl_coef, reward_moments
+            engine, forward.critic, loop.prompt_stream.next(), kl_coef, reward_moments
         )
         kl_controller.update(metrics["objective/kl"], args.rollout_batch_size)
         t_update = time.time()
         lr, critic_lr = common.step_lr(actor, loop.step), common.step_lr(critic, loop.step)
         updated, diagnostics = ppo_update(actor, critic, experience, args, loop)
         loop.first = loop.first or diagnostics["first"]
-        rollout.refresh_sampler(models)  # the updated actor into its bf16 copy, in place
+        models.refresh_sampler()  # the updated actor into its bf16 copy, in place
         loop.step += 1
         loop.updates += diagnostics["updates"]
         loop.episodes += args.rollout_batch_size
@@ -642,7 +626,7 @@ def main(args: Args) -> None:
             metrics["objective/kl"], metrics["rollout/response_len"], metrics["rollout/perplexity"]
         )
         times = (t_rollout, t_update, t_end)
-        metrics |= common.perf_metrics(models, experience, args.ppo_epochs, times, peak, d.world_size, critic_model)
+        metrics |= common.perf_metrics(models, experience, args.ppo_epochs, times, peak, d.world_size)
         metrics |= updated | {
             "train/lr": lr,
             "train/critic_lr": critic_lr,
@@ -655,16 +639,19 @@ def main(args: Args) -> None:
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
             largest, mean = metrics["rollout/logprob_err"], metrics["rollout/logprob_err_mean"]
             print0(f"step {step}: generation vs training-forward log-probs, |diff| max {largest:.1e} mean {mean:.1e}")
-        logger.log(step, metrics, max_steps, console=common.every(step, args.log_every) or step == max_steps or alarm)
-        if common.every(step, args.sample_every) or step == max_steps:
+        last = step == max_steps
+        # --*-every N: every N iterations and the last (0: the last only)
+        console = (args.log_every > 0 and step % args.log_every == 0) or last or alarm
+        logger.log(step, metrics, max_steps, console=console)
+        if (args.sample_every > 0 and step % args.sample_every == 0) or last:
             logger.sample_table(step, records)
         if alarm and args.stop_on_collapse:
             print0(f"collapse alarm at step {step}: stopping (the last checkpoint saved before it is kept)")
             break
-        if common.every(step, args.save_every) or step == max_steps or stopping:
+        if (args.save_every > 0 and step % args.save_every == 0) or last or stopping:
             data_state = loop.data_state() | {"collapse": detector.state_dict()}
             ppo_state = dict(reward_moments=reward_moments.state_dict(), kl_ctl=kl_controller.state_dict())
-            run.save(step, data_state, generator, **ppo_state, **hashes)
+            run.save(step, data_state, loop.generator, **ppo_state, **loop.hashes)
         if stopping:
             logger.close()
             stop.exit(stopping, run.path)

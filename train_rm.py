@@ -41,7 +41,6 @@ from task import PROBE_KINDS, is_task_prompt, probe_texts
 from tokenizer import Tokenizer, load_tokenizer
 
 
-@common.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/rm"
@@ -154,7 +153,7 @@ def pair_backward(model, batch: list, args: Args, denoms: tuple, sync: bool, amp
             lm_loss_value = lm_loss(logits[:, :-1], ids[:, 1:], lm_mask[:, 1:], lm_denom)
         loss = bt_loss + args.lm_coef * lm_loss_value
         # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
-        (loss * parallel.world_size()).backward()
+        (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
     gaps = scores[chosen] - scores[rejected]
     accuracy = (weights * ((gaps > 0) + 0.5 * (gaps == 0))).sum().detach() / pair_denom
     return {"loss": loss.detach(), "bt_loss": bt_loss.detach(), "lm_loss": lm_loss_value.detach(), "accuracy": accuracy}
@@ -410,7 +409,7 @@ def main(args: Args) -> None:
     # dropout off: the model stays in eval mode, the only thing the mode changes in a GPT
     model.eval()
     window = {"loss": 0.0, "bt_loss": 0.0, "lm_loss": 0.0, "accuracy": 0.0, "tokens": 0}  # summed since the last log
-    amp = parallel.autocast(d.device, dtype)
+    amp = torch.autocast(d.device.type, dtype=dtype, enabled=dtype != torch.float32)
     window_steps = 0
     stop = common.StopSignal()  # SIGINT/SIGTERM: save the step, exit 128 + signal
     while step < max_steps:
@@ -427,14 +426,16 @@ def main(args: Args) -> None:
             micro_batch = my_batch[micro_step * micro_batch_size :][:micro_batch_size]
             batch = [t.to(d.device) for t in collate(micro_batch, tok.pad_id)]
             sync = micro_step == grad_accum_steps - 1
-            common.add_all(window, pair_backward(model, batch, args, (pair_denom, lm_denom), sync, amp))
+            sums = pair_backward(model, batch, args, (pair_denom, lm_denom), sync, amp)
+            for key, value in sums.items():
+                window[key] += value
             window["tokens"] += sum(len(seq) for seqs, *_ in micro_batch for seq in seqs)
         common.guarded_step([trained], guard, step)
         step += 1
         window_steps += 1
         stopping = stop.requested(d.device)
 
-        if common.every(step, args.log_every) or step == max_steps:
+        if (args.log_every > 0 and step % args.log_every == 0) or step == max_steps:
             totals = parallel.all_reduce_dict(window, d.device)
             metrics = {
                 f"train/{name}": totals[name] / window_steps for name in ("loss", "bt_loss", "lm_loss", "accuracy")
@@ -445,12 +446,12 @@ def main(args: Args) -> None:
             window_steps = 0
         final = step == max_steps
         with throughput.paused():  # perf/ counts training time only
-            if common.every(step, args.save_every) or final or stopping:
+            if (args.save_every > 0 and step % args.save_every == 0) or final or stopping:
                 save(step)  # also calibrates: the final evaluation sees the checkpoint's scores
             if stopping:
                 logger.close()
                 stop.exit(stopping, run.path)
-            if common.every(step, args.eval_every) or final:
+            if (args.eval_every > 0 and step % args.eval_every == 0) or final:
                 # scores relative to a typical SFT answer: the final save has just folded the calibration in; in
                 # between, subtract the mean score of the first calibration examples (cheaper than folding)
                 offset = 0.0 if final else score_all(calib[: args.eval_pairs]).mean().item()

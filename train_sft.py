@@ -37,7 +37,6 @@ from model import lm_loss
 from tokenizer import Tokenizer, load_tokenizer
 
 
-@common.stage_args
 @dataclass
 class Args(common.CommonArgs):
     out_dir: str = "out/sft"
@@ -210,6 +209,7 @@ def main(args: Args) -> None:
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None)
     peak_flops = common.peak_flops(d.device, args.peak_flops)
     throughput = common.Throughput(flops_per_token(raw_model, train), peak_flops, d.world_size)
+    amp = torch.autocast(d.device.type, dtype=dtype, enabled=dtype != torch.float32)  # bf16; a no-op for fp32
 
     @torch.no_grad()
     def evaluate(n_samples: int) -> tuple[dict, list]:
@@ -219,7 +219,7 @@ def main(args: Args) -> None:
         for start in range(d.rank * micro_batch_size, len(evals), d.world_size * micro_batch_size):
             micro_batch = evals[start : start + micro_batch_size]
             inputs, targets, target_mask = (t.to(d.device) for t in collate(micro_batch, tok.pad_id))
-            with parallel.autocast(d.device, dtype):
+            with amp:
                 logits, _ = raw_model(inputs)
             sums["nll"] += lm_loss(logits, targets, target_mask, denom=1.0)
             sums["tokens"] += target_mask.sum()
@@ -254,7 +254,7 @@ def main(args: Args) -> None:
             micro_batch = my_batch[micro_step * micro_batch_size :][:micro_batch_size]
             inputs, targets, target_mask = (t.to(d.device) for t in collate(micro_batch, tok.pad_id))
             last_micro_step = micro_step == grad_accum_steps - 1
-            with parallel.grad_sync(model, last_micro_step), parallel.autocast(d.device, dtype):
+            with parallel.grad_sync(model, last_micro_step), amp:
                 logits, _ = model(inputs)
                 # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
                 loss = lm_loss(logits, targets, target_mask, denom=target_tokens) * d.world_size
@@ -266,7 +266,7 @@ def main(args: Args) -> None:
         window_steps += 1
         stopping = stop.requested(d.device)
 
-        if common.every(step, args.log_every) or step == max_steps:
+        if (args.log_every > 0 and step % args.log_every == 0) or step == max_steps:
             totals = parallel.all_reduce_dict(window, d.device)
             metrics = {"train/loss": totals["loss"] / window_steps, "train/lr": lr}
             logger.log(step, metrics | guard.read() | throughput.read(totals["tokens"]), max_steps)
@@ -278,7 +278,7 @@ def main(args: Args) -> None:
                 run.save(step, dict(order=order.state_dict(), skipped=guard.skipped), init_hash=init_hash)
                 logger.close()
                 stop.exit(stopping, run.path)
-            if common.every(step, args.eval_every) or final:
+            if (args.eval_every > 0 and step % args.eval_every == 0) or final:
                 with parallel.gathered(raw_model):  # no collectives inside: ranks run unequal numbers of forwards
                     metrics, samples = evaluate(args.num_samples if final else args.eval_samples)
                 logger.log(step, metrics, max_steps)
@@ -290,7 +290,7 @@ def main(args: Args) -> None:
                     valid = task_module.is_valid(response, ended) if builtin else None
                     records.append({"prompt": prompt, "response": response, "ended": ended, "valid": valid})
                 logger.samples(step, records)
-            if common.every(step, args.save_every) or final:
+            if (args.save_every > 0 and step % args.save_every == 0) or final:
                 run.save(step, dict(order=order.state_dict(), skipped=guard.skipped), init_hash=init_hash)
 
     stop.close()

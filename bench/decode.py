@@ -44,7 +44,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ppo_throughput import Shape, build_model  # noqa: E402
 
-import parallel  # noqa: E402
 from generate import generate  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -146,7 +145,7 @@ def main(args: Args) -> None:
     def timed(compiled: bool, new_tokens: int) -> float:
         sync()
         start = time.perf_counter()
-        with parallel.autocast(device, dtype):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             tokens = generate(model, prompts, mask, new_tokens, V, V + 1, generator=generator, compiled=compiled)[0]
         sync()
         assert tokens.shape == (B, new_tokens), "every response must be exactly the requested length"

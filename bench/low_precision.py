@@ -51,7 +51,7 @@ class Args:
 def main(args: Args) -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16
-    amp = parallel.autocast(device, dtype)
+    amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     actor, tok, _ = hf.load_init(args.sft_ckpt, kind=("sft", "dpo", "ppo", "grpo"))
     actor = actor.to(device).eval()
     rm, _, _ = hf.load_init(args.rm_ckpt, lm_head=False, score_head=True, kind="rm")

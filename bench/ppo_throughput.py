@@ -319,7 +319,7 @@ def main(args: Args) -> None:
         else:
             critic_entry = Trained("critic", critic, critic_opt, grad_clip=1.0, forward=fwd[critic])
             train_ppo.ppo_update(actor, critic_entry, exp, settings, loop)
-        rollout.refresh_sampler(Models(policy, ref, members, forwards.sampler))
+        Models(policy, ref, members, forwards.sampler).refresh_sampler()
         sync()
         t2 = time.perf_counter()
         rows.append({"total": t2 - t0, "generate": gen_time[0], "scoring": t1 - t0 - gen_time[0], "update": t2 - t1})

@@ -290,15 +290,7 @@ def test_stop_signal_records_a_sigterm(capsys):
 
 
 # -----------------------------------------------------------------------------
-# the --*-every rule and `none` on the command line
-
-
-def test_every_zero_means_never():
-    """--log-every/--save-every/--sample-every 0 is off (the stages add `or step == max_steps` themselves): every()
-    is never true for interval 0, and true exactly on the multiples of a positive interval."""
-    assert not any(common.every(step, 0) for step in range(0, 50))
-    assert [step for step in range(1, 13) if common.every(step, 4)] == [4, 8, 12]
-    assert all(common.every(step, 1) for step in range(1, 10))
+# `none` on the command line
 
 
 def test_an_optional_flag_given_as_none_parses_to_none(monkeypatch):

@@ -104,12 +104,15 @@ CRITIC_FREE = {
 def _two_rank_worker(rank: int, port: int, q, wrap: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     d = parallel.Dist(rank, rank, 2, torch.device("cpu"), True)
 
     def wrapped(model):  # DDP replicates (as the stages do), FSDP2 shards (blocks, then the root) as --fsdp does
-        return parallel.replicate(model, d) if wrap == "ddp" else parallel.shard_model(model, d, torch.float32)
+        if wrap == "ddp":
+            return DDP(model, gradient_as_bucket_view=True)
+        return parallel.shard_model(model, d, torch.float32)
 
     def full_state(model):
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

@@ -1,5 +1,5 @@
 """rollout.py's models an RL stage runs by role: the bf16 sampler copy of the actor (Models.with_sampler) and its
-refresh in place after every update (refresh_sampler), with and without LoRA."""
+refresh in place after every update (Models.refresh_sampler), with and without LoRA."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ import rollout
 from rollout import Models
 
 # -----------------------------------------------------------------------------
-# the bf16 sampler (Models.with_sampler, refresh_sampler)
+# the bf16 sampler (Models.with_sampler, Models.refresh_sampler)
 
 
 def assert_sampler_is_the_actor_in_bf16(sampler, actor_state: dict) -> None:
@@ -63,13 +63,13 @@ def test_the_bf16_sampler_is_the_actor_in_bf16_and_refreshes_in_place(task_tok, 
     moved = merged_state_dict(actor)
     stale = sampler.state_dict()["transformer.h.0.attn.c_attn.weight"]
     assert not torch.equal(stale, moved["transformer.h.0.attn.c_attn.weight"].to(torch.bfloat16))
-    rollout.refresh_sampler(models)
+    models.refresh_sampler()
     assert_sampler_is_the_actor_in_bf16(sampler, moved)
     assert {name: tensor.data_ptr() for name, tensor in sampler.state_dict().items()} == addresses
     actor_after = actor.state_dict()
     assert all(torch.equal(actor_after[name], tensor) for name, tensor in actor_before.items())
     assert all(p.dtype == torch.float32 for p in trained) and bool(lora_layers(actor)) == lora
-    rollout.refresh_sampler(plain)  # no sampler: nothing to do
+    plain.refresh_sampler()  # no sampler: nothing to do
 
 
 @pytest.mark.parametrize("stage, lora", [("ppo", False), ("grpo", True)], ids=["ppo", "grpo_lora"])
@@ -77,7 +77,6 @@ def test_a_resumed_bf16_run_samples_from_the_resumed_actor(tmp_path, task_dir, t
     """--resume under bf16: before the first rollout of the resumed sitting, the sampler copy is the resumed actor
     (LoRA merged) cast to bf16, not the --sft-ckpt weights it was built from; the first rollout's mean log-prob
     error a token stays at bf16 rounding."""
-    import rollout
     import train_grpo
     import train_ppo
     from lora import merged_state_dict

@@ -47,9 +47,9 @@ def test_tis_weights_against_the_formula():
 
 
 def test_one_rm_path_resolves_to_the_rm_list():
-    """The RM list: one path from code as a string; both stages resolve it (the saved args too, on --resume)."""
+    """The RM list: one path from code as a string; both stages' Args take it (the saved args too, on --resume)."""
     for resolved in (
-        rollout.resolve_rollout_args(train_ppo.Args(rm_ckpt="out/rm/ckpt.pt")),
+        train_ppo.Args(rm_ckpt="out/rm/ckpt.pt"),
         train_grpo.resolve_args(train_grpo.Args(rm_ckpt="out/rm/ckpt.pt")),
     ):
         assert resolved.rm_ckpt == ["out/rm/ckpt.pt"]
