@@ -8,9 +8,9 @@
 #   make frontier        gold vs KL for PPO-max, GRPO, Dr. GRPO, RLOO, REINFORCE++, REBEL, the gold-reward oracle (VinePPO's
 #                        and REBEL's too), DPO, KTO and best-of-N (about 1 h, plus about 45 min for each of VinePPO's two
 #                        runs; needs `make demo`; resumes; out/frontier/frontier.md and .png)
-#   make rlvr            the verifiable-reward task (--task arith): SFT, then GRPO, DAPO, RLOO and PPO-max on the
-#                        verifier's reward, pass@1/4/16/64 on 128 held-out problems (10 min on 2 cores; resumes;
-#                        out/rlvr/results.json)
+#   make rlvr            the verifiable-reward task (--task arith): SFT, then GRPO, DAPO, GSPO, CISPO, RLOO and
+#                        PPO-max on the verifier's reward, pass@1/4/16/64 on 128 held-out problems (10 min on 2 cores
+#                        before GSPO and CISPO; resumes; out/rlvr/results.json)
 #   make real            RLHF on a real pretrained model: SmolLM2-135M-Instruct (out/smollm2, from a PyPI package), an RM
 #                        on its own samples labelled by VADER, PPO-max on the RM and on VADER, eval (about 57 min on
 #                        2 cores beside other work; resumes; out/real/results.json)

@@ -11,7 +11,9 @@ of a critic: a step's (a sentence's) advantage is its rewards + V(after it) - V(
 --vine-k continuations sampled from s; REBEL (Gao et al. 2024) no surrogate but a least-squares regression of a
 pair's log-ratio gap onto its reward gap. Then clipped policy-gradient steps: DAPO's clip-higher, dynamic sampling
 and overlong filtering, dual-clip, three loss aggregations, the KL in the loss (k3 or k2) or in the reward (k1), and
-ptx as in PPO-max. Steps 1-3 (generate, score, log-probs) are rollout.rollout; docs/design.md §5b says more.
+ptx as in PPO-max; --policy-loss swaps PPO's token ratio for GSPO's sequence ratio (Zheng et al. 2025) or CISPO's
+clipped, detached weight (MiniMax 2025). Steps 1-3 (generate, score, log-probs) are rollout.rollout; docs/design.md
+§5b says more.
 
 Departures from the papers: sizes and beta are tuned for the built-in task (GRPO's G = 64 and beta = 0.04 are a
 model-scale recipe); each estimator's defaults are RECIPES below.
@@ -24,6 +26,8 @@ python train_grpo.py --loss-agg token_mean --cliprange-high 0.28 --dynamic-sampl
 python train_grpo.py --no-grpo-std-norm --kl-coef 0 --loss-agg token_mean --cliprange None           # nanochat's
 python train_grpo.py --estimator vineppo --vine-k 4                   # VinePPO: values from 4 continuations a step
 python train_grpo.py --estimator rebel --rebel-eta 1.0                # REBEL: pairs of responses, least squares
+python train_grpo.py --policy-loss gspo --cliprange 3e-4 --cliprange-high 4e-4   # GSPO, the paper's eps
+python train_grpo.py --policy-loss cispo --cliprange 1 --cliprange-high 0.28 --loss-agg token_mean   # CISPO
 """
 
 import math
@@ -108,6 +112,9 @@ class Args(rollout.RolloutArgs):
     """the KL in the loss: k3 = (r - 1) - log r, r = ref_p / p, or k2 = d^2 / 2 with d = logp - ref_logp (None: k3;
     in the reward only k1 = d, the one whose expected gradient there is the KL's: docs/design.md §5d)"""
     # --- the policy loss
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """ppo: the clipped token ratio | gspo: the clipped sequence ratio (pi/pi_old)^(1/|y|), --loss-agg seq_mean |
+    cispo: -sg(clipped ratio) * A * logp, every token's gradient kept; the clip is --cliprange/--cliprange-high"""
     loss_agg: Optional[Literal["token_mean", "seq_mean", "seq_sum_norm", "pair_mean"]] = None
     """the loss over the step's global batch: mean over tokens, mean over sequences of their token mean, or sum over
     tokens / (max_new_tokens * sequences) (Dr. GRPO); rebel's alone: the mean over pairs"""
@@ -201,6 +208,14 @@ def check_args(args: Args) -> None:
         )
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise UserError(f"--dual-clip {args.dual_clip}: the cap -c*A needs c > 1")
+    if args.dual_clip is not None and args.policy_loss != "ppo":
+        raise UserError(
+            f"--dual-clip with --policy-loss {args.policy_loss}: it caps PPO's clipped token loss, ppo only"
+        )
+    if args.policy_loss == "gspo" and args.loss_agg != "seq_mean":
+        raise UserError(
+            f"--loss-agg {args.loss_agg} with --policy-loss gspo: its loss is a mean over sequences, use seq_mean"
+        )
     if args.kl_coef < 0:
         raise UserError(f"--kl-coef {args.kl_coef}: beta is the strength of a penalty, use >= 0")
     if args.ppo_epochs < 1:
@@ -228,6 +243,7 @@ def check_rebel_args(args: Args) -> None:
         "--dynamic-sampling": (args.dynamic_sampling, "a pair is regressed whole, no group kept without a loss"),
         "--tis-cap": (args.tis_cap is not None, "its loss is over sequences, with no token weights"),
         "--entropy-coef": (args.entropy_coef != 0, "its loss is a regression, with no token term beside it"),
+        f"--policy-loss {args.policy_loss}": (args.policy_loss != "ppo", "its loss is a regression, with no ratio"),
     }
     for flag, (given, why) in refused.items():
         if given:
@@ -390,6 +406,68 @@ def policy_loss(
             "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
             "ratio_mean": masked_mean(ratio, mask),
         }
+    return pg_loss, stats
+
+
+def ratio_bounds(cliprange, cliprange_high=None) -> tuple[float, float]:
+    """The interval [1 - cliprange, 1 + (cliprange_high or cliprange)] a ratio is clipped to; cliprange None: (0, inf),
+    no clip."""
+    if cliprange is None:
+        return 0.0, math.inf
+    return 1.0 - cliprange, 1.0 + (cliprange if cliprange_high is None else cliprange_high)
+
+
+def ratio_stats(ratio, log_ratio, mask, clipped_low, clipped_high) -> dict:
+    """policy_loss's stats from the token ratios and the clip's flags, all (B, T): clipfrac, clipfrac_low,
+    clipfrac_high, approx_kl, ratio_mean, each a mean over the mask."""
+    return {
+        "clipfrac": masked_mean((clipped_low | clipped_high).float(), mask),
+        "clipfrac_low": masked_mean(clipped_low.float(), mask),
+        "clipfrac_high": masked_mean(clipped_high.float(), mask),
+        "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
+        "ratio_mean": masked_mean(ratio, mask),
+    }
+
+
+# the recipe (the module docstring) clips at the paper's eps, --cliprange 3e-4 --cliprange-high 4e-4: a sequence ratio,
+# the geometric mean of the token ratios, moves far less than any one of them
+def gspo_loss(logprobs, old_logprobs, advantages, mask, cliprange, weights, denom, cliprange_high=None):
+    """GSPO (Zheng et al. 2025, https://arxiv.org/abs/2507.18071), GSPO-token's form: policy_loss's clipped surrogate
+    on s_i,t = sg(s_i) * pi(y_t) / sg(pi(y_t)), s_i = exp(mean_t (logp - old_logp)) over row i's mask; all (B, T).
+    Its value is s_i, so the clip is per sequence; with seq_mean weights the loss is the paper's mean over sequences.
+    Returns (loss, policy_loss's stats plus seq_clipfrac: the share of kept sequences clipped)."""
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)  # masked before the exponential
+    sequence_log_ratio = log_ratio.sum(1) / mask.sum(1).clamp(min=1)  # (B,) log s_i, the mean over real tokens
+    # value 0, gradient that of logp: the token's share of the sequence ratio's gradient
+    token_log_ratio = torch.where(mask.bool(), logprobs - logprobs.detach(), 0.0)
+    ratio = torch.exp(sequence_log_ratio.detach()[:, None] + token_log_ratio)  # (B, T), each row's value s_i
+    lower, upper = ratio_bounds(cliprange, cliprange_high)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, lower, upper)
+    token_losses = torch.max(pg_losses, pg_losses2)
+    pg_loss = (token_losses * weights).sum() / denom
+    with torch.no_grad():
+        clipped = (pg_losses2 > pg_losses) & mask.bool()
+        stats = ratio_stats(torch.exp(log_ratio), log_ratio, mask, clipped & (ratio < lower), clipped & (ratio > upper))
+        kept_sequences = (mask.sum(1) > 0).sum().clamp(min=1)
+        stats["seq_clipfrac"] = clipped.any(1).sum() / kept_sequences
+    return pg_loss, stats
+
+
+# the recipe: MiniMax set no lower bound on the weight (eps_low large, here --cliprange 1: a weight >= 0) and tuned
+# eps_high alone; 0.28 is Trinity-RFT's cispo default and DAPO's clip-higher (SkyRL's cispo example takes 5)
+def cispo_loss(logprobs, old_logprobs, advantages, mask, cliprange, weights, denom, cliprange_high=None):
+    """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585, eq. 4): l = -sg(clip(rho, 1-eps, 1+eps_high)) * A * logp
+    per token, all (B, T): the clip bounds a detached weight and drops no token's gradient. Returns
+    (sum(l * weights) / denom, policy_loss's stats; clipfrac: the tokens whose weight was clipped)."""
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)  # masked before the exponential
+    ratio = torch.exp(log_ratio)
+    lower, upper = ratio_bounds(cliprange, cliprange_high)
+    is_weight = torch.clamp(ratio, lower, upper).detach()  # a constant for the gradient, clipped or not
+    token_losses = -is_weight * advantages * torch.where(mask.bool(), logprobs, 0.0)
+    pg_loss = (token_losses * weights).sum() / denom
+    with torch.no_grad():
+        stats = ratio_stats(ratio, log_ratio, mask, ratio < lower, ratio > upper)
     return pg_loss, stats
 
 
@@ -682,6 +760,14 @@ def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
         advantages = batch["advantages"]
         if args.estimator == "rebel":  # a response's tokens all hold its pair's reward gap (grpo_rollout's step 5)
             loss, stats = rebel_loss(logprobs, batch["logprobs"], advantages[:, 0], mask, args.rebel_eta, denom)
+        elif args.policy_loss == "gspo":  # the ratio of the sequence, clipped per sequence
+            loss, stats = gspo_loss(
+                logprobs, batch["logprobs"], advantages, mask, args.cliprange, pg_weights, denom, clip_high
+            )
+        elif args.policy_loss == "cispo":  # a clipped, detached weight on every token's log-prob
+            loss, stats = cispo_loss(
+                logprobs, batch["logprobs"], advantages, mask, args.cliprange, pg_weights, denom, clip_high
+            )
         else:
             loss, stats = policy_loss(
                 logprobs, batch["logprobs"], advantages, mask, args.cliprange, pg_weights, denom, clip_high, dual_clip
@@ -701,6 +787,10 @@ def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
     sums["tokens"] = tokens
     for key in ("approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_mean"):
         sums[key] = torch.where(tokens > 0, stats[key] * tokens, 0.0)  # 0, not 0/0, without tokens
+    if "seq_clipfrac" in stats:  # gspo: summed over the kept sequences, as the token stats over tokens
+        sequences = (mask.sum(1) > 0).sum()
+        sums["sequences"] = sequences
+        sums["seq_clipfrac"] = stats["seq_clipfrac"] * sequences
     return sums, logprobs
 
 
@@ -815,6 +905,8 @@ def update_metrics(totals: dict, updates: int, device) -> dict:
     metrics["policy/loss"] = summed["pg_loss"] / updates
     for key in ("approx_kl", "clipfrac", "ratio_mean", "clipfrac_low", "clipfrac_high"):
         metrics[f"policy/{key}"] = summed[key] / summed["tokens"]
+    if "seq_clipfrac" in summed:  # gspo: the share of sequences whose clip was active
+        metrics["policy/seq_clipfrac"] = summed["seq_clipfrac"] / summed["sequences"]
     if "kl_loss" in summed:
         metrics["policy/kl_loss"] = summed["kl_loss"] / updates
     if "ptx_loss" in summed:
@@ -884,8 +976,9 @@ def main(args: Args) -> None:
     print0(
         f"estimator {args.estimator}: {sizes.prompts_per_rank * d.world_size} prompts x group_size {args.group_size} "
         f"| kl {args.kl_penalty} ({args.kl_estimator}) beta {args.kl_coef} | reward_norm {args.reward_norm} | "
-        f"adv_whiten {args.adv_whiten} | loss_agg {args.loss_agg} | cliprange {args.cliprange}/"
-        f"{args.cliprange_high or args.cliprange} dual_clip {args.dual_clip} | mask_truncated {args.mask_truncated}"
+        f"adv_whiten {args.adv_whiten} | {args.policy_loss} loss, loss_agg {args.loss_agg} | "
+        f"cliprange {args.cliprange}/{args.cliprange_high or args.cliprange} dual_clip {args.dual_clip} | "
+        f"mask_truncated {args.mask_truncated}"
     )
     if args.estimator == "vineppo":
         step = "a sentence" if vine_step_end(args, tok) is not None else f"--vine-chunk {args.vine_chunk} tokens"

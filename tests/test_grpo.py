@@ -1,6 +1,7 @@
 """train_grpo.py, the critic-free family (GRPO, Dr. GRPO, RLOO, REINFORCE++, DAPO's tricks): the recipes and their
 resolution, every pure function against naive loops on random ragged batches (group advantages, reward-to-go, loss
-aggregation over micro-batches, the clipped loss with clip-higher and dual-clip, the KL in the loss with k3 and k2,
+aggregation over micro-batches, the clipped loss with clip-higher and dual-clip, GSPO's and CISPO's losses, the KL in
+the loss with k3 and k2,
 padding with extreme log-probs), dynamic sampling's batch, dropped responses that never move the whitening, the first
 minibatch's ratio; the flags no run can mean (a KL estimator where it works against the KL included); smoke runs of
 main() for each estimator (no critic, no KL controller, no collapse detector), train/episodes (dynamic sampling's extra
@@ -40,7 +41,9 @@ from rollout import Models
 from train_grpo import (
     RECIPES,
     RunningMoments,
+    cispo_loss,
     group_advantages,
+    gspo_loss,
     kl_estimate,
     kl_loss,
     loss_weights,
@@ -228,6 +231,98 @@ def test_cliprange_none_is_the_plain_policy_gradient():
     assert loss.item() == pytest.approx(want.item(), abs=1e-12) and stats["clipfrac"] == 0
 
 
+def test_gspo_loss_against_a_written_out_sequence_reference():
+    """GSPO-token's loss and gradient equal the sequence form written row by row: s_i = exp(the mean over the row's
+    tokens of logp - old_logp), loss_i = max(-A_i * s_i, -A_i * clip(s_i)), the mean over rows (seq_mean weights);
+    padding at +-1e4 moves nothing; seq_clipfrac counts the rows whose clip is active."""
+    lengths, mask, (lp, old, adv, _, _) = ragged(B=12, seed=11)
+    logprobs = (old + 0.05 * lp).masked_fill(mask == 0, 1e4).requires_grad_()
+    old_logprobs = old.masked_fill(mask == 0, -1e4)
+    advantages = adv[:, :1] * mask  # one advantage a sequence, as grpo's
+    eps, eps_high = 0.01, 0.02
+    weights, denom = loss_weights(mask, "seq_mean", len(lengths), mask.sum(), 7)
+    loss, stats = gspo_loss(logprobs, old_logprobs, advantages, mask, eps, weights, denom, eps_high)
+    loss.backward()
+    reference_logprobs = logprobs.detach().clone().requires_grad_()
+    reference, clipped = 0.0, 0
+    for b, n in enumerate(lengths):
+        log_s = sum(reference_logprobs[b, t] - old_logprobs[b, t] for t in range(n)) / n
+        s = torch.exp(log_s)
+        a = advantages[b, 0].item()
+        unclipped, clipped_term = -a * s, -a * s.clamp(1 - eps, 1 + eps_high)
+        if clipped_term.item() > unclipped.item():
+            reference, clipped = reference + clipped_term / len(lengths), clipped + 1
+        else:
+            reference = reference + unclipped / len(lengths)
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-12)
+    assert torch.allclose(logprobs.grad, reference_logprobs.grad, atol=1e-12)
+    assert (logprobs.grad[mask == 0] == 0).all()
+    assert 0 < clipped < len(lengths) and stats["seq_clipfrac"].item() == pytest.approx(clipped / len(lengths))
+
+
+def test_gspo_zeroes_a_clipped_sequence_as_its_advantage_sign_says():
+    """A sequence ratio above 1 + eps_high: no gradient for A > 0, the full one for A < 0; below 1 - eps the other way
+    round; within the clip every row learns. Every token of a row moves alike (the sequence ratio's share)."""
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]] * 6, dtype=torch.float64)
+    shift = torch.tensor([0.5, 0.5, -0.5, -0.5, 0.0, 0.0], dtype=torch.float64)  # log s_i
+    old_logprobs = torch.full((6, 4), -1.0, dtype=torch.float64)
+    logprobs = (old_logprobs + shift[:, None]).requires_grad_()
+    sign = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, -1.0], dtype=torch.float64)
+    loss, stats = gspo_loss(logprobs, old_logprobs, sign[:, None] * mask, mask, 3e-4, mask / 3, 6.0, 4e-4)
+    loss.backward()
+    moved = (logprobs.grad[:, :3] != 0).all(1).tolist()  # the real tokens
+    assert moved == [False, True, False, True, True, True]
+    assert ((logprobs.grad == 0) == (mask == 0) | ~torch.tensor(moved)[:, None]).all()
+    assert stats["seq_clipfrac"].item() == pytest.approx(2 / 6)
+
+
+def test_cispo_loss_against_a_written_out_reference():
+    """-sg(clip(r, 1-eps, 1+eps_high)) * A * logp per token, token_mean, written token by token: the value and the
+    gradient (the clipped weight times -A / tokens); padding at +-1e4 moves nothing."""
+    lengths, mask, (lp, old, adv, _, _) = ragged(B=10, seed=12)
+    lp = old + 0.5 * lp
+    logprobs = lp.masked_fill(mask == 0, 1e4).requires_grad_()
+    old_logprobs = old.masked_fill(mask == 0, -1e4)
+    eps, eps_high = 0.2, 0.28
+    weights, denom = loss_weights(mask, "token_mean", len(lengths), mask.sum(), 7)
+    loss, stats = cispo_loss(logprobs, old_logprobs, adv, mask, eps, weights, denom, eps_high)
+    loss.backward()
+    tokens = sum(lengths)
+    total, low, high = 0.0, 0, 0
+    grad = torch.zeros_like(lp)
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            r, a = math.exp(lp[b, t].item() - old[b, t].item()), adv[b, t].item()
+            weight = min(max(r, 1 - eps), 1 + eps_high)
+            total += -weight * a * lp[b, t].item() / tokens
+            grad[b, t] = -weight * a / tokens
+            low += r < 1 - eps
+            high += r > 1 + eps_high
+    assert loss.item() == pytest.approx(total, abs=1e-12)
+    assert torch.allclose(logprobs.grad, grad, atol=1e-12)
+    assert stats["clipfrac_low"].item() == pytest.approx(low / tokens) and low > 0
+    assert stats["clipfrac_high"].item() == pytest.approx(high / tokens) and high > 0
+    assert stats["clipfrac"].item() == pytest.approx((low + high) / tokens)
+
+
+def test_cispo_keeps_the_gradient_of_the_tokens_ppo_clips_away():
+    """Where PPO's clip is active its token's gradient is zero; CISPO's on the same tokens is not."""
+    lengths, mask, (lp, old, adv, _, _) = ragged(B=10, seed=13)
+    lp = old + 0.5 * lp
+    grads = {}
+    for name, loss_fn in (("ppo", policy_loss), ("cispo", cispo_loss)):
+        logprobs = lp.clone().requires_grad_()
+        loss, _ = loss_fn(logprobs, old, adv, mask, 0.2, mask, mask.sum(), 0.28)
+        loss.backward()
+        grads[name] = logprobs.grad
+    ratio = torch.exp(lp - old)
+    outside = mask.bool() & ((ratio < 0.8) | (ratio > 1.28))
+    dropped = outside & (grads["ppo"] == 0)
+    assert dropped.sum() > 3
+    assert (grads["cispo"][dropped] != 0).all()
+
+
 def test_kl_loss_value_and_gradient():
     lengths, mask, (lp, ref, *_) = ragged()
     weights, denom = loss_weights(mask, "seq_mean", len(lengths), mask.sum(), 7)
@@ -392,6 +487,9 @@ def test_tis_weights_of_one_leave_the_update_unchanged():
         (dict(group_size=1), r"--group-size 1: grpo compares responses within a group, use >= 2"),
         (dict(estimator="reinforce_pp", dynamic_sampling=True), r"--dynamic-sampling compares a group's scores"),
         (dict(dual_clip=1.0), r"--dual-clip 1\.0: the cap -c\*A needs c > 1"),
+        (dict(policy_loss="cispo", dual_clip=3.0), r"--dual-clip with --policy-loss cispo: it caps PPO's clipped"),
+        (dict(policy_loss="gspo", dual_clip=3.0), r"--dual-clip with --policy-loss gspo: "),
+        (dict(policy_loss="gspo", estimator="rloo"), r"--loss-agg token_mean with --policy-loss gspo: .*use seq_mean"),
     ],
 )
 def test_settings_no_run_can_mean_are_refused(tmp_path, flags, message):
@@ -496,6 +594,10 @@ PPO_ONLY_TAGS = {
         pytest.param("reinforce_pp", dict(group_size=2), marks=pytest.mark.slow),
         ("vineppo", dict(vine_k=2)),
         ("rebel", dict()),
+        pytest.param("grpo", dict(policy_loss="gspo", cliprange=3e-4, cliprange_high=4e-4), id="gspo"),
+        pytest.param(
+            "grpo", dict(policy_loss="cispo", cliprange=1.0, cliprange_high=0.28, loss_agg="token_mean"), id="cispo"
+        ),
     ],
 )
 def test_grpo_smoke(tmp_path, task_dir, trained_sft, estimator, flags):
@@ -529,6 +631,8 @@ def test_grpo_smoke(tmp_path, task_dir, trained_sft, estimator, flags):
     step_tags = set(STEP_TAGS)
     if resolved.kl_penalty == "loss":
         step_tags.add("policy/kl_loss")
+    if args.policy_loss == "gspo":  # the share of sequences clipped
+        step_tags.add("policy/seq_clipfrac")
     tags = GRPO_TAGS | step_tags
     if args.mask_truncated:
         tags.add("rollout/truncated_frac")
@@ -544,6 +648,7 @@ def test_grpo_smoke(tmp_path, task_dir, trained_sft, estimator, flags):
         assert all(math.isfinite(v) for v in logged), tag
         assert len(logged) == 3 or (args.mask_truncated and tag in step_tags), tag
     assert not (PPO_ONLY_TAGS & set(scalars))
+    assert ("policy/seq_clipfrac" in scalars) == (args.policy_loss == "gspo")
     updates = scalars["train/updates"][-1]
     assert updates == 3 * 2 * 2 or (args.mask_truncated and updates < 3 * 2 * 2)
     if args.dynamic_sampling:  # groups of ties (no response ends: every score is the penalty) ask for more rounds
@@ -926,6 +1031,7 @@ def test_rebel_update_keeps_pairs_whole(monkeypatch):
         (dict(mask_truncated=True), r"--mask-truncated with --estimator rebel: "),
         (dict(dynamic_sampling=True), r"--dynamic-sampling with --estimator rebel: "),
         (dict(tis_cap=2.0), r"--tis-cap with --estimator rebel: "),
+        (dict(policy_loss="cispo"), r"--policy-loss cispo with --estimator rebel: its loss is a regression"),
         (dict(group_size=3), r"--group-size 3: rebel pairs a group's responses"),
         (dict(rebel_eta=0.0), r"--rebel-eta 0\.0: the regression divides by it"),
     ],
