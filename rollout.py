@@ -104,11 +104,12 @@ class RolloutArgs(common.CommonArgs):
         self.rm_ckpt = [self.rm_ckpt] if isinstance(self.rm_ckpt, str) else list(self.rm_ckpt)
 
 
-def check_rollout_args(args: RolloutArgs) -> None:
-    """The shared settings no run can mean: a one-line UserError naming the flag, before any work."""
+def check_rollout_args(args: RolloutArgs, scored: bool = True) -> None:
+    """The shared settings no run can mean: a one-line UserError naming the flag, before any work. scored: the run
+    needs a score (an RM or --reward-fn); distillation's reward is the teacher's log-probs alone."""
     if args.temperature <= 0:
         raise UserError(f"--temperature {args.temperature}: RL samples from the tempered distribution; use > 0")
-    if args.rm_ckpt == ["none"] and args.reward_fn is None:
+    if scored and args.rm_ckpt == ["none"] and args.reward_fn is None:
         raise UserError("--rm-ckpt none needs --reward-fn module:function (e.g. task:gold_reward)")
     if "none" in args.rm_ckpt and len(args.rm_ckpt) > 1:
         raise UserError(f"--rm-ckpt {' '.join(args.rm_ckpt)}: 'none' stands alone (no reward model)")

@@ -69,6 +69,11 @@ RECIPES = {
     "rebel": dict(
         group_size=2, kl_penalty="reward", kl_coef=0.3, reward_norm="norm", adv_whiten="none", loss_agg="pair_mean"
     ),
+    # distill: on-policy distillation, the reference is the teacher (--ref-ckpt); each sampled token's advantage is
+    # its own -(logp - teacher_logp), the reverse KL's, with no discount (Agarwal et al. 2024; Thinking Machines 2025)
+    "distill": dict(
+        group_size=1, kl_penalty="reward", kl_coef=1.0, reward_norm="none", adv_whiten="none", loss_agg="token_mean"
+    ),
 }
 # what a flag left at None becomes, for --help: each estimator's value
 RECIPE_DEFAULTS = {
@@ -84,7 +89,8 @@ class Args(rollout.RolloutArgs):
     """where ckpt.pt, TensorBoard event files and samples.jsonl go"""
     # --- the estimator; a flag left at None takes the estimator's recipe, printed at start-up
     estimator: Literal[tuple(RECIPES)] = "grpo"
-    """grpo | rloo | reinforce_pp (REINFORCE++) | vineppo (Monte-Carlo values) | rebel (pairwise regression)"""
+    """grpo | rloo | reinforce_pp (REINFORCE++) | vineppo (Monte-Carlo values) | rebel (pairwise regression) | distill
+    (on-policy distillation toward --ref-ckpt, the teacher, with --rm-ckpt none)"""
     group_size: Optional[int] = None
     """responses sampled per prompt, consecutive rows of one rank; prompts per iteration = rollout_batch_size / G"""
     grpo_std_norm: bool = True
@@ -168,9 +174,11 @@ GROUP_ESTIMATORS = ("grpo", "rloo")  # advantages from comparing a prompt's G re
 def check_args(args: Args) -> None:
     """Settings no run can mean (on resolve_args' resolved args): a one-line UserError naming the flag, before any
     work."""
-    rollout.check_rollout_args(args)
-    defaults = type(args)  # the dataclass: each flag's default
     estimator = args.estimator
+    rollout.check_rollout_args(args, scored=estimator != "distill")
+    defaults = type(args)  # the dataclass: each flag's default
+    if estimator == "distill":
+        check_distill_args(args)
     if args.kl_penalty == "loss" and args.kl_estimator == "k1":
         raise UserError("--kl-estimator k1 in the loss: its expected gradient is zero; use k2 or k3")
     if args.kl_penalty == "reward" and args.kl_estimator != "k1":
@@ -222,6 +230,26 @@ def check_args(args: Args) -> None:
         raise UserError(f"--ppo-epochs {args.ppo_epochs}: passes over each rollout, use >= 1")
     if not 0 <= args.gamma <= 1:
         raise UserError(f"--gamma {args.gamma}: a discount lies in [0, 1]")
+
+
+def check_distill_args(args: Args) -> None:
+    """Distillation's reward is the teacher's log-probs alone: a teacher is given, and no score is mixed in."""
+    if args.ref_ckpt is None:
+        raise UserError(
+            "--estimator distill: give the teacher as --ref-ckpt (a policy sharing the student's tokenizer)"
+        )
+    if args.rm_ckpt != ["none"] or args.reward_fn is not None:
+        raise UserError(
+            "--estimator distill: the reward is the teacher's log-probs; use --rm-ckpt none, no --reward-fn"
+        )
+    if args.kl_penalty != "reward":
+        raise UserError("--estimator distill: the reverse KL is the reward (--kl-penalty reward)")
+
+
+def distill_advantages(logprobs, teacher_logprobs, mask, kl_coef: float) -> torch.Tensor:
+    """(B, T) -> (B, T): each sampled token's -kl_coef * (logp - teacher_logp), 0 on padding; no discount, so a
+    token is credited with its own reverse-KL term only."""
+    return -kl_coef * kl_estimate(logprobs, teacher_logprobs, mask, "k1")
 
 
 def check_rebel_args(args: Args) -> None:
@@ -656,6 +684,8 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
         advantages, estimator_sums = vineppo_advantages(engine, prompts, experience, reward_moments)
     elif args.estimator == "rebel":  # the regression's target on every token: the reward gap to the pair's partner
         advantages = pair_gaps(sequence_rewards)[:, None] * mask
+    elif args.estimator == "distill":  # the teacher's per-token reverse KL, each token its own
+        advantages = distill_advantages(experience["logprobs"], experience["ref_logprobs"], mask, args.kl_coef)
     else:
         raise ValueError(f"--estimator {args.estimator}: a row of RECIPES without a branch in grpo_rollout's step 5")
     experience["advantages"] = advantages
@@ -985,6 +1015,8 @@ def main(args: Args) -> None:
         print0(f"vineppo: values from {args.vine_k} continuations at each step's start; a step: {step}")
     if args.estimator == "rebel":
         print0(f"rebel: eta {args.rebel_eta}, no clip (the cliprange above is unused), pairs of consecutive responses")
+    if args.estimator == "distill":
+        print0(f"distill: teacher {args.ref_ckpt}; a token's advantage is -{args.kl_coef:g} * (logp - teacher_logp)")
     print0(rollout.rules(args, data))
     models = rollout.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
     optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)

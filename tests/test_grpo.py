@@ -36,7 +36,7 @@ from conftest import (
 import common
 import rollout
 import train_grpo
-from model import GPT
+from model import GPT, GPTConfig
 from rollout import Models
 from train_grpo import (
     RECIPES,
@@ -62,7 +62,7 @@ def test_recipes_rows_share_their_keys_and_fill_only_none_defaults():
     field whose default is None, so a flag given on the command line always wins; resolved, none is None."""
     fields = {field.name: field for field in dataclasses.fields(train_grpo.Args)}
     keys = set(next(iter(RECIPES.values())))
-    assert set(RECIPES) == {"grpo", "rloo", "reinforce_pp", "vineppo", "rebel"} and keys
+    assert set(RECIPES) == {"grpo", "rloo", "reinforce_pp", "vineppo", "rebel", "distill"} and keys
     for estimator, recipe in RECIPES.items():
         assert set(recipe) == keys, estimator
     for key in keys:
@@ -1083,3 +1083,74 @@ def test_the_entropy_bonus_gradient_against_a_written_out_reference():
     assert "entropy_bonus" not in sums[0.0]
     for with_bonus, without, parameter in zip(grads[0.05], grads[0.0], actor.parameters()):
         assert torch.allclose(with_bonus - without, parameter.grad, atol=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# on-policy distillation (--estimator distill)
+
+
+def test_distill_advantages_against_a_loop():
+    """Each sampled token's advantage is -beta * (logp - teacher_logp), written out a token at a time; padding holds
+    +-1e4 and gets 0."""
+    torch.manual_seed(0)
+    lengths = [5, 1, 3, 7]
+    logprobs, teacher = -torch.rand(4, 7) * 3, -torch.rand(4, 7) * 3
+    mask = torch.zeros(4, 7)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+        logprobs[row, length:], teacher[row, length:] = 1e4, -1e4
+    advantages = train_grpo.distill_advantages(logprobs, teacher, mask, kl_coef=0.5)
+    for row, length in enumerate(lengths):
+        for t in range(7):
+            want = -0.5 * (logprobs[row, t] - teacher[row, t]) if t < length else 0.0
+            assert advantages[row, t].item() == pytest.approx(float(want), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(rm_ckpt="none"), r"--estimator distill: give the teacher as --ref-ckpt"),
+        (dict(ref_ckpt="t.pt"), r"--estimator distill: the reward is the teacher's log-probs; use --rm-ckpt none"),
+        (dict(ref_ckpt="t.pt", rm_ckpt="none", reward_fn="task:gold_reward"), r"use --rm-ckpt none, no --reward-fn"),
+        (dict(ref_ckpt="t.pt", rm_ckpt="none", kl_penalty="loss"), r"the reverse KL is the reward"),
+    ],
+)
+def test_distill_refuses_a_run_without_a_teacher_or_with_a_score(tmp_path, flags, message):
+    with pytest.raises(common.UserError, match=message) as error:
+        train_grpo.main(train_grpo.Args(out_dir=str(tmp_path / "grpo"), estimator="distill", **flags))
+    assert "\n" not in str(error.value)
+    assert not os.path.exists(tmp_path / "grpo")
+
+
+def exact_reverse_kl(student_ckpt: str, teacher_ckpt: str, ids) -> float:
+    """KL(student || teacher) summed over the vocabulary, averaged over every position of ids (B, T)."""
+    models = []
+    for path in (student_ckpt, teacher_ckpt):
+        ckpt = torch.load(path, weights_only=False)
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        models.append(model.eval())
+    with torch.no_grad():
+        student, teacher = (model(ids)[0].log_softmax(-1) for model in models)
+    return (student.exp() * (student - teacher)).sum(-1).mean().item()
+
+
+def test_distill_moves_the_student_toward_its_teacher(tmp_path, task_dir, task_tok, trained_sft):
+    """The tiny SFT distilled from a sharpened copy of itself (ln_f x 4: the same tokenizer, logits 4x): the exact
+    reverse KL to the teacher on fixed text falls, with neither an RM nor a reward function."""
+    import checkpoints
+
+    teacher = torch.load(trained_sft, weights_only=False)
+    teacher["model"]["transformer.ln_f.weight"] *= 4
+    teacher_path = str(tmp_path / "teacher.pt")
+    checkpoints.save_checkpoint(teacher, teacher_path)
+    out = str(tmp_path / "distill")
+    flags = TINY_RL | dict(ppo_epochs=1, lr=3e-3, max_steps=8)
+    args = train_grpo.Args(out_dir=out, task_dir=task_dir, sft_ckpt=trained_sft, ref_ckpt=teacher_path)
+    train_grpo.main(dataclasses.replace(args, rm_ckpt="none", estimator="distill", **flags))
+    kl = read_scalars(out)["objective/kl"]  # the sampled estimate, per response
+    assert len(kl) == 8 and all(math.isfinite(value) for value in kl)
+    text = torch.tensor([task_tok.encode("Review of The Quiet Voyage (plot): the plot was wonderful. i loved it.")])
+    before = exact_reverse_kl(trained_sft, teacher_path, text)
+    after = exact_reverse_kl(os.path.join(out, "ckpt.pt"), teacher_path, text)
+    assert after < 0.8 * before, (before, after)
