@@ -28,6 +28,7 @@ python train_grpo.py --estimator vineppo --vine-k 4                   # VinePPO:
 python train_grpo.py --estimator rebel --rebel-eta 1.0                # REBEL: pairs of responses, least squares
 python train_grpo.py --policy-loss gspo --cliprange 3e-4 --cliprange-high 4e-4   # GSPO, the paper's eps
 python train_grpo.py --policy-loss cispo --cliprange 1 --cliprange-high 0.28 --loss-agg token_mean   # CISPO
+python train_grpo.py --estimator distill --ref-ckpt out/ppo/ckpt.pt --rm-ckpt none   # distillation from a teacher
 """
 
 import math
