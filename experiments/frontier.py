@@ -57,6 +57,16 @@ METHODS = {
     "reinforce_pp": Method("grpo", (0.3, 0.1, 0.03), 0.1, ("--estimator", "reinforce_pp")),
     # REBEL on the learned RM (the KL in the reward, as PPO-max's): on gold it gains the most per episode
     "rebel": Method("grpo", (0.3, 0.1, 0.03), 0.1, ("--estimator", "rebel")),
+    # GRPO's advantages under GSPO's sequence-ratio loss (the paper's eps) and under CISPO's clipped-weight loss
+    "gspo": Method(
+        "grpo", (0.3, 0.15, 0.05), 0.15, ("--policy-loss", "gspo", "--cliprange", "3e-4", "--cliprange-high", "4e-4")
+    ),
+    "cispo": Method(
+        "grpo",
+        (0.3, 0.15, 0.05),
+        0.15,
+        ("--policy-loss", "cispo", "--cliprange", "1", "--cliprange-high", "0.28", "--loss-agg", "token_mean"),
+    ),
     "ppo_max_oracle": Method("ppo", (0.3, 0.1), None, ORACLE),
     "grpo_oracle": Method("grpo", (0.15, 0.05), None, ORACLE),
     # the Monte-Carlo and the regression updates (train_grpo.py --estimator vineppo | rebel), on gold itself: do they
