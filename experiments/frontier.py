@@ -57,7 +57,14 @@ METHODS = {
     "reinforce_pp": Method("grpo", (0.3, 0.1, 0.03), 0.1, ("--estimator", "reinforce_pp")),
     # REBEL on the learned RM (the KL in the reward, as PPO-max's): on gold it gains the most per episode
     "rebel": Method("grpo", (0.3, 0.1, 0.03), 0.1, ("--estimator", "rebel")),
-    # GRPO's advantages under GSPO's sequence-ratio loss (the paper's eps) and under CISPO's clipped-weight loss
+    # DAPO's recipe (its loss aggregation, clip-higher, dynamic sampling, overlong filtering) and GRPO's advantages
+    # under GSPO's sequence-ratio loss (the paper's eps) and under CISPO's clipped-weight loss
+    "dapo": Method(
+        "grpo",
+        (0.3, 0.15, 0.05),
+        0.15,
+        ("--loss-agg", "token_mean", "--cliprange-high", "0.28", "--dynamic-sampling", "--mask-truncated"),
+    ),
     "gspo": Method(
         "grpo", (0.3, 0.15, 0.05), 0.15, ("--policy-loss", "gspo", "--cliprange", "3e-4", "--cliprange-high", "4e-4")
     ),
