@@ -4,20 +4,25 @@
 The flags and the work are those of bench/trl_ppo_bench.py (TRL's PPOTrainer on a random GPT-2): policy,
 frozen reference, reward model and critic (initialised from the RM) of one shape, random prompts of --prompt-len
 tokens, fp32, responses of exactly --resp-len tokens (the EOS id lies outside the vocabulary, so no row stops early,
-as in the TRL benchmark), --ppo-epochs x --mini-batches optimizer steps per iteration. Prints the median phase
-breakdown (generate, scoring forwards, update) with each phase's FLOPs (PaLM convention, as perf/mfu) and achieved
-FLOP/s against this machine's measured fp32 matmul peak, the GEMM floor (`[floor]`: the iteration's linear layers
-timed alone, see GemmRecorder), then one line:
+as in the TRL benchmark), --ppo-epochs x --mini-batches optimizer steps per iteration. --model-dir: every role from
+a real Hugging Face folder (SmolLM2-135M), prompts from its non-special ids; its <|im_end|> is then an ordinary
+token, as in trl_ppo_bench.py, whose pad moves off it. Prints the median phase breakdown (generate, scoring forwards,
+update) with each phase's FLOPs (PaLM convention, as perf/mfu) and achieved FLOP/s against this machine's measured
+fp32 matmul peak, the GEMM floor (`[floor]`: the iteration's linear layers timed alone, see GemmRecorder), then one
+line:
 `ppo_throughput: sec_per_iter=<median of iterations 2..K> gen_tok_per_s=<batch*resp_len/sec_per_iter> peak_rss_mb=<y>`
 
 python bench/ppo_throughput.py --iters 10                                  # shape S on 2 CPU threads
 python bench/ppo_throughput.py --iters 10 --dim 512 --layers 8 --vocab 8192  # shape L
 python bench/ppo_throughput.py --iters 10 --estimator grpo                 # critic-free, against the PPO line
+python bench/ppo_throughput.py --model-dir out/smollm2 --batch 16 --prompt-len 32 --resp-len 32 --ppo-epochs 1 \
+    --mini-batches 2 --iters 4                                            # SmolLM2-135M, against TRL's --model-dir
 python bench/ppo_throughput.py --device cuda --dtype bfloat16 --compile --layers 12 --heads 12 --dim 768 \
     --vocab 50257 --resp-len 128 --iters 6                                # GPT-2 small on a GPU
 """
 
 import dataclasses
+import functools
 import os
 import resource
 import statistics
@@ -32,6 +37,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import generate as generation  # noqa: E402
+import hf  # noqa: E402
 import parallel  # noqa: E402
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
@@ -133,9 +139,42 @@ class Args(Shape):
     built, scored or trained; the same responses per iteration, --batch / group_size prompts)"""
     rm_members: int = 1
     """reward models scoring each rollout (--rm-ckpt a b ...: an ensemble's K forwards a micro-batch)"""
+    model_dir: str | None = None
+    """a Hugging Face folder (make smollm2: out/smollm2) whose weights every role starts from instead (the RM and
+    critic with a fresh score head); its config sets the shape flags"""
     floor: bool = True
     """record the linear layers' GEMM shapes in the warm-up iteration and time them alone: the `[floor]` line (CPU,
     fp32)"""
+
+
+def pretrained_builder(args: Args, device: torch.device):
+    """build(lm_head, score_head) -> a role from --model-dir as an RL stage builds one from --sft-ckpt hf:DIR: the
+    folder read once (rollout.policy_checkpoint), each role from it (hf.model_from_checkpoint, a fresh score head
+    where asked). Sets the shape flags from the folder's config."""
+    pretrained = rollout.policy_checkpoint(f"hf:{args.model_dir}", "--model-dir")
+    config = pretrained["model_config"]
+    args.arch = "llama"
+    args.layers = config["n_layer"]
+    args.heads = config["n_head"]
+    args.dim = config["n_embd"]
+    args.vocab = config["vocab_size"]
+    args.kv_heads = config["hf_config"].get("num_key_value_heads") or args.heads
+
+    def build(lm_head: bool = True, score_head: bool = False):
+        return hf.model_from_checkpoint(pretrained, lm_head=lm_head, score_head=score_head).to(device)
+
+    return build
+
+
+def prompt_ids(args: Args) -> torch.Tensor:
+    """The ids a prompt is drawn from: the whole vocabulary, or --model-dir's less its special tokens (the same
+    prompts as trl_ppo_bench.py's with the same seed)."""
+    if args.model_dir is None:
+        return torch.arange(args.vocab)
+    from transformers import AutoTokenizer
+
+    special = AutoTokenizer.from_pretrained(args.model_dir).added_tokens_decoder
+    return torch.tensor([i for i in range(args.vocab) if i not in special])
 
 
 class IdTokenizer:
@@ -215,10 +254,11 @@ def main(args: Args) -> None:
     B, P, R = args.batch, args.prompt_len, args.resp_len
     mb = B // args.mini_batches
     micro = args.micro_batch or mb
-    policy = build_model(args, device)
-    ref = build_model(args, device).requires_grad_(False)
+    build = functools.partial(build_model, args, device) if args.model_dir is None else pretrained_builder(args, device)
+    policy = build()
+    ref = build().requires_grad_(False)
     ref.load_state_dict(policy.state_dict())
-    members = [build_model(args, device, False, True).requires_grad_(False) for _ in range(args.rm_members)]
+    members = [build(False, True).requires_grad_(False) for _ in range(args.rm_members)]
     reward_model = members[0]
     # each stage's own settings object: PPO-max with the values this benchmark has always used, a critic-free
     # estimator with its own recipe (group size, KL placement, normalisation, whitening, aggregation)
@@ -242,9 +282,10 @@ def main(args: Args) -> None:
         group_size = 1
     critic = None
     if not critic_free:
-        critic = build_model(args, device, False, True)
+        critic = build(False, True)
         critic.load_state_dict(reward_model.state_dict())  # the critic starts from the RM (as TRL's examples)
         critic_opt = critic.configure_optimizers(0.0, 3e-6, (0.9, 0.95), device.type)
+    del build  # under --model-dir it holds the folder's weights, a fifth copy
     models = [m for m in (policy, ref, *members, critic) if m is not None]
     for m in models:
         m.eval()
@@ -252,7 +293,8 @@ def main(args: Args) -> None:
     fwd = {m: parallel.compile_forward(m) if args.compile else m for m in models}  # as the stages' --compile
     tok = IdTokenizer(args.vocab)
     g = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, args.vocab, (B // group_size * args.iters, P), generator=g).tolist()
+    allowed = prompt_ids(args)
+    ids = allowed[torch.randint(0, len(allowed), (B // group_size * args.iters, P), generator=g)].tolist()
     prompts = [" ".join(map(str, row)) for row in ids for _ in range(group_size)]  # a group's copies in a row
     generator = torch.Generator(device=device).manual_seed(args.seed)
     moments = train_grpo.RunningMoments() if critic_free else train_ppo.RunningMoments()

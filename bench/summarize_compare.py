@@ -45,7 +45,7 @@ def last_line(path: str, prefix: str) -> dict:
 
 
 def main(log_dir: str) -> None:
-    for shape in ("S", "L"):
+    for shape in ("S", "L", "smollm2"):
         trl = [parse(p) for p in sorted(glob.glob(os.path.join(log_dir, f"trl_{shape}_*.txt")))]
         ours = [parse(p) for p in sorted(glob.glob(os.path.join(log_dir, f"ours_{shape}_*.txt")))]
         trl, ours = [r for r in trl if "sec_per_iter" in r], [r for r in ours if "sec_per_iter" in r]

@@ -14,6 +14,12 @@ release that has it). Example:
     python trl_ppo_bench.py --prompt-len 16 --resp-len 48 --batch 64 --iters 6 \
         --ppo-epochs 4 --mini-batches 4 --threads 2
 
+--model-dir DIR runs the same loop on a real Hugging Face folder instead (out/smollm2: SmolLM2-135M-Instruct),
+built as TRL's examples build it (see load_pretrained):
+
+    python trl_ppo_bench.py --model-dir out/smollm2 --prompt-len 32 --resp-len 32 --batch 16 --iters 4 \
+        --ppo-epochs 1 --mini-batches 2 --threads 2
+
 Final line: `trl_ppo_bench: sec_per_iter=<median> gen_tok_per_s=<x> peak_rss_mb=<y>`
 where sec_per_iter is the median over iterations 2..K (iteration 1 is warm-up) and
 gen_tok_per_s = batch * resp_len / sec_per_iter (end-to-end PPO throughput, not generation alone).
@@ -65,6 +71,7 @@ def parse_args():
         help="TRL gradient_accumulation_steps (per_device_train_batch_size = batch / this); >1 shows how "
         "accelerate then skips optimizer steps across mini-batch boundaries",
     )
+    p.add_argument("--model-dir", default=None, help="a Hugging Face folder to load instead of the random GPT-2")
     p.add_argument("--quiet", action="store_true", help="do not print TRL's per-iteration metric dicts")
     return p.parse_args()
 
@@ -87,6 +94,61 @@ def build_tokenizer(vocab):
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
     )
+
+
+def build_random(args):
+    """(tokenizer, policy, reference, reward model, value model): a random GPT-2 of the flags' shape, fp32."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config
+
+    V = args.vocab
+    assert args.prompt_len + args.resp_len <= args.n_positions, "prompt_len + resp_len must fit in n_positions"
+    tokenizer = build_tokenizer(V)
+    config = GPT2Config(
+        vocab_size=V,
+        n_positions=args.n_positions,
+        n_embd=args.dim,
+        n_layer=args.layers,
+        n_head=args.heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=1,
+    )
+    policy = AutoModelForCausalLM.from_config(config)
+    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)  # what TRL's create_reference_model does
+    reward_model = AutoModelForSequenceClassification.from_config(config).eval().requires_grad_(False)
+    value_model = copy.deepcopy(reward_model).train().requires_grad_(True)  # TRL examples init value from RM
+    return tokenizer, policy, ref_policy, reward_model, value_model
+
+
+def load_pretrained(model_dir):
+    """(tokenizer, policy, reference, reward model, value model) from a Hugging Face folder, fp32: the policy
+    AutoModelForCausalLM, the reference its frozen copy, the reward model AutoModelForSequenceClassification with
+    num_labels=1 (a fresh, untrained score head: the scores mean nothing, the work is the same), the value model a
+    trainable copy of the reward model (as TRL's examples).
+
+    TRL treats every pad id inside a response as padding: the first one ends the response (its reward is read
+    before it, the rest is masked out of the loss) and each one is masked out of attention. SmolLM2's pad is
+    <|im_end|> (id 2), which the policy samples, so some responses would be cut short and the work would differ
+    from ours. The pad token is set to a new <pad>, id = the model's vocabulary size, which the policy can never
+    sample (as build_tokenizer does; TRL masks pad ids to 0 before every model call), so every response is exactly
+    --resp-len tokens, as in the random-model case.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert tokenizer.pad_token_id == policy.config.vocab_size, "<pad> must lie outside the model's vocabulary"
+    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    reward_model = reward_model.eval().requires_grad_(False)
+    value_model = copy.deepcopy(reward_model).train().requires_grad_(True)
+    return tokenizer, policy, ref_policy, reward_model, value_model
 
 
 class PhaseTimer:
@@ -130,12 +192,7 @@ def main():
     import transformers
     import trl
     from datasets import Dataset
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        GPT2Config,
-        TrainerCallback,
-    )
+    from transformers import TrainerCallback
 
     try:
         import trl.experimental.ppo.ppo_trainer as ppo_mod
@@ -147,33 +204,19 @@ def main():
     B, R, P, V = args.batch, args.resp_len, args.prompt_len, args.vocab
     assert B % args.mini_batches == 0, "--batch must be a multiple of --mini-batches"
     assert B % args.grad_accum == 0, "--batch must be a multiple of --grad-accum"
-    assert P + R <= args.n_positions, "prompt_len + resp_len must fit in n_positions"
 
     # ---- tokenizer, models, data -------------------------------------------------------------
-    tokenizer = build_tokenizer(V)
-    config = GPT2Config(
-        vocab_size=V,
-        n_positions=args.n_positions,
-        n_embd=args.dim,
-        n_layer=args.layers,
-        n_head=args.heads,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        num_labels=1,
-    )
-    policy = AutoModelForCausalLM.from_config(config)
-    ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)  # what TRL's create_reference_model does
-    reward_model = AutoModelForSequenceClassification.from_config(config).eval().requires_grad_(False)
-    value_model = copy.deepcopy(reward_model).train().requires_grad_(True)  # TRL examples init value from RM
+    if args.model_dir is None:
+        tokenizer, policy, ref_policy, reward_model, value_model = build_random(args)
+    else:
+        tokenizer, policy, ref_policy, reward_model, value_model = load_pretrained(args.model_dir)
+        V = policy.config.vocab_size
     n_params = sum(p.numel() for p in policy.parameters())
 
     n_prompts = B * args.iters  # every iteration sees fresh prompts
     g = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(0, V, (n_prompts, P), generator=g).tolist()
+    allowed = torch.tensor([i for i in range(V) if i not in tokenizer.added_tokens_decoder])  # never a special id
+    prompts = allowed[torch.randint(0, len(allowed), (n_prompts, P), generator=g)].tolist()
     train_dataset = Dataset.from_dict({"input_ids": prompts})
 
     # ---- TRL config --------------------------------------------------------------------------
@@ -219,6 +262,17 @@ def main():
     )
 
     # ---- instrumentation (no change to TRL's code; module globals / instance attributes) ------
+    eos_rows = []  # per iteration: responses holding the EOS id (SmolLM2's <|im_end|>, its own pad id)
+    raw_generation = ppo_mod.batch_generation
+
+    def checked_generation(*a, **kw):
+        query_responses, logitss = raw_generation(*a, **kw)
+        responses = query_responses[:, P:]
+        assert responses.shape == (B, R) and not (responses == tokenizer.pad_token_id).any(), "a response was cut"
+        eos_rows.append(int((responses == tokenizer.eos_token_id).any(1).sum()))
+        return query_responses, logitss
+
+    ppo_mod.batch_generation = checked_generation
     pt = PhaseTimer()
     grad_tag = lambda fwd, bwd: lambda: bwd if torch.is_grad_enabled() else fwd  # noqa: E731
     ppo_mod.batch_generation = pt.wrap(ppo_mod.batch_generation, lambda: "generate")
@@ -255,9 +309,10 @@ def main():
         flush=True,
     )
     print(
-        f"[setup] policy params={n_params / 1e6:.2f}M (x4 models) layers={args.layers} heads={args.heads} "
-        f"dim={args.dim} vocab={V} | B={B} P={P} R={R} iters={args.iters} ppo_epochs={args.ppo_epochs} "
-        f"mini_batches={args.mini_batches} (mini-batch={ppo_args.local_mini_batch_size}, "
+        f"[setup] {args.model_dir or 'random GPT-2'}: policy params={n_params / 1e6:.2f}M (x4 models) "
+        f"layers={policy.config.num_hidden_layers} heads={policy.config.num_attention_heads} "
+        f"dim={policy.config.hidden_size} vocab={V} | B={B} P={P} R={R} iters={args.iters} "
+        f"ppo_epochs={args.ppo_epochs} mini_batches={args.mini_batches} (mini-batch={ppo_args.local_mini_batch_size}, "
         f"micro-batch={ppo_args.per_device_train_batch_size}, grad_accum={ppo_args.gradient_accumulation_steps})",
         flush=True,
     )
@@ -292,6 +347,7 @@ def main():
         f"[result] total wall (trainer.train) = {total:.2f}s; optimizer steps = {n_opt_steps[0]} "
         f"(expected {args.iters * args.ppo_epochs * args.mini_batches})"
     )
+    print(f"[result] responses holding the EOS id {tokenizer.eos_token_id} per iteration: {eos_rows} of {B}")
     print(
         "[result] median phase seconds per iteration: "
         + " ".join(f"{ph}={med_phase[ph]:.3f}" for ph in phases)
