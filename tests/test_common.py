@@ -531,8 +531,8 @@ def test_help_lists_the_stage_flags_first_and_points_at_no_code(script, classes)
     assert len(headings) == len(classes) and headings == sorted(headings, key=text.index), script
     if script == "train_grpo.py":  # a None that means the recipe says so, with each estimator's value
         assert (
-            "--group-size INT|None  (default: None: the recipe's, grpo 4, rloo 4, reinforce_pp 1, vineppo 1, rebel 2)"
-            in text
+            "--group-size INT|None  (default: None: the recipe's, grpo 4, rloo 4, reinforce_pp 1, vineppo 1, rebel 2, "
+            "distill 1)" in text
         )
     if script == "train_sft.py":
         assert "hf:<name-or-path>" in text.replace(" ", "").replace("\n", "")
