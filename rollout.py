@@ -380,7 +380,9 @@ def missing_eos_rule(args: RolloutArgs) -> str:
     has_rm = args.rm_ckpt != ["none"]
     if has_rm and args.reward_fn:
         return "-1 for the RM's part, plus --reward-fn's own value (ended False)"
-    return "-1 (the RM reads its score at the EOS)" if has_rm else "--reward-fn's own value (ended False)"
+    if has_rm:
+        return "-1 (the RM reads its score at the EOS)"
+    return "--reward-fn's own value (ended False)" if args.reward_fn else "no score (nothing is scored)"
 
 
 # -----------------------------------------------------------------------------

@@ -245,6 +245,8 @@ def check_distill_args(args: Args) -> None:
         )
     if args.kl_penalty != "reward":
         raise UserError("--estimator distill: the reverse KL is the reward (--kl-penalty reward)")
+    if args.missing_eos_penalty is not None:
+        raise UserError("--estimator distill: no score is read, so --missing-eos-penalty would do nothing")
 
 
 def distill_advantages(logprobs, teacher_logprobs, mask, kl_coef: float) -> torch.Tensor:

@@ -1113,6 +1113,7 @@ def test_distill_advantages_against_a_loop():
         (dict(ref_ckpt="t.pt"), r"--estimator distill: the reward is the teacher's log-probs; use --rm-ckpt none"),
         (dict(ref_ckpt="t.pt", rm_ckpt="none", reward_fn="task:gold_reward"), r"use --rm-ckpt none, no --reward-fn"),
         (dict(ref_ckpt="t.pt", rm_ckpt="none", kl_penalty="loss"), r"the reverse KL is the reward"),
+        (dict(ref_ckpt="t.pt", rm_ckpt="none", missing_eos_penalty=-1.0), r"--missing-eos-penalty would do nothing"),
     ],
 )
 def test_distill_refuses_a_run_without_a_teacher_or_with_a_score(tmp_path, flags, message):

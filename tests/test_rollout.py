@@ -309,6 +309,11 @@ def test_how_a_response_without_eos_scores(task_tok, rm, reward_fn, penalty, wan
     assert rule.startswith(said.get(want, "-3"))
 
 
+def test_the_start_up_line_says_when_nothing_is_scored():
+    args = rollout.RolloutArgs(rm_ckpt=["none"])  # distillation: the teacher's log-probs alone
+    assert rollout.missing_eos_rule(args) == "no score (nothing is scored)"
+
+
 def test_a_ragged_batch_is_scored_row_by_row(task_tok):
     """The rollout's RM score and log-probs read each row's own prompt and response packed (model.left_pack): a
     batch whose longest prompt plus longest response is wider than the context scores (no row needs another's
