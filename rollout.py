@@ -382,7 +382,7 @@ def missing_eos_rule(args: RolloutArgs) -> str:
         return "-1 for the RM's part, plus --reward-fn's own value (ended False)"
     if has_rm:
         return "-1 (the RM reads its score at the EOS)"
-    return "--reward-fn's own value (ended False)" if args.reward_fn else "no score (nothing is scored)"
+    return "--reward-fn's own value (ended False)" if args.reward_fn else "nothing (no score is read)"
 
 
 # -----------------------------------------------------------------------------

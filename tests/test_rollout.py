@@ -311,7 +311,7 @@ def test_how_a_response_without_eos_scores(task_tok, rm, reward_fn, penalty, wan
 
 def test_the_start_up_line_says_when_nothing_is_scored():
     args = rollout.RolloutArgs(rm_ckpt=["none"])  # distillation: the teacher's log-probs alone
-    assert rollout.missing_eos_rule(args) == "no score (nothing is scored)"
+    assert rollout.missing_eos_rule(args) == "nothing (no score is read)"
 
 
 def test_a_ragged_batch_is_scored_row_by_row(task_tok):
