@@ -185,14 +185,11 @@ def main(args: Args) -> None:
     write_prompts(paths["prompts"], train_titles, train_count, seed=1)
     write_rows(paths["pair_prompts"], [json.loads(line) for line in open(paths["prompts"])][:pair_count])
     write_prompts(paths["eval_prompts"], eval_titles, eval_count, seed=2)
-    # 2. preferences: the instruct model's answers ranked on gold, K to a prompt (held-out too: two answers gave 81
-    # pairs, too few to tell the RM from chance, se 0.055; four give about 550, se 0.028)
+    # 2. preferences: the instruct model's answers ranked on gold, K to a prompt, held-out ones too (two gave too few
+    # pairs to tell the RM from chance)
     pair_stats = {}
-    splits = (
-        ("pairs", paths["pair_prompts"], args.answers_per_prompt),
-        ("pairs_eval", paths["eval_prompts"], args.answers_per_prompt),
-    )
-    for split, prompts, per_prompt in splits:
+    per_prompt = args.answers_per_prompt
+    for split, prompts in (("pairs", paths["pair_prompts"]), ("pairs_eval", paths["eval_prompts"])):
         answers = os.path.join(out, f"{split}_answers{per_prompt}.jsonl")
         if not os.path.exists(answers):
             flags = ["--ckpt", f"hf:{model}", "--prompts", prompts, "--answers", str(per_prompt), "--out", answers]
