@@ -7,7 +7,7 @@ DPO's --beta, best-of-N's N) and the middle strength that gets a second seed. Ru
 runs are skipped, so the script resumes. At the end it writes <out_dir>/frontier.md (the table) and frontier.png
 (gold against KL, one line per method) and prints the table.
 
-python experiments/frontier.py                  # after `make demo` (uses out/sft and out/rm); about 45 min on 2 cores
+python experiments/frontier.py                  # after `make demo` (uses out/sft and out/rm); about 2 h on 2 cores
 python experiments/frontier.py --only ppo_max grpo --jobs 1
 python experiments/frontier.py --table-only     # redraw the table and the plot from finished runs
 """
@@ -320,6 +320,7 @@ def plot(rows: dict[str, dict[float, list[dict]]], sft_gold: Optional[float], pa
     import matplotlib.pyplot as plt
 
     figure, panels = plt.subplots(1, 2, figsize=(12, 5.4), dpi=110, sharey=True)
+    drawn = {0: 0, 1: 0}  # lines per panel: past the ten colours, the next ten are dashed with squares
     for name, by_strength in rows.items():
         kls, golds, errors = [], [], []
         for runs in by_strength.values():
@@ -338,10 +339,13 @@ def plot(rows: dict[str, dict[float, list[dict]]], sft_gold: Optional[float], pa
             for panel in panels if name == "limit_gold" else panels[:1]:
                 panel.plot(x, y, label=label, zorder=1, **style)
             continue
-        panel = panels[1] if "oracle" in name else panels[0]
+        side = 1 if "oracle" in name else 0
+        panel = panels[side]
+        color, fmt = f"C{drawn[side] % 10}", "o-" if drawn[side] < 10 else "s--"
+        drawn[side] += 1
         yerr = [errors[i] for i in order]
         shown = [max(gold, GOLD_FLOOR) for gold in y]
-        panel.errorbar(x, shown, yerr=yerr, fmt="o-", markersize=4, capsize=2, label=name, zorder=2)
+        panel.errorbar(x, shown, yerr=yerr, fmt=fmt, color=color, markersize=4, capsize=2, label=name, zorder=2)
         for x_point, gold in zip(x, y):
             if gold < GOLD_FLOOR:  # a collapsed run: drawn on the floor, its gold written above it
                 panel.annotate(
