@@ -6,9 +6,8 @@
 #   make ablation        PPO-max vs vanilla vs minus-one-trick, 2 seeds, and a --kl-coef sweep (about 1.5 h;
 #                        needs out/sft and out/rm from `make demo`; resumes; table in out/ablation/ablation.md)
 #   make frontier        gold vs KL for PPO-max, GRPO, Dr. GRPO, RLOO, REINFORCE++, REBEL, DAPO, GSPO, CISPO, the gold-
-#                        reward oracle (VinePPO's and REBEL's too), DPO, KTO and best-of-N (about 1 h before DAPO's,
-#                        GSPO's and CISPO's 12 runs of a few minutes each, plus about 45 min for each of VinePPO's two
-#                        runs; needs `make demo`; resumes; out/frontier/frontier.md and .png)
+#                        reward oracle (VinePPO's and REBEL's too), DPO, KTO and best-of-N (58 runs, about 2 h on 2
+#                        cores; needs `make demo`; resumes; out/frontier/frontier.md and .png)
 #   make rlvr            the verifiable-reward task (--task arith): SFT, then GRPO, DAPO, GSPO, CISPO, RLOO and
 #                        PPO-max on the verifier's reward, pass@1/4/16/64 on 128 held-out problems (10 min on 2 cores
 #                        before GSPO and CISPO; resumes; out/rlvr/results.json)
