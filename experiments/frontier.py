@@ -320,7 +320,6 @@ def plot(rows: dict[str, dict[float, list[dict]]], sft_gold: Optional[float], pa
     import matplotlib.pyplot as plt
 
     figure, panels = plt.subplots(1, 2, figsize=(12, 5.4), dpi=110, sharey=True)
-    drawn = {0: 0, 1: 0}  # lines per panel: past the ten colours, the next ten are dashed with squares
     for name, by_strength in rows.items():
         kls, golds, errors = [], [], []
         for runs in by_strength.values():
@@ -339,10 +338,9 @@ def plot(rows: dict[str, dict[float, list[dict]]], sft_gold: Optional[float], pa
             for panel in panels if name == "limit_gold" else panels[:1]:
                 panel.plot(x, y, label=label, zorder=1, **style)
             continue
-        side = 1 if "oracle" in name else 0
-        panel = panels[side]
-        color, fmt = f"C{drawn[side] % 10}", "o-" if drawn[side] < 10 else "s--"
-        drawn[side] += 1
+        panel = panels[1] if "oracle" in name else panels[0]
+        drawn = len(panel.containers)  # the method lines already on it: past the ten colours, dashed with squares
+        color, fmt = f"C{drawn % 10}", "o-" if drawn < 10 else "s--"
         yerr = [errors[i] for i in order]
         shown = [max(gold, GOLD_FLOOR) for gold in y]
         panel.errorbar(x, shown, yerr=yerr, fmt=fmt, color=color, markersize=4, capsize=2, label=name, zorder=2)
