@@ -572,8 +572,9 @@ class Throughput:
 GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
 
 
-def peak_flops(device: torch.device, override: Optional[float] = None) -> float:
-    """Peak FLOP/s for MFU: --peak-flops, else a table for known GPUs, else a 0.2 s fp32 matmul measurement (CPU)."""
+def peak_flops(device: torch.device, override: Optional[float] = None, dtype: torch.dtype = torch.float32) -> float:
+    """Peak FLOP/s for MFU: --peak-flops, else a table for known GPUs, else a 0.2 s matmul measurement in the run's
+    dtype (CPU: bf16 matmuls run about 2x fp32's on a CPU that has them, and an fp32 peak would read MFU above 1)."""
     if override:
         return override
     if device.type == "cuda":
@@ -582,15 +583,16 @@ def peak_flops(device: torch.device, override: Optional[float] = None) -> float:
             if key in name:
                 return flops
         return 100e12  # unknown GPU: say so in the docs; pass --peak-flops for a true figure
-    return matmul_flops()
+    return matmul_flops(dtype=dtype)
 
 
-def matmul_flops(sizes: tuple = (512,), trials: int = 5, seconds: float = 0.04) -> float:
-    """Best achieved fp32 matmul FLOP/s on CPU over square sizes, the best of a few short trials each (a busy machine
-    lowers some of them, rarely all). bench/ppo_throughput.py measures longer and larger for its peak."""
+def matmul_flops(sizes: tuple = (512,), trials: int = 5, seconds: float = 0.04, dtype=torch.float32) -> float:
+    """Best achieved matmul FLOP/s on CPU in dtype over square sizes, the best of a few short trials each (a busy
+    machine lowers some of them, rarely all). bench/ppo_throughput.py measures longer and larger for its peak."""
     best = 0.0
     for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        # drawn in fp32 then cast: the global generator moves as it did before dtype was an argument (runs repeat)
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         a @ b  # warm-up
         for _ in range(trials):
             iters, t0 = 0, time.perf_counter()

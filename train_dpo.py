@@ -551,7 +551,7 @@ def main(args: Args) -> None:
     raw_model = model
     model = parallel.wrap_model(raw_model, d, args.compile)
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None)
-    peak_flops = common.peak_flops(d.device, args.peak_flops)
+    peak_flops = common.peak_flops(d.device, args.peak_flops, dtype)
     flops = flops_per_token(raw_model, train, no_grad_forwards=3 if kto else 1)
     throughput = common.Throughput(flops, peak_flops, d.world_size)
 

@@ -1042,7 +1042,7 @@ def main(args: Args) -> None:
         forward, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn
     )
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
-    peak = common.peak_flops(d.device, args.peak_flops)
+    peak = common.peak_flops(d.device, args.peak_flops, dtype)
 
     def draw() -> tuple[dict, dict, list]:  # one rollout round on this rank's share of the next prompts
         return grpo_rollout(engine, loop.prompt_stream.next(), reward_moments)

@@ -596,7 +596,7 @@ def main(args: Args) -> None:
         forward, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn
     )
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
-    peak = common.peak_flops(d.device, args.peak_flops)
+    peak = common.peak_flops(d.device, args.peak_flops, dtype)
 
     # the loop: steps 1-5 (ppo_rollout), 6 (ppo_update), 7 (log, samples, collapse check, checkpoint)
     start_step = loop.step

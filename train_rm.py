@@ -378,7 +378,7 @@ def main(args: Args) -> None:
     raw_model = model
     model = parallel.wrap_model(raw_model, d, args.compile)
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None)
-    peak_flops = common.peak_flops(d.device, args.peak_flops)
+    peak_flops = common.peak_flops(d.device, args.peak_flops, dtype)
     throughput = common.Throughput(flops_per_token(raw_model, train, args.lm_coef), peak_flops, d.world_size)
 
     score_all = partial(score_on_every_rank, raw_model, d=d, pad_id=tok.pad_id, dtype=dtype)

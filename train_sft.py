@@ -207,7 +207,7 @@ def main(args: Args) -> None:
     raw_model = model
     model = parallel.wrap_model(raw_model, d, args.compile)
     logger = common.Logger(args.out_dir, d.master, resume_step=step if args.resume else None)
-    peak_flops = common.peak_flops(d.device, args.peak_flops)
+    peak_flops = common.peak_flops(d.device, args.peak_flops, dtype)
     throughput = common.Throughput(flops_per_token(raw_model, train), peak_flops, d.world_size)
     amp = torch.autocast(d.device.type, dtype=dtype, enabled=dtype != torch.float32)  # bf16; a no-op for fp32
 

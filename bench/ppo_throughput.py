@@ -385,9 +385,9 @@ def main(args: Args) -> None:
         "scoring": B * L * (2 * fa + (args.rm_members + critic_share) * fc) / 3,
         "update": args.ppo_epochs * B * L * (fa + critic_share * fc),
     }
-    # the peak: measured fp32 matmuls on CPU; the vendor's dense bf16 figure on a known GPU (common.GPU_PEAK_FLOPS)
+    # the peak: measured matmuls in --dtype on CPU; the vendor's dense bf16 figure on a GPU (common.GPU_PEAK_FLOPS)
     peak = (
-        common.matmul_flops((512, 1024, 2048), trials=3, seconds=0.1)
+        common.matmul_flops((512, 1024, 2048), trials=3, seconds=0.1, dtype=dtype)
         if device.type == "cpu"
         else common.peak_flops(device)
     )
@@ -401,7 +401,8 @@ def main(args: Args) -> None:
     its = " ".join(f"{r['total']:.3f}" for r in rows)
     print(f"[result] iteration seconds: {its} (first = warm-up)")
     print(
-        f"[result] matmul peak (measured, {'fp32' if device.type == 'cpu' else args.dtype}): {peak / 1e9:.1f} GFLOP/s"
+        f"[result] matmul peak ({f'measured, {args.dtype}' if device.type == 'cpu' else 'vendor, dense bf16'}): "
+        f"{peak / 1e9:.1f} GFLOP/s"
         f" | non-embedding params {n_params / 1e6:.2f} M"
     )
     for k in ("generate", "scoring", "update"):

@@ -68,9 +68,22 @@ def test_lr_schedule_retimed_for_a_longer_budget():
     assert early.at(5) == schedule.at(5) and early.start_step is None and early.max_steps == 200
 
 
-def test_peak_flops_measured_on_cpu():
+def test_peak_flops_measured_on_cpu_in_the_runs_dtype(monkeypatch):
+    """On CPU the MFU's peak is measured with the matmuls the run does: under --dtype bfloat16, bf16 ones (against an
+    fp32 peak a bf16 run read perf/mfu 1.1 on a CPU with bf16 matmuls), from the same draws of the global generator."""
     assert common.peak_flops(torch.device("cpu"), 123.0) == 123.0
     assert common.peak_flops(torch.device("cpu")) > 1e8
+    multiplied = []
+    matmul = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: multiplied.append(a.dtype) or matmul(a, b))
+    assert common.peak_flops(torch.device("cpu"), dtype=torch.bfloat16) > 1e6
+    assert multiplied and set(multiplied) == {torch.bfloat16}
+    after = []
+    for dtype in (torch.float32, torch.bfloat16):  # the global generator moves alike: a run's draws do not change
+        torch.manual_seed(0)
+        common.peak_flops(torch.device("cpu"), dtype=dtype)
+        after.append(torch.rand(4))
+    torch.testing.assert_close(after[0], after[1], rtol=0, atol=0)
 
 
 def test_logger_owns_samples_jsonl(tmp_path, capsys):
