@@ -241,6 +241,20 @@ def test_the_simulated_annotator_ranks_in_bradley_terrys_order(tmp_path, monkeyp
     assert {"prompt", "chosen", "rejected"} == set(json.loads(open(tmp_path / "pairs.jsonl").readline()))
 
 
+def test_make_real_resumed_in_another_dtype_refuses(tmp_path):
+    """experiments/real.py keeps its finished steps, so the dtype of the first call is kept beside them: the same
+    --dtype resumes, another stops with one line naming both, and the kept file is unchanged."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import real
+
+    kept = tmp_path / "dtype"
+    real.check_dtype(str(kept), "bfloat16")
+    real.check_dtype(str(kept), "bfloat16")
+    with pytest.raises(SystemExit, match="in bfloat16, not --dtype float32"):
+        real.check_dtype(str(kept), "float32")
+    assert kept.read_text() == "bfloat16\n"
+
+
 def test_the_real_rlvr_verifier_reads_the_last_integer_of_an_ended_answer():
     """experiments/real_rlvr.py's reward: 1.0 when the response ended and its last integer is the sum the rendered
     chat prompt asks for; an unended, wrong or numberless answer gets 0.0."""
