@@ -259,10 +259,15 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
     ids, mask = left_pack(torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1))
     kl = torch.zeros(len(prompts), device=device)
     if ref is not None:  # k1 summed over the sequence, at the sampling temperature
+        policy_logprobs = samples.logprobs
         with amp:
             ref_logits = packed_response_logits(ref, ids, mask, response_mask, args.temperature)
+            if dtype != torch.float32:  # bf16: the sampler's log-probs and a full forward's differ (0.3 a token on
+                # SmolLM2, 0.07 nats a sequence of a policy to itself), so both sides from a full forward
+                policy_logits = packed_response_logits(model, ids, mask, response_mask, args.temperature)
+                policy_logprobs = logprobs_from_logits(policy_logits, response)
         ref_logprobs = logprobs_from_logits(ref_logits, response)
-        kl = ((samples.logprobs - ref_logprobs) * response_mask).sum(1)
+        kl = ((policy_logprobs - ref_logprobs) * response_mask).sum(1)
     score = torch.full((len(prompts),), float("nan"), device=device)
     member_scores = torch.zeros(0, len(prompts), device=device)
     if rms:

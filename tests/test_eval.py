@@ -19,6 +19,7 @@ from conftest import boost_eos, checkpoint_dict, exits_2_with_one_line, tiny_gpt
 import checkpoints
 import common
 import eval as ev
+import parallel
 import task
 from data import read_jsonl
 from model import GPT, GPTConfig, last_token_scores
@@ -146,6 +147,23 @@ def test_kl_of_policy_against_itself_is_zero_and_seeds_extend(task_dir):
     assert max(abs(k) for k in s["kl"]) < 1e-4 and min(s["n"]) >= 1
     assert s["tokens"][: len(prompts)] == one_seed["tokens"]
     assert s["seed"] == [1234] * 12 + [1235] * 12 and s["prompt_index"] == list(range(12)) * 2
+
+
+def test_kl_of_a_bf16_policy_against_itself_is_zero(task_dir):
+    """Under --dtype bfloat16 the sampler's log-probs (one token at a time on a KV cache) and a full forward's differ
+    by up to 0.3 a token on SmolLM2; the KL reads both sides from a full forward, so a policy against itself is 0 (a
+    policy whose matrices are stored in bf16, as eval.py loads it)."""
+    torch.manual_seed(0)
+    tok = load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=64)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():  # weights large enough that bf16's rounding shows in the log-probs
+            parameter.mul_(4)
+    parallel.store_low_precision(model, torch.bfloat16)
+    prompts = ["Review of The Silent River (music):", "Review of The Iron Tower (plot, ending):"] * 4
+    args = ev.Args(max_new_tokens=24, batch_size=8, dtype="bfloat16")
+    s = ev.sample_policy(model, tok, prompts, args, torch.device("cpu"), ref=model)
+    assert max(abs(k) for k in s["kl"]) < 1e-6 and min(s["n"]) >= 1
 
 
 @pytest.fixture(scope="module")
