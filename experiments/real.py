@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,10 +66,10 @@ class Args:
     """sampling temperature of every stage (at 1.0 the 135M model rambles: a third of its answers end)"""
     episodes: int = 256
     """responses each PPO run samples"""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """every stage's --dtype: float32 is the recipe of docs/results.md's tables; bfloat16 autocasts the matmuls and
-    stores the frozen weights in bf16, about 1.5x faster on a CPU with bf16 matmuls (AVX512-BF16, AMX) and slower on
-    one without. Kept in <out_dir>/dtype: a resume with another refuses"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """every stage's --dtype (auto: the stages' own, bf16 on a GPU and fp32 on CPU; fp32 is the recipe of
+    docs/results.md's tables). On a CPU with bf16 matmuls (AVX512-BF16, AMX) bfloat16 is about 1.5x faster, on one
+    without slower. Kept in <out_dir>/dtype: a resume in another refuses"""
     tiny: bool = False
     """tiny sizes: the chain runs in minutes and its numbers mean nothing"""
 
@@ -191,9 +192,10 @@ def main(args: Args) -> None:
         return
     out = args.out_dir
     os.makedirs(out, exist_ok=True)
-    check_dtype(os.path.join(out, "dtype"), args.dtype)
-    print(f"real: every stage in {args.dtype}, into {out}", flush=True)
-    precision = ["--dtype", args.dtype]
+    dtype = args.dtype if args.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+    check_dtype(os.path.join(out, "dtype"), dtype)
+    print(f"real: every stage in {dtype}, into {out}", flush=True)
+    precision = ["--dtype", dtype]
     sizes = dict(train=32, pairs=16, eval=8, episodes=16) if args.tiny else None
     train_count = sizes["train"] if sizes else args.train_prompts
     pair_count = sizes["pairs"] if sizes else args.pair_prompts
