@@ -12,8 +12,8 @@
 #                        PPO-max on the verifier's reward, pass@1/4/16/64 on 128 held-out problems (10 min on 2 cores
 #                        before GSPO and CISPO; resumes; out/rlvr/results.json)
 #   make real            RLHF on a real pretrained model: SmolLM2-135M-Instruct (out/smollm2, from a PyPI package), an RM
-#                        on its own samples labelled by VADER, PPO-max on the RM and on VADER, eval (about 57 min on
-#                        2 cores beside other work; resumes; out/real/results.json)
+#                        on its own samples labelled by VADER, PPO-max on the RM and on VADER, eval (55 min on 2
+#                        cores in fp32; 38 with DTYPE=bfloat16 where the CPU has bf16 matmuls; resumes; out/real/)
 #   make real-rlvr       RLVR on SmolLM2: the arith problems as chat questions, GRPO on a verifier of the answer's last
 #                        integer, pass@1 and pass@8 on 64 held-out problems (out/real_rlvr/results.json)
 #   make online          iterated RLHF: rounds of PPO, on-policy pairs labelled by the task's simulated human and a
@@ -23,6 +23,8 @@ VENV   := .venv
 PY     ?= $(VENV)/bin/python
 DATA   ?= out/data
 TINY   ?=
+# make real's --dtype (experiments/real.py): auto, float32 or bfloat16
+DTYPE  ?= auto
 ifeq ($(TINY),1)
 OUT       ?= out/tiny
 SFT_FLAGS := --n-layer 2 --n-head 2 --n-embd 64 --max-steps 150 --eval-every 100 --num-samples 64 --warmup-steps 10
@@ -92,7 +94,7 @@ smollm2: real-venv
 	$(PY) experiments/real.py --model-only --model-dir $(OUT)/smollm2
 
 real: real-venv
-	$(PY) experiments/real.py --model-dir $(OUT)/smollm2 --out-dir $(OUT)/real
+	$(PY) experiments/real.py --model-dir $(OUT)/smollm2 --out-dir $(OUT)/real --dtype $(DTYPE)
 
 real-rlvr: real-venv
 	$(PY) experiments/real_rlvr.py --model-dir $(OUT)/smollm2 --out-dir $(OUT)/real_rlvr

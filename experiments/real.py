@@ -68,8 +68,9 @@ class Args:
     """responses each PPO run samples"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """every stage's --dtype (auto: the stages' own, bf16 on a GPU and fp32 on CPU; fp32 is the recipe of
-    docs/results.md's tables). On a CPU with bf16 matmuls (AVX512-BF16, AMX) bfloat16 is about 1.5x faster, on one
-    without slower. Kept in <out_dir>/dtype: a resume in another refuses"""
+    docs/results.md's tables). bfloat16 on a CPU with bf16 matmuls (AVX512-BF16, AMX): the chain in 38 min against
+    fp32's 55 on 2 cores of a Zen 4, and a different draw (docs/results.md); on one without, slower. Kept in
+    <out_dir>/dtype: a resume in another refuses"""
     tiny: bool = False
     """tiny sizes: the chain runs in minutes and its numbers mean nothing"""
 
