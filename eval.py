@@ -262,8 +262,8 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
         policy_logprobs = samples.logprobs
         with amp:
             ref_logits = packed_response_logits(ref, ids, mask, response_mask, args.temperature)
-            if dtype != torch.float32:  # bf16: the sampler's log-probs and a full forward's differ (0.3 a token on
-                # SmolLM2, 0.07 nats a sequence of a policy to itself), so both sides from a full forward
+            if not parallel.full_precision(dtype):  # bf16 (or TF32): the sampler's log-probs and a full forward's
+                # differ (0.3 a token on SmolLM2, 0.07 nats a sequence of a policy to itself): both from a full forward
                 policy_logits = packed_response_logits(model, ids, mask, response_mask, args.temperature)
                 policy_logprobs = logprobs_from_logits(policy_logits, response)
         ref_logprobs = logprobs_from_logits(ref_logits, response)

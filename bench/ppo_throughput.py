@@ -400,11 +400,8 @@ def main(args: Args) -> None:
     )
     its = " ".join(f"{r['total']:.3f}" for r in rows)
     print(f"[result] iteration seconds: {its} (first = warm-up)")
-    print(
-        f"[result] matmul peak ({f'measured, {args.dtype}' if device.type == 'cpu' else 'vendor, dense bf16'}): "
-        f"{peak / 1e9:.1f} GFLOP/s"
-        f" | non-embedding params {n_params / 1e6:.2f} M"
-    )
+    source = f"measured, {args.dtype}" if device.type == "cpu" else "vendor, dense bf16"
+    print(f"[result] matmul peak ({source}): {peak / 1e9:.1f} GFLOP/s | non-embedding params {n_params / 1e6:.2f} M")
     for k in ("generate", "scoring", "update"):
         print(
             f"[result] {k:9s} {med[k]:7.3f}s ({100 * med[k] / med['total']:4.1f}%)  {flops[k] / 1e9:9.1f} GFLOP  "

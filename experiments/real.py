@@ -36,6 +36,8 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from common import write_atomic  # noqa: E402
+from parallel import resolve_dtype  # noqa: E402
 from task import ASPECTS, split_titles  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -115,9 +117,7 @@ def write_prompts(path: str, titles: list[str], count: int, seed: int) -> None:
 
 
 def write_rows(path: str, rows: list[dict]) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    os.replace(path + ".tmp", path)
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def label_answers(answers_path: str, out_path: str, per_prompt: int, temperature: float, seed: int, keep_unended: bool):
@@ -175,9 +175,7 @@ def check_dtype(path: str, dtype: str) -> None:
                 f"{path}: this run is in {kept}, not --dtype {dtype}: pass --dtype {kept} or another --out-dir"
             )
         return
-    with open(path + ".tmp", "w") as f:
-        f.write(dtype + "\n")
-    os.replace(path + ".tmp", path)
+    write_atomic(path, dtype + "\n")
 
 
 def stage(script: str, *flags: str) -> list:
@@ -193,7 +191,8 @@ def main(args: Args) -> None:
         return
     out = args.out_dir
     os.makedirs(out, exist_ok=True)
-    dtype = args.dtype if args.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the stages' --device auto
+    dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")  # auto as the stages resolve it
     check_dtype(os.path.join(out, "dtype"), dtype)
     print(f"real: every stage in {dtype}, into {out}", flush=True)
     precision = ["--dtype", dtype]
