@@ -23,7 +23,7 @@ VENV   := .venv
 PY     ?= $(VENV)/bin/python
 DATA   ?= out/data
 TINY   ?=
-# make real's --dtype (experiments/real.py): auto, float32 or bfloat16
+# make real's and make real-rlvr's --dtype (experiments/real.py, real_rlvr.py): auto, float32 or bfloat16
 DTYPE  ?= auto
 ifeq ($(TINY),1)
 OUT       ?= out/tiny
@@ -97,7 +97,7 @@ real: real-venv
 	$(PY) experiments/real.py --model-dir $(OUT)/smollm2 --out-dir $(OUT)/real --dtype $(DTYPE)
 
 real-rlvr: real-venv
-	$(PY) experiments/real_rlvr.py --model-dir $(OUT)/smollm2 --out-dir $(OUT)/real_rlvr
+	$(PY) experiments/real_rlvr.py --model-dir $(OUT)/smollm2 --out-dir $(OUT)/real_rlvr --dtype $(DTYPE)
 
 online: venv
 	$(PY) train_online.py --sft-ckpt $(OUT)/sft/ckpt.pt --rm-ckpt $(OUT)/rm/ckpt.pt --task-dir $(DATA) \

@@ -19,14 +19,17 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 
+import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from real import ROOT, build_model, run, stage, write_rows  # noqa: E402
+from real import ROOT, build_model, check_dtype, run, stage, write_rows  # noqa: E402
 
 sys.path.insert(0, ROOT)
 import arith  # noqa: E402
+from parallel import resolve_dtype  # noqa: E402
 
 REWARD = f"{os.path.abspath(__file__)}:reward"
 QUESTION_RE = re.compile(r"What is (\d+) \+ (\d+)\?")
@@ -53,6 +56,9 @@ class Args:
     """sampling temperature of training and evaluation"""
     pass_samples: int = 8
     """answers per held-out problem for pass@k (k = 1 and this)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """GRPO's and eval's --dtype, as make real's (auto: bf16 on a GPU, fp32 on CPU). Kept in <out_dir>/dtype: a
+    resume in another refuses"""
     tiny: bool = False
     """tiny sizes: the chain runs in a minute and its numbers mean nothing"""
 
@@ -85,13 +91,17 @@ def main(args: Args) -> None:
         build_model(model)
     out = args.out_dir
     os.makedirs(out, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the stages' --device auto
+    dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
+    check_dtype(os.path.join(out, "dtype"), dtype)
+    print(f"real_rlvr: GRPO and eval in {dtype}, into {out}", flush=True)
     sizes = dict(train=16, eval=4, episodes=16, samples=2, tokens=8) if args.tiny else None
     train_path, eval_path = os.path.join(out, "prompts.jsonl"), os.path.join(out, "eval_prompts.jsonl")
     write_problems(train_path, sizes["train"] if sizes else args.train_prompts, held_out=False, seed=1)
     eval_count = sizes["eval"] if sizes else args.eval_prompts
     write_problems(eval_path, eval_count, held_out=True, seed=2)
     new_tokens = str(sizes["tokens"] if sizes else args.max_new_tokens)
-    sampling = ["--max-new-tokens", new_tokens, "--temperature", str(args.temperature)]
+    sampling = ["--max-new-tokens", new_tokens, "--temperature", str(args.temperature), "--dtype", dtype]
     # GRPO on the verifier's reward, LoRA on the instruct model (the reference is its base)
     ckpt = os.path.join(out, "grpo", "ckpt.pt")
     if not os.path.exists(ckpt):
@@ -112,7 +122,7 @@ def main(args: Args) -> None:
     flags += [*sampling, "--pass-at", "1", str(k), "--pass-samples", str(k), "--json", results_path, "--show", "5"]
     run(stage("eval.py", *flags), os.path.join(out, "eval.txt"))
     results = json.load(open(results_path))
-    results["_meta"] = {"seconds": round(time.time() - started)}
+    results["_meta"] = {"dtype": dtype, "seconds": round(time.time() - started)}
     with open(results_path, "w") as f:
         json.dump(results, f, indent=2)
     for name in ("instruct", "grpo"):

@@ -272,13 +272,18 @@ def test_the_real_rlvr_verifier_reads_the_last_integer_of_an_ended_answer():
 
 @pytest.mark.slow
 def test_make_real_rlvr_runs_on_smollm2s_weights(tmp_path, smollm2_two_layers):
-    """experiments/real_rlvr.py --tiny on SmolLM2's real tokenizer and its first two layers: GRPO on the verifier,
-    then pass@1 and pass@2 of both policies from eval.py."""
+    """experiments/real_rlvr.py --tiny --dtype bfloat16 on SmolLM2's real tokenizer and its first two layers: GRPO on
+    the verifier in bf16, then pass@1 and pass@2 of both policies from eval.py."""
     out = str(tmp_path / "real_rlvr")
     command = [sys.executable, os.path.join(ROOT, "experiments", "real_rlvr.py"), "--tiny", "--out-dir", out]
+    command += ["--dtype", "bfloat16"]
     done = subprocess.run(command + ["--model-dir", smollm2_two_layers], env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.load(open(os.path.join(out, "results.json")))
     for name in ("instruct", "grpo"):
         assert 0 <= results[name]["pass@1"] <= results[name]["pass@2"] <= 1
     assert results["grpo"]["train_seconds"] > 0
+    assert (
+        results["_meta"]["dtype"] == "bfloat16"
+        and "torch.bfloat16" in open(os.path.join(out, "grpo", "stdout.txt")).read()
+    )
