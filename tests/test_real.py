@@ -287,3 +287,27 @@ def test_make_real_rlvr_runs_on_smollm2s_weights(tmp_path, smollm2_two_layers):
         results["_meta"]["dtype"] == "bfloat16"
         and "torch.bfloat16" in open(os.path.join(out, "grpo", "stdout.txt")).read()
     )
+
+
+def test_the_rm_probes_features_read_each_response_alone_whatever_the_padding(smollm2_two_layers):
+    """experiments/rm_probe.py's features of ragged sequences batched with right padding: the last hidden state at
+    each one's last token and the mean over its response's tokens are those of the sequence read alone, and the word
+    counts are the response's own (prompt tokens and unknown tokens left out)."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import rm_probe
+
+    model = hf.HFCausalLM.from_pretrained(smollm2_two_layers).eval()
+    generator = torch.Generator().manual_seed(0)
+    lengths, starts = [9, 4, 13, 6], [3, 1, 8, 5]
+    sequences = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in lengths]
+    with torch.no_grad():
+        alone = [model.hf.model(torch.tensor([s])).last_hidden_state[0] for s in sequences]
+    for pool in ("last", "mean"):
+        features = rm_probe.hidden_features(model, sequences, starts, pool, batch_size=3)
+        want = [h[-1] if pool == "last" else h[start:].mean(0) for h, start in zip(alone, starts)]
+        torch.testing.assert_close(features, torch.stack(want), atol=1e-4, rtol=1e-4)
+    vocabulary = {sequences[0][-1]: 0, sequences[2][0]: 1, 3999: 2}
+    counts = rm_probe.word_counts(sequences, starts, vocabulary)
+    for row, (sequence, start) in enumerate(zip(sequences, starts)):
+        for token, column in vocabulary.items():
+            assert counts[row, column] == sequence[start:].count(token)
