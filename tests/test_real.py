@@ -160,6 +160,7 @@ def test_make_real_runs_on_smollm2s_weights(tmp_path, smollm2_two_layers):
     assert results["instruct"]["kl"] == pytest.approx(0, abs=1e-4)
     assert 0.5 <= results["_meta"]["pairs"]["pairs"]["bayes_ceiling"] <= 1
     assert results["_meta"]["pairs"]["pairs"]["pairs"] > results["_meta"]["pairs"]["pairs"]["records"]  # rankings
+    assert results["_meta"]["dtype"] == "float32" and results["_meta"]["jobs"] == 2  # the PPO runs side by side
 
 
 @pytest.mark.slow
@@ -253,6 +254,21 @@ def test_make_real_resumed_in_another_dtype_refuses(tmp_path):
     with pytest.raises(SystemExit, match="in bfloat16, not --dtype float32"):
         real.check_dtype(str(kept), "float32")
     assert kept.read_text() == "bfloat16\n"
+
+
+def test_make_reals_side_by_side_runs_get_their_threads_and_a_failure_names_its_log(tmp_path):
+    """experiments/real.py's run_together: each command at once with OMP_NUM_THREADS set, every one waited for, and a
+    failed one stops the chain with one line naming its log, not the other's."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import real
+
+    good, bad = str(tmp_path / "good.txt"), str(tmp_path / "bad.txt")
+    prints_threads = [sys.executable, "-c", "import os, time; time.sleep(0.5); print(os.environ['OMP_NUM_THREADS'])"]
+    fails = [sys.executable, "-c", "raise SystemExit(3)"]
+    with pytest.raises(SystemExit, match="failed: see .*bad.txt$") as raised:
+        real.run_together([(prints_threads, good), (fails, bad)], threads=1)
+    assert "good.txt" not in str(raised.value)
+    assert open(good).read() == "1\n"  # waited for, though the other had failed
 
 
 def test_the_real_rlvr_verifier_reads_the_last_integer_of_an_ended_answer():
