@@ -12,8 +12,8 @@
 #                        PPO-max on the verifier's reward, pass@1/4/16/64 on 128 held-out problems (10 min on 2 cores
 #                        before GSPO and CISPO; resumes; out/rlvr/results.json)
 #   make real            RLHF on a real pretrained model: SmolLM2-135M-Instruct (out/smollm2, from a PyPI package), an RM
-#                        on its own samples labelled by VADER, PPO-max on the RM and on VADER, eval (55 min on 2
-#                        cores in fp32; 38 with DTYPE=bfloat16 where the CPU has bf16 matmuls; resumes; out/real/)
+#                        on its own samples labelled by VADER, PPO-max on the RM and on VADER, eval (42 min on 2
+#                        cores in fp32; 29 with DTYPE=bfloat16 where the CPU has bf16 matmuls; resumes; out/real/)
 #   make real-rlvr       RLVR on SmolLM2: the arith problems as chat questions, GRPO on a verifier of the answer's last
 #                        integer, pass@1 and pass@8 on 64 held-out problems (out/real_rlvr/results.json)
 #   make online          iterated RLHF: rounds of PPO, on-policy pairs labelled by the task's simulated human and a
