@@ -179,6 +179,15 @@ def run_together(commands: list[tuple[list, str]], threads: int | None) -> None:
     print(f"  done in {time.time() - started:.0f}s", flush=True)
 
 
+def run_dtype(out_dir: str, requested: str) -> str:
+    """--dtype resolved as the stages resolve auto (their --device auto: bf16 on a GPU, fp32 on CPU), and kept in
+    out_dir/dtype (check_dtype)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = str(resolve_dtype(requested, device)).removeprefix("torch.")
+    check_dtype(os.path.join(out_dir, "dtype"), dtype)
+    return dtype
+
+
 def check_dtype(path: str, dtype: str) -> None:
     """The run's dtype, written once: its finished steps are kept, so a resume in another would mix the two."""
     if os.path.exists(path):
@@ -204,9 +213,7 @@ def main(args: Args) -> None:
         return
     out = args.out_dir
     os.makedirs(out, exist_ok=True)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the stages' --device auto
-    dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")  # auto as the stages resolve it
-    check_dtype(os.path.join(out, "dtype"), dtype)
+    dtype = run_dtype(out, args.dtype)
     print(f"real: every stage in {dtype}, into {out}", flush=True)
     precision = ["--dtype", dtype]
     sizes = dict(train=32, pairs=16, eval=8, episodes=16) if args.tiny else None
@@ -263,7 +270,7 @@ def main(args: Args) -> None:
             os.makedirs(run_dir, exist_ok=True)
             command = stage("train_ppo.py", *ppo_common, *flags, "--out-dir", run_dir)
             todo.append((command, os.path.join(run_dir, "stdout.txt")))
-    jobs = 1 if device.type == "cuda" else max(1, args.jobs)
+    jobs = 1 if torch.cuda.is_available() else max(1, args.jobs)
     threads = max(1, (os.cpu_count() or 2) // jobs) if jobs > 1 else None
     for start in range(0, len(todo), jobs):
         run_together(todo[start : start + jobs], threads)

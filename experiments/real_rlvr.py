@@ -21,15 +21,13 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from real import ROOT, build_model, check_dtype, run, stage, write_rows  # noqa: E402
+from real import ROOT, build_model, run, run_dtype, stage, write_rows  # noqa: E402
 
 sys.path.insert(0, ROOT)
 import arith  # noqa: E402
-from parallel import resolve_dtype  # noqa: E402
 
 REWARD = f"{os.path.abspath(__file__)}:reward"
 QUESTION_RE = re.compile(r"What is (\d+) \+ (\d+)\?")
@@ -91,9 +89,7 @@ def main(args: Args) -> None:
         build_model(model)
     out = args.out_dir
     os.makedirs(out, exist_ok=True)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the stages' --device auto
-    dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
-    check_dtype(os.path.join(out, "dtype"), dtype)
+    dtype = run_dtype(out, args.dtype)
     print(f"real_rlvr: GRPO and eval in {dtype}, into {out}", flush=True)
     sizes = dict(train=16, eval=4, episodes=16, samples=2, tokens=8) if args.tiny else None
     train_path, eval_path = os.path.join(out, "prompts.jsonl"), os.path.join(out, "eval_prompts.jsonl")
