@@ -392,6 +392,16 @@ def reward_to_go(rewards, mask, gamma: float) -> torch.Tensor:
     return returns
 
 
+def reinforce_pp_advantages(scores, logprobs, ref_logprobs, mask, group_size: int, kl_coef: float, gamma: float):
+    """REINFORCE++ before its whitening (Hu 2025): scores (B,), the rest (B, T) -> (B, T) reward-to-go of the per-token
+    rewards, 0 on padding. With group_size > 1 the score first loses its group's mean (REINFORCE++-baseline, as
+    OpenRLHF's reinforce_baseline: the mean is the scores', the KL stays per token)."""
+    if group_size > 1:
+        scores = group_advantages(scores, group_size, "reinforce_pp")
+    rewards = shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef)
+    return reward_to_go(rewards, mask, gamma)
+
+
 def loss_weights(mask, agg: str, n_seq, n_tok, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """mask (B, T) -> (weights (B, T), denom): sum(loss * weights) / denom over all micro-batches and ranks of an
     optimizer step is its aggregated loss (every loss term's). n_seq, n_tok: the step's global counts of kept
@@ -678,11 +688,10 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
         group = group_advantages(sequence_rewards, args.group_size, args.estimator, args.grpo_std_norm)
         advantages = group[:, None] * mask
     elif args.estimator == "reinforce_pp":  # the reward-to-go; with G > 1 the group mean of the scores as baseline
-        baselined = rewards
-        if args.group_size > 1:
-            centred = group_advantages(score_norm, args.group_size, "reinforce_pp")
-            baselined = shape_rewards(centred, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
-        advantages = reward_to_go(baselined, mask, args.gamma)
+        logprobs, ref_logprobs = experience["logprobs"], experience["ref_logprobs"]
+        advantages = reinforce_pp_advantages(
+            score_norm, logprobs, ref_logprobs, mask, args.group_size, reward_kl_coef, args.gamma
+        )
     elif args.estimator == "vineppo":  # Monte-Carlo values from continuations sampled at each step's start
         advantages, estimator_sums = vineppo_advantages(engine, prompts, experience, reward_moments)
     elif args.estimator == "rebel":  # the regression's target on every token: the reward gap to the pair's partner

@@ -48,6 +48,7 @@ from train_grpo import (
     kl_loss,
     loss_weights,
     policy_loss,
+    reinforce_pp_advantages,
     resolve_args,
     reward_to_go,
     shape_rewards,
@@ -135,6 +136,28 @@ def test_group_advantages(group_size):
     assert (got["grpo"][:group_size] == 0).all()
     with pytest.raises(ValueError, match="no group advantage"):
         group_advantages(scores, group_size, "gae")
+
+
+@pytest.mark.parametrize("group_size, gamma", [(1, 1.0), (2, 1.0), (3, 0.9)])
+def test_reinforce_pp_advantages_match_a_per_token_loop(group_size, gamma):
+    """REINFORCE++ before whitening, as OpenRLHF's reinforce_baseline orders it: s'_i = s_i - mean_group(s), then
+    A_t = gamma^(n-1-t) s'_i - beta * sum_{u>=t} gamma^(u-t) k1_u over the row's real tokens; padding holds +-1e4
+    log-probs and gets 0. verl's order (the group mean of s_i - beta * sum_t k1_t on every token) fails it."""
+    lengths, mask, (scores, logprobs, ref_logprobs, *_) = ragged(B=6 * group_size, T=7, seed=group_size)
+    scores = scores[:, 0]
+    logprobs = torch.where(mask.bool(), logprobs, 1e4)
+    ref_logprobs = torch.where(mask.bool(), ref_logprobs, -1e4)
+    beta = 0.3
+    got = reinforce_pp_advantages(scores, logprobs, ref_logprobs, mask, group_size, beta, gamma)
+    for b, n in enumerate(lengths):
+        start = b - b % group_size
+        group = scores[start : start + group_size].tolist()
+        centred = scores[b].item() - (sum(group) / group_size if group_size > 1 else 0.0)
+        for t in range(n):
+            kl = sum(gamma ** (u - t) * (logprobs[b, u] - ref_logprobs[b, u]).item() for u in range(t, n))
+            want = gamma ** (n - 1 - t) * centred - beta * kl
+            assert got[b, t].item() == pytest.approx(want, abs=1e-9)
+        assert (got[b, n:] == 0).all()
 
 
 def test_reward_to_go():
