@@ -158,22 +158,41 @@ def offline_unless_reachable(args, timeout: float = 2.0) -> None:
     print0(f"{endpoint.hostname} does not answer: hf:{names[0]} from the local cache only (HF_HUB_OFFLINE=1)")
 
 
-def size_warnings(batch: int, batch_flag: str, records: int, eval_records: Optional[int], warmup: int, steps: int):
+def size_warnings(
+    batch: int, batch_flag: str, records: int, eval_records: Optional[int], warmup: int, steps: int, delay: int = 0
+):
     """Sizes that run but are likely a mistake, one line each at start-up: a batch of more records than the data
-    holds (every step repeats some), a held-out set of one record, a warm-up as long as the run (the learning rate
-    never reaches --lr)."""
+    holds (every step repeats some), a held-out set of one record, a warm-up as long as the steps that train (the
+    learning rate never reaches --lr). delay: PPO's critic warm-up, steps of the run before the actor trains."""
     if batch > records:
         print0(f"warning: {batch_flag} {batch} is more than the {records} records the data holds: a step repeats some")
     if eval_records == 1:
         print0("warning: the held-out set is one record: its metrics say little")
-    if warmup >= steps:
-        print0(
-            f"warning: --warmup-steps {warmup} >= the {steps} steps that warm up: the learning rate never reaches --lr"
-        )
+    trained = steps - delay
+    after = f" after --critic-warmup-steps {delay}" if delay else ""
+    if trained <= 0:
+        print0(f"warning: --critic-warmup-steps {delay} covers the whole run ({_steps(steps)}): the actor never trains")
+    elif warmup >= trained:
+        reason = "the learning rate never reaches --lr"
+        print0(f"warning: --warmup-steps {warmup} >= the {_steps(trained)} that train{after}: {reason}")
+
+
+def _steps(count: int) -> str:
+    return f"{count} step" if count == 1 else f"{count} steps"
+
+
+def shown_prompt(prompt) -> str:
+    """A prompt as samples show it: a string as it is; a conversation as its last user message, not the rendered
+    template (whose default system turn, SmolLM2's, would open every sample)."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [message["content"] for message in prompt if message["role"] == "user"]
+    last = users[-1] if users else prompt[-1]["content"]
+    return f"user: {last}\nassistant: "
 
 
 def format_sample(prompt: str, response: str, ended: bool) -> str:
-    """prompt + response as printed and logged, marked when the response has no EOS."""
+    """prompt (shown_prompt's) + response as printed and logged, marked when the response has no EOS."""
     return f"{prompt}{response}{'' if ended else ' [no EOS]'}"
 
 

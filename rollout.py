@@ -497,7 +497,8 @@ def rollout(engine: Engine, prompts: list, prefix: Optional[tuple] = None, k: in
     sums |= {"logprob_err": logprob_error, "logprob_err_mean": mean_error}
     records = []
     for row, score in enumerate(scores.tolist()):
-        record = dict(prompt=responses.prompt_texts[row], response=samples.texts[row], ended=ended[row], score=score)
+        prompt = common.shown_prompt(prompts[row])  # a conversation's last user message, not the rendered template
+        record = dict(prompt=prompt, response=samples.texts[row], ended=ended[row], score=score)
         records.append(record | {"gold": gold[row] if gold else None})
     return experience, sums, records
 

@@ -559,9 +559,9 @@ def main(args: Args) -> None:
     d = parallel.setup_dist(args.device)
     dtype = parallel.resolve_dtype(args.dtype, d.device)
     max_steps = args.max_steps or max(1, args.total_episodes // args.rollout_batch_size)
-    actor_steps = max_steps - args.critic_warmup_steps  # the actor warms up after the critic's warm-up
+    delay = args.critic_warmup_steps  # the actor's learning rate warms up after the critic's warm-up
     common.size_warnings(
-        args.rollout_batch_size, "--rollout-batch-size", len(data.prompts), None, args.warmup_steps, actor_steps
+        args.rollout_batch_size, "--rollout-batch-size", len(data.prompts), None, args.warmup_steps, max_steps, delay
     )
     print0(
         f"ppo: {len(data.prompts)} prompts ({data.too_long} too long, skipped) | actor "

@@ -20,14 +20,13 @@ import checkpoints
 import common
 import hf
 import parallel
-from common import UserError, format_sample, print0
+from common import UserError, format_sample, print0, shown_prompt
 from data import (
     TASKS,
     Order,
     encode_prompts,
     encode_sft,
     pad_right,
-    prompt_text,
     read_jsonl,
     read_train_eval,
     sft_prompt,
@@ -108,14 +107,15 @@ def flops_per_token(model, examples: list) -> int:
 
 @torch.no_grad()
 def sample_responses(model, tok, prompts: list, temperature: float, max_new_tokens: int, generator, batch: int = 128):
-    """One response per prompt with the KV cache (batches of `batch`): [(prompt, response text without EOS, ended)]."""
+    """One response per prompt with the KV cache (batches of `batch`): [(prompt as shown (common.shown_prompt),
+    response text without EOS, ended)]."""
     device = next(model.parameters()).device
     out = []
     for start in range(0, len(prompts), batch):
         chunk = prompts[start : start + batch]
         query, query_mask = (t.to(device) for t in encode_prompts(tok, chunk))
         samples = sample(model, tok, query, query_mask, max_new_tokens, temperature, generator=generator)
-        out += zip([prompt_text(tok, prompt) for prompt in chunk], samples.texts, samples.ended.tolist())
+        out += zip([shown_prompt(prompt) for prompt in chunk], samples.texts, samples.ended.tolist())
     return out
 
 

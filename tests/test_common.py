@@ -218,10 +218,39 @@ def test_start_up_warns_of_sizes_that_run_but_mislead(capsys):
     assert out == [
         "warning: --batch-size 64 is more than the 10 records the data holds: a step repeats some",
         "warning: the held-out set is one record: its metrics say little",
-        "warning: --warmup-steps 5 >= the 5 steps that warm up: the learning rate never reaches --lr",
+        "warning: --warmup-steps 5 >= the 5 steps that train: the learning rate never reaches --lr",
     ]
     common.size_warnings(8, "--batch-size", 10, 4, 2, 5)
     assert capsys.readouterr().out == ""
+
+
+def test_the_warm_up_warning_counts_steps_that_exist(capsys):
+    """PPO's actor trains after the critic warm-up: --max-steps 1 under --critic-warmup-steps 5 says the actor never
+    trains (it said "the -4 steps that warm up"), a longer run counts the actor's own steps."""
+    common.size_warnings(8, "--rollout-batch-size", 64, None, 5, 1, delay=5)
+    warned = "warning: --critic-warmup-steps 5 covers the whole run (1 step): the actor never trains"
+    assert capsys.readouterr().out.splitlines() == [warned]
+    common.size_warnings(8, "--rollout-batch-size", 64, None, 5, 9, delay=5)
+    warned = "warning: --warmup-steps 5 >= the 4 steps that train after --critic-warmup-steps 5: the learning rate"
+    assert capsys.readouterr().out.splitlines() == [warned + " never reaches --lr"]
+    common.size_warnings(8, "--rollout-batch-size", 64, None, 5, 11, delay=5)
+    assert capsys.readouterr().out == ""
+
+
+def test_samples_show_a_conversations_last_user_message():
+    """A conversation's sample is its last user message and the answer, not the rendered template with a default
+    system turn; a plain-text prompt stays as it is."""
+    conversation = [
+        {"role": "system", "content": "You are a helpful AI assistant named SmolLM"},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
+    shown = common.shown_prompt(conversation)
+    assert common.format_sample(shown, "4.", True) == "user: What is 2+2?\nassistant: 4."
+    assert common.format_sample(common.shown_prompt("Review of X (plot):"), " Dull.", False) == (
+        "Review of X (plot): Dull. [no EOS]"
+    )
 
 
 def test_the_stop_message_gives_the_whole_command_to_continue():
