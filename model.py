@@ -182,11 +182,17 @@ def packed_response_logits(model, ids: Tensor, mask: Tensor, response_mask: Tens
     return logits / temperature if temperature != 1.0 else logits
 
 
+def row_extent(mask: Tensor) -> Tensor:
+    """mask (B, T) -> (B,) long: one past the last column where mask is 1, 0 for a row without one. A right-padded
+    response's length; in a multi-turn episode (the environment's tokens 0 between model turns) it ends at the
+    episode's last model token, where mask.sum(1) would fall short by the environment's tokens."""
+    return (mask.bool() * torch.arange(1, mask.size(1) + 1, device=mask.device)).amax(1)
+
+
 def last_token_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """scores, mask (B, T) -> (B,): the score at the last real token of each row (the EOS), wherever the padding is
     (left-padded prompts, right-padded responses)."""
-    T = scores.size(1)
-    last = (mask.bool() * torch.arange(1, T + 1, device=mask.device)).argmax(-1)  # (B,) last index with mask 1
+    last = (row_extent(mask) - 1).clamp(min=0)  # (B,) last index with mask 1
     return scores.gather(1, last[:, None]).squeeze(1)
 
 

@@ -47,7 +47,7 @@ import parallel
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
 from data import TASKS
-from model import entropy_from_logits, lm_loss, masked_mean
+from model import entropy_from_logits, lm_loss, masked_mean, row_extent
 
 # each estimator's recipe: what a flag left at None becomes. beta in the loss (k3) and in the reward (k1) are not on
 # one scale; tuned on the built-in task, reinforce_pp keeps PPO-max's 0.3
@@ -283,7 +283,8 @@ def check_rebel_args(args: Args) -> None:
 
 # -----------------------------------------------------------------------------
 # the estimators' math: pure functions, imported by tests. Tensors are (B, T) over response tokens, mask 1.0 = real
-# token; scores (N,) with rows g*G .. g*G+G-1 one prompt's group
+# token (a model token: in a multi-turn episode the environment's tokens between turns are 0, docs/design.md §5b);
+# scores (N,) with rows g*G .. g*G+G-1 one prompt's group
 
 
 class RunningMoments:
@@ -356,11 +357,22 @@ def kl_estimate(logprobs, ref_logprobs, mask, estimator: str) -> torch.Tensor:
     return kl * mask
 
 
-def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float) -> torch.Tensor:
-    """scores (B,), the rest (B, T) -> rewards (B, T), 0 on padding: -kl_coef * k1 per token, plus the score on the
-    last valid token (the EOS)."""
+def split_turn_rewards(turn_rewards, mask):
+    """turn_rewards (B, T), each turn's reward on its last model token (a row sums to the episode's return) -> (the
+    last turn's (B,), on the episode's last model token; the earlier turns' (B, T), 0 there and off the mask)."""
+    last = (row_extent(mask) - 1).clamp(min=0)[:, None]  # (B, 1) the episode's last model token
+    earlier = (turn_rewards * mask).scatter(1, last, 0.0)
+    return turn_rewards.gather(1, last).squeeze(1), earlier
+
+
+def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, turn_rewards=None) -> torch.Tensor:
+    """scores (B,), the rest (B, T) -> rewards (B, T), 0 off the mask: -kl_coef * k1 per token, plus the score on the
+    last model token (the EOS), plus turn_rewards (B, T) where given: a multi-turn episode's earlier turns' rewards,
+    each on its turn's last model token. A row sums to the episode's return minus kl_coef * its summed k1."""
     rewards = -kl_coef * kl_estimate(logprobs, ref_logprobs, mask, "k1")
-    last = (mask.sum(1).long() - 1).clamp(min=0)  # (B,) index of the last real token
+    if turn_rewards is not None:
+        rewards = rewards + turn_rewards
+    last = (row_extent(mask) - 1).clamp(min=0)  # (B,) index of the last model token
     rewards = rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
     return rewards * mask
 
@@ -382,13 +394,14 @@ def group_advantages(scores, group_size: int, estimator: str, std_norm: bool = T
 
 def reward_to_go(rewards, mask, gamma: float) -> torch.Tensor:
     """REINFORCE++ returns: rewards, mask (B, T) -> (B, T) sum over t' >= t of gamma^(t'-t) * rewards[t'] within each
-    right-padded row, 0 on padding."""
+    right-padded row, 0 off the mask; t' - t counts model tokens: the environment's tokens inside a row (mask 0) pass
+    the running sum through unchanged, as compute_gae's in train_ppo.py."""
     rewards = rewards * mask
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])  # (B,)
     for t in reversed(range(rewards.size(1))):
-        running = (rewards[:, t] + gamma * running) * mask[:, t]
-        returns[:, t] = running
+        returns[:, t] = (rewards[:, t] + gamma * running) * mask[:, t]
+        running = torch.where(mask[:, t].bool(), returns[:, t], running)
     return returns
 
 
@@ -402,18 +415,20 @@ def reinforce_pp_advantages(scores, logprobs, ref_logprobs, mask, group_size: in
     return reward_to_go(rewards, mask, gamma)
 
 
-def loss_weights(mask, agg: str, n_seq, n_tok, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_weights(
+    mask, agg: str, n_seq, n_tok, max_new_tokens: int, max_turns: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """mask (B, T) -> (weights (B, T), denom): sum(loss * weights) / denom over all micro-batches and ranks of an
     optimizer step is its aggregated loss (every loss term's). n_seq, n_tok: the step's global counts of kept
-    sequences and tokens. token_mean: mask / n_tok; seq_mean: (mask / len_i) / n_seq; seq_sum_norm:
-    mask / (max_new_tokens * n_seq) (Dr. GRPO)."""
+    sequences and model tokens. token_mean: mask / n_tok; seq_mean: (mask / len_i) / n_seq, len_i row i's model
+    tokens; seq_sum_norm: mask / (max_turns * max_new_tokens * n_seq) (Dr. GRPO's constant, an episode's most)."""
     if agg == "token_mean":
         return mask, n_tok
     if agg == "seq_mean":
         lengths = mask.sum(1, keepdim=True).clamp(min=1)  # (B, 1); an empty row has weight 0 anyway
         return mask / lengths, n_seq
     if agg == "seq_sum_norm":
-        return mask, max_new_tokens * n_seq
+        return mask, max_turns * max_new_tokens * n_seq
     if agg == "pair_mean":  # rebel: its loss is a sum over pairs (rebel_loss)
         return mask, n_seq / 2
     raise ValueError(f"unknown loss aggregation {agg!r}")
@@ -671,15 +686,22 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
     args = engine.args
     experience, sums, records = rollout.rollout(engine, prompts)
     mask = experience["mask"]
-    # 4. scores normalised with running moments over all history and ranks (REINFORCE++'s recipe), then the rewards:
-    # the score on the EOS, -beta * k1 per token when the KL goes into the reward
+    # 4. scores (the episodes' returns) normalised with running moments over all history and ranks (REINFORCE++'s
+    # recipe), then the rewards: the score on the EOS, -beta * k1 per token when the KL goes into the reward
     score_norm = experience["scores"]
+    turn_rewards = None
+    if "turn_rewards" in experience:  # multi-turn: the last turn's reward on the EOS, the earlier turns' on their own
+        score_norm, turn_rewards = split_turn_rewards(experience["turn_rewards"], mask)
     if args.reward_norm != "none":
-        reward_moments.update(score_norm)
+        reward_moments.update(experience["scores"])
         mean, std = reward_moments.mean, reward_moments.std
         score_norm = normalize_scores(score_norm, mean, std, args.reward_norm, args.reward_clip)
+        if turn_rewards is not None:  # the return's normalisation: every turn over the std, the mean on the last
+            turn_rewards = normalize_scores(turn_rewards, 0.0, std, args.reward_norm, args.reward_clip)
     reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
-    rewards = shape_rewards(score_norm, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef)
+    rewards = shape_rewards(
+        score_norm, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef, turn_rewards
+    )
     experience["rewards"] = rewards
     # 5. advantages, by estimator, from R_i = s_i - beta * sum_t k1 (the KL in the reward) or the scores
     sequence_rewards = rewards.sum(1)  # (B,)
@@ -701,7 +723,8 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
     else:
         raise ValueError(f"--estimator {args.estimator}: a row of RECIPES without a branch in grpo_rollout's step 5")
     experience["advantages"] = advantages
-    sums |= estimator_sums | {"score_norm": score_norm.sum(), "rlhf_reward": rewards.sum()}
+    return_norm = score_norm if turn_rewards is None else score_norm + turn_rewards.sum(1)  # (B,) normalised returns
+    sums |= estimator_sums | {"score_norm": return_norm.sum(), "rlhf_reward": rewards.sum()}
     metrics, totals = rollout.rollout_metrics(sums, mask.device)
     metrics["objective/score_norm"] = totals["score_norm"] / totals["sequences"]
     metrics["objective/rlhf_reward"] = totals["rlhf_reward"] / totals["sequences"]
@@ -877,7 +900,7 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
     first = {}
     updates = 0
     skipped_before = loop.guard.skipped
-    lengths = mask.sum(1).long().tolist()  # one host sync: each micro-batch trims its right padding to its longest row
+    lengths = row_extent(mask).tolist()  # one host sync: each micro-batch trims its right padding to its longest row
     for _ in range(args.ppo_epochs):
         if args.estimator == "rebel":  # whole groups permuted: a pair never splits (micro-batches hold whole groups)
             group_size = args.group_size

@@ -30,7 +30,7 @@ import common
 import parallel
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
-from model import entropy_from_logits, lm_loss, masked_mean, response_forward
+from model import entropy_from_logits, lm_loss, masked_mean, response_forward, row_extent
 
 
 @dataclass
@@ -109,7 +109,8 @@ def check_args(args: Args) -> None:
 
 
 # -----------------------------------------------------------------------------
-# PPO-max's math: pure functions, imported by tests. Tensors are (B, T) over response tokens, mask 1.0 = real token.
+# PPO-max's math: pure functions, imported by tests. Tensors are (B, T) over response tokens, mask 1.0 = real token
+# (a model token: in a multi-turn episode the environment's tokens between turns are 0, docs/design.md §5).
 
 
 class RunningMoments:
@@ -167,28 +168,45 @@ def normalize_scores(scores, mean: float, std: float, mode: str, clip: Optional[
     return scores
 
 
-def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float):
-    """scores (B,), the rest (B, T) -> (rewards, kl), both (B, T), 0 on padding: rewards = -kl_coef * k1 per token,
-    k1 = logp - ref_logp, plus the score on the last valid token (the EOS). http://joschu.net/blog/kl-approx.html"""
+def split_turn_rewards(turn_rewards, mask):
+    """turn_rewards (B, T), each turn's reward on its last model token (a row sums to the episode's return) -> (the
+    last turn's (B,), on the episode's last model token; the earlier turns' (B, T), 0 there and off the mask)."""
+    last = (row_extent(mask) - 1).clamp(min=0)[:, None]  # (B, 1) the episode's last model token
+    earlier = (turn_rewards * mask).scatter(1, last, 0.0)
+    return turn_rewards.gather(1, last).squeeze(1), earlier
+
+
+def shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float, turn_rewards=None):
+    """scores (B,), the rest (B, T) -> (rewards, kl), both (B, T), 0 off the mask: rewards = -kl_coef * k1 per token,
+    k1 = logp - ref_logp, plus the score on the last model token (the EOS), plus turn_rewards (B, T) where given: a
+    multi-turn episode's earlier turns' rewards, each on its turn's last model token.
+    http://joschu.net/blog/kl-approx.html"""
     kl = torch.where(mask.bool(), logprobs - ref_logprobs, 0.0) * mask
     rewards = -kl_coef * kl
-    last = (mask.sum(1).long() - 1).clamp(min=0)  # (B,) index of the last real token
+    if turn_rewards is not None:
+        rewards = rewards + turn_rewards
+    last = (row_extent(mask) - 1).clamp(min=0)  # (B,) index of the last model token
     rewards = rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
     return rewards * mask, kl
 
 
 def compute_gae(rewards, values, mask, gamma: float, lam: float):
-    """Generalised advantage estimation (Schulman et al. 2015) over right-padded rows; the value after the last valid
-    token is 0. Returns (advantages, returns = advantages + values), 0 on padding."""
+    """Generalised advantage estimation (Schulman et al. 2015) over right-padded rows; the value after the last model
+    token is 0. On the environment's tokens inside a row (mask 0) the next value and the running advantage pass
+    through unchanged, so a model token's next value is the next model token's (verl's multi-turn
+    compute_gae_advantage_return). Returns (advantages, returns = advantages + values), 0 off the mask."""
     rewards, values = rewards * mask, values * mask
     T = rewards.size(1)
     advantages = torch.zeros_like(rewards)
+    next_values = torch.zeros_like(rewards[:, 0])  # 0 past the last model token
     lastgaelam = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(T)):
-        next_values = values[:, t + 1] if t + 1 < T else torch.zeros_like(lastgaelam)  # 0 past the end (masked)
+        model_token = mask[:, t].bool()
         delta = rewards[:, t] + gamma * next_values - values[:, t]
-        lastgaelam = (delta + gamma * lam * lastgaelam) * mask[:, t]
-        advantages[:, t] = lastgaelam
+        advantages[:, t] = (delta + gamma * lam * lastgaelam) * mask[:, t]
+        # padding and the environment's tokens carry both through
+        next_values = torch.where(model_token, values[:, t], next_values)
+        lastgaelam = torch.where(model_token, advantages[:, t], lastgaelam)
     return advantages, (advantages + values) * mask
 
 
@@ -330,11 +348,20 @@ def ppo_rollout(
     mask = experience["mask"]
     amp = torch.autocast(mask.device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
     values = critic_values(critic, experience, engine.micro_batch_size, args.temperature, amp)
-    # 4. rewards: running moments over all history and ranks, normalise, clip (PPO-max §3.2); -beta * k1 per token
+    # 4. rewards: running moments of the returns over all history and ranks, normalise, clip (PPO-max §3.2); -beta * k1
+    # per token
     scores = experience["scores"]
     reward_moments.update(scores)
-    score_norm = normalize_scores(scores, reward_moments.mean, reward_moments.std, args.reward_norm, args.reward_clip)
-    rewards, _ = shape_rewards(score_norm, experience["logprobs"], experience["ref_logprobs"], mask, kl_coef)
+    mean, std = reward_moments.mean, reward_moments.std
+    final_scores, turn_rewards = scores, None
+    if "turn_rewards" in experience:  # multi-turn: the earlier turns' rewards over the std, the mean on the last turn
+        final_scores, turn_rewards = split_turn_rewards(experience["turn_rewards"], mask)
+        turn_rewards = normalize_scores(turn_rewards, 0.0, std, args.reward_norm, args.reward_clip)
+    score_norm = normalize_scores(final_scores, mean, std, args.reward_norm, args.reward_clip)
+    logprobs, ref_logprobs = experience["logprobs"], experience["ref_logprobs"]
+    rewards, _ = shape_rewards(score_norm, logprobs, ref_logprobs, mask, kl_coef, turn_rewards)
+    if turn_rewards is not None:  # the normalised return
+        score_norm = score_norm + turn_rewards.sum(1)
     # 5. advantages by GAE; returns = raw advantages + values, the critic's targets
     advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
     experience |= dict(rewards=rewards, advantages=advantages, values=values, returns=returns)
@@ -432,7 +459,7 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
     first = {}
     updates = 0  # optimizer steps every model took
     skipped_before = loop.guard.skipped
-    lengths = mask.sum(1).long().tolist()  # one host sync: each micro-batch trims its right padding to its longest row
+    lengths = row_extent(mask).tolist()  # one host sync: each micro-batch trims its right padding to its longest row
     for _ in range(args.ppo_epochs):
         permutation = torch.randperm(mask.size(0), generator=loop.generator, device=loop.generator.device)
         widths = parallel.micro_batch_widths(lengths, permutation.tolist(), micro_batch_size)
