@@ -6,8 +6,8 @@ on the secret (reward 1) or after TURNS wrong guesses (reward 0). A turn that is
 ends the episode with reward 0. The return is the success: with 4 guesses binary search tells 2^4 - 1 = 15 of the 20
 secrets apart, so the optimum succeeds with probability 3/4 in 69/20 turns (`optimum`, by dynamic programming).
 The demonstrations are a weak player's, a uniform guess among the values still consistent: 0.499 (`policy_values`).
-`tilted_optimum(beta)` is the multi-turn KL-optimal limit over that reference. The tokenizer has no merges but the
-feedback words' (and "guess"): every digit is a token, and each feedback word one token.
+`tilted_optimum(beta)` is the multi-turn KL-optimal limit over that reference. The tokenizer merges bytes only into
+"guess" and the feedback words: every digit is a token of its own, each feedback word one token.
 """
 
 import functools
@@ -143,7 +143,7 @@ def tilted_policy(beta: float, reference: Policy = weak_policy, numbers: int = N
     The secret is hidden, so the policy cannot tilt the feedback: its optimum is the soft Bellman recursion
     pi(g | s) = reference(g | s) exp((Q(g) - V(s)) / beta), V(s) = beta log sum_g reference(g | s) exp(Q(g) / beta),
     Q(g) the hit chance plus the feedback's expected next V (Levine 2018, "Reinforcement learning and control as
-    probabilistic inference", §4), not reference(episode) exp(R / beta) / Z, which would also pick the secret."""
+    probabilistic inference", §3), not reference(episode) exp(R / beta) / Z, which would also pick the secret."""
     assert beta > 0, f"beta {beta} must be positive"
 
     @functools.cache
