@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 import typing
 import urllib.parse
 from contextlib import contextmanager
@@ -263,6 +264,29 @@ def resume_command(path: str, argv: Optional[list[str]] = None) -> str:
 # reward functions (--reward-fn)
 
 
+def is_finite_number(value) -> bool:
+    """What a reward must be: an int or a float (not a bool), neither nan nor inf."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def shorten(text: str, width: int = 60) -> str:
+    """text quoted as repr quotes it (one line: newlines escaped), cut after width characters with '...'."""
+    return repr(text) if len(text) <= width else repr(text[:width]) + "..."
+
+
+def call_user_code(name: str, context: str, fn: Callable, *args):
+    """fn(*args), fn the user's code (--reward-fn, an environment's step): an exception it raises is one UserError,
+    `<name> raised <type> (<message>) at <file>:<line> on <context>`, where the traceback's last frame is."""
+    try:
+        return fn(*args)
+    except Exception as e:  # the user's code: any mistake there is theirs to see in one line
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        path = os.path.relpath(frame.filename)
+        where = f"{frame.filename if path.startswith('..') else path}:{frame.lineno}"
+        message = f" ({str(e).splitlines()[0][:80]})" if str(e).strip() else ""
+        raise UserError(f"{name} raised {type(e).__name__}{message} at {where} on {context}") from None
+
+
 def load_reward_fn(spec: str, sample_prompt: Optional[str] = None, flag: str = "--reward-fn") -> Callable:
     """--reward-fn module:function or path/to/file.py:function -> fn(prompt, response, ended) -> float, a module
     found from the current folder or the repo's. With sample_prompt it is tried at once on that prompt and an empty
@@ -293,7 +317,7 @@ def load_reward_fn(spec: str, sample_prompt: Optional[str] = None, flag: str = "
             value = fn(sample_prompt, "", ended)
         except Exception as e:  # the user's code: any mistake there is theirs to see in one line
             raise UserError(f"{call} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not is_finite_number(value):
             raise UserError(f"{call} returned {value!r}: expected a finite number (a float)")
     return fn
 
@@ -395,7 +419,9 @@ def _wait_for_a_later_second(out_dir: str) -> None:
 class Logger:
     """TensorBoard scalars, the console line `step 00042/00500 | loss 1.23 | ...` and out_dir/samples.jsonl, all
     written by rank 0 only. It owns samples.jsonl: a fresh run starts it empty; a resumed run keeps the records of
-    steps <= resume_step, and TensorBoard hides the scalars of later steps the same way, so no step appears twice."""
+    steps <= resume_step, and TensorBoard hides the scalars of later steps the same way, so no step appears twice.
+    Both files are opened at the first write or at close: a run that fails before its first step (a reward function
+    that raises) leaves its folder as its last checkpoint left it."""
 
     def __init__(
         self,
@@ -405,26 +431,34 @@ class Logger:
         console_keys: Optional[tuple[str, ...]] = None,
     ):
         self.writer = None
+        self.master = master
+        self.out_dir = out_dir
+        self.resume_step = resume_step
         self.console_keys = console_keys
         self.started = time.time()  # this sitting's clock: a resumed run's pace counts its own steps
         self.first_step = resume_step or 0
         self.samples_path = os.path.join(out_dir, "samples.jsonl")
-        if not master:
-            return
+
+    def open(self):
+        """Rank 0's SummaryWriter, opened at the first call with samples.jsonl started; None on the other ranks."""
+        if self.writer is not None or not self.master:
+            return self.writer
         from torch.utils.tensorboard import SummaryWriter
 
         # a resumed run hides the scalars logged after its checkpoint (steps > resume_step); those of the checkpoint's
         # own step were logged before it was saved and stay
+        resume_step = self.resume_step
         purge_step = None if resume_step is None else resume_step + 1
         if resume_step is not None:
-            _wait_for_a_later_second(out_dir)
-        self.writer = SummaryWriter(out_dir, purge_step=purge_step)  # creates out_dir
+            _wait_for_a_later_second(self.out_dir)
+        self.writer = SummaryWriter(self.out_dir, purge_step=purge_step)  # creates out_dir
         kept = [] if resume_step is None else _records_up_to(self.samples_path, resume_step)
         write_atomic(self.samples_path, "".join(kept))
+        return self.writer
 
     def log(self, step: int, metrics: dict, max_steps: Optional[int] = None, console: bool = True) -> None:
         """Every metric to TensorBoard; the console line shows console_keys (those present, in that order) or all."""
-        if self.writer is None:
+        if self.open() is None:
             return
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, float(value), step)
@@ -442,7 +476,7 @@ class Logger:
 
     def samples(self, step: int, records: list[dict]) -> None:
         """Append {"step": step, **record} to samples.jsonl, one JSON line per record."""
-        if self.writer is None:
+        if self.open() is None:
             return
         with open(self.samples_path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps({"step": step, **record}) + "\n" for record in records)
@@ -462,11 +496,12 @@ class Logger:
         self.samples(step, records[:16])
 
     def text(self, tag: str, text: str, step: int) -> None:
-        if self.writer is not None:
+        if self.open() is not None:
             self.writer.add_text(tag, text, step)
 
     def close(self) -> None:
-        if self.writer is not None:
+        """A run that ends without a step (resumed at its last) still ends with its files, as one that logged."""
+        if self.open() is not None:
             self.writer.close()
 
 

@@ -344,8 +344,7 @@ def response_scores(engine: Engine, responses: Responses, amp):
         # an RM reads its score at the EOS: a response without one has no RM score, -1 in its place
         scores = torch.where(samples.ended, scores, torch.full_like(scores, MISSING_EOS_RM_SCORE))
     if engine.reward_fn is not None:
-        texts = zip(responses.prompt_texts, samples.texts, samples.ended.tolist())  # a conversation: rendered
-        fn_scores = torch.tensor([float(engine.reward_fn(p, t, e)) for p, t, e in texts], device=scores.device)
+        fn_scores = reward_fn_scores(engine, responses).to(scores.device)
         if members:
             score_parts["rm_score"] = scores
         score_parts["reward_fn"] = fn_scores
@@ -353,6 +352,40 @@ def response_scores(engine: Engine, responses: Responses, amp):
     if args.missing_eos_penalty is not None:  # given: the whole score of a response without EOS
         scores = torch.where(samples.ended, scores, torch.full_like(scores, args.missing_eos_penalty))
     return scores, score_parts
+
+
+def reward_fn_scores(engine: Engine, responses: Responses) -> torch.Tensor:
+    """--reward-fn's value for each response (B,). A raise, or a value that is not a finite number, is a UserError
+    naming the function, the prompt and the answer, on this rank alone (rollout raises it on every rank)."""
+    name = f"--reward-fn {engine.args.reward_fn}"
+    values = []
+    texts = zip(responses.prompt_texts, responses.samples.texts, responses.samples.ended.tolist())
+    for prompt, response, ended in texts:  # a conversation: rendered
+        context = f"prompt {common.shorten(prompt)} answer {common.shorten(response)}"
+        value = common.call_user_code(name, context, engine.reward_fn, prompt, response, ended)
+        if not common.is_finite_number(value):
+            raise UserError(f"{name} returned {repr(value)[:60]} on {context}: expected a finite number (a float)")
+        values.append(float(value))
+    return torch.tensor(values)
+
+
+def raise_on_every_rank(error: Optional[UserError], device: torch.device) -> None:
+    """A user error that some ranks met (their reward function raised), agreed in one all-reduce: every rank raises
+    the lowest such rank's error, so all exit 2 together and none waits in a later collective. Every rank calls it at
+    the same point; the error's text travels only when there is one."""
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    world_size = dist.get_world_size()
+    first = torch.tensor(world_size if error is None else dist.get_rank(), device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    first = int(first)
+    if first == world_size:
+        return
+    message = [str(error) if error is not None else None]
+    dist.broadcast_object_list(message, src=first, device=device)
+    raise UserError(message[0])
 
 
 def rules(args: RolloutArgs, data: RLData) -> str:
@@ -477,7 +510,12 @@ def rollout(engine: Engine, prompts: list, prefix: Optional[tuple] = None, k: in
     amp = torch.autocast(samples.mask.device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
     logprobs = policy_and_reference_logprobs(engine, responses, amp)
     logprob_error, mean_error = check_logprobs(samples.logprobs, logprobs["logprobs"], responses.sampled, engine.dtype)
-    scores, score_parts = response_scores(engine, responses, amp)
+    error = None
+    try:
+        scores, score_parts = response_scores(engine, responses, amp)
+    except UserError as raised:  # the user's reward function, on this rank: all ranks learn of it first
+        error = raised
+    raise_on_every_rank(error, samples.mask.device)
     experience = dict(
         query=responses.query,
         query_mask=responses.query_mask,

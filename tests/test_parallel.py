@@ -547,3 +547,48 @@ def test_compiled_ppo_compiles_each_call_once_whatever_the_lengths(tmp_path, tas
     assert total == 8, total
     assert total <= train_ppo.parallel.RECOMPILE_LIMIT and hits.hits == 0
     assert len(errors) == 5 and max(errors) < 1e-4, errors  # fp32: sampler and trainer agree
+
+
+# -----------------------------------------------------------------------------
+# a user's reward function that raises on one rank only
+
+ONE_RANK_RAISES = """import os
+
+
+def score(prompt, response, ended):
+    if response and os.environ["RANK"] == "1":
+        raise ValueError("rank 1 cannot score this")
+    return 0.5
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_raises_on_one_rank_exits_2_on_both(tmp_path, task_dir, tiny_ckpts):
+    """Rank 1's --reward-fn raises mid-run, rank 0's never: the ranks agree on it in one all-reduce after scoring, so
+    both exit 2 at once (neither waits in the other's next collective), rank 0 prints the one line naming the function,
+    its file and line, the prompt and the answer, and neither prints a traceback. The ranks are plain processes with
+    torchrun's variables (torchrun would SIGTERM the second rank once the first exits)."""
+    (tmp_path / "reward.py").write_text(ONE_RANK_RAISES)
+    flags = (
+        f"train_grpo.py --sft-ckpt {tiny_ckpts[0]} --rm-ckpt none --reward-fn {tmp_path}/reward.py:score --task-dir "
+        f"{task_dir} --out-dir {tmp_path}/run --max-steps 2 --rollout-batch-size 8 --num-minibatches 2 "
+        "--micro-batch-size 2 --max-new-tokens 8 --warmup-steps 1 --device cpu"
+    )
+    port = free_port()
+    ranks = []
+    for rank in range(2):
+        env = ENV | dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+        env |= dict(MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+        command = [sys.executable, *shlex.split(flags)]
+        ranks.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    try:
+        outputs = [process.communicate(timeout=300) for process in ranks]
+    finally:  # a rank left waiting on the other would hold gloo's 30-minute timeout
+        for process in ranks:
+            process.kill()
+    errors = [err.decode() for _, err in outputs]
+    assert [process.returncode for process in ranks] == [2, 2], errors
+    assert errors[1] == "" and len(errors[0].splitlines()) == 1, errors
+    head = f"error: --reward-fn {tmp_path}/reward.py:score raised ValueError (rank 1 cannot score this) at "
+    assert errors[0].startswith(head + f"{tmp_path}/reward.py:6 on prompt '"), errors[0]
+    assert "' answer '" in errors[0] and not (tmp_path / "run" / "ckpt.pt").exists()

@@ -7,13 +7,17 @@ the FLOPs of an iteration by hand, and the bf16 sampler copy of the actor refres
 
 import contextlib
 import dataclasses
+import json
 import math
+import os
+import re
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import boost_eos, fake_experience, free_port, ragged, tiny_gpt
+from conftest import boost_eos, exits_2_with_one_line, fake_experience, free_port, ragged, read_scalars, tiny_gpt
 
+import common
 import generate
 import parallel
 import rollout
@@ -564,3 +568,71 @@ def test_host_syncs_do_not_grow_with_the_batch(tmp_path, task_dir, tiny_ckpts, m
             counts[responses, micro_batch_size] = count_host_syncs(monkeypatch, lambda: train_grpo.main(args))
     assert len(set(counts.values())) == 1, counts
     assert counts[8, 8] <= 50, counts  # 2 iterations: about 20 each (measured 33 and 34)
+
+
+# -----------------------------------------------------------------------------
+# a reward function that raises, or returns no finite number, mid-run: one line, exit 2, the folder untouched
+
+# passes the start-up check's 2 calls and `passed` more, then answers `value`
+MID_RUN_REWARD = """calls = []
+
+
+def score(prompt, response, ended):
+    calls.append(response)
+    if len(calls) <= 2 + {passed}:
+        return 0.5
+    return {value}
+"""
+
+
+def test_a_reward_function_that_raises_is_named_with_the_prompt_the_answer_and_its_line(tmp_path, task_tok):
+    """rollout's --reward-fn: a raise is one UserError naming the function, its file and line, and the prompt and the
+    answer quoted (newlines escaped) and cut at 60 characters; a value that is not a finite number the same."""
+    (tmp_path / "myreward.py").write_text(MID_RUN_REWARD.format(passed=0, value="{}['missing']"))
+    spec = f"{tmp_path}/myreward.py:score"
+    reward_fn = common.load_reward_fn(spec, "a prompt")
+    actor = tiny_gpt(task_tok, 0)
+    engine = engine_of(Models(actor, actor, []), task_tok, reward_fn=reward_fn)
+    engine.args = dataclasses.replace(engine.args, reward_fn=spec)
+    prompt = "Review of The Silent River (plot, music, acting, ending, and the rest of it):\nin short"
+    with pytest.raises(common.UserError) as error:
+        rollout.rollout(engine, [prompt] * 4)
+    head = f"--reward-fn {spec} raised KeyError ('missing') at {tmp_path}/myreward.py:8 on prompt "
+    assert str(error.value).startswith(head + repr(prompt[:60]) + "... answer '"), str(error.value)
+    assert "\n" not in str(error.value)
+    engine.reward_fn = lambda prompt, response, ended: float("inf") if response else 0.0
+    with pytest.raises(common.UserError, match=r" returned inf on prompt '.*' answer '.+': expected a finite number"):
+        rollout.rollout(engine, ["Review of"] * 4)
+
+
+@pytest.mark.parametrize("script", ["train_ppo.py", "train_grpo.py"])
+@pytest.mark.parametrize(
+    "passed, value, said",
+    [
+        (8, "1 / len(prompt) / 0", r"raised ZeroDivisionError \(float division by zero\) at {file}:8 on prompt '.*' "),
+        (0, "float('nan')", r"returned nan on prompt '.*' answer '.*': expected a finite number \(a float\)$"),
+    ],
+    ids=["raises in the second iteration", "nan in the first"],
+)
+def test_a_reward_function_that_fails_mid_run_exits_2_and_leaves_the_last_checkpoints_folder(
+    tmp_path, task_dir, tiny_ckpts, capsys, monkeypatch, script, passed, value, said
+):
+    """A --reward-fn that passes the start-up check, then raises or returns nan: one line naming the function, the
+    file and line of the raise, the prompt and the answer, exit 2 and no traceback (it was a 25-line traceback and exit
+    1). The run folder is as its last checkpoint left it: after a save at step 1, no scalar, sample or checkpoint of
+    step 2; failing in the first iteration, no event file and no samples.jsonl at all."""
+    path = tmp_path / "myreward.py"
+    path.write_text(MID_RUN_REWARD.format(passed=passed, value=value))
+    out = tmp_path / "run"
+    flags = f"--sft-ckpt {tiny_ckpts[0]} --rm-ckpt none --reward-fn {path}:score --task-dir {task_dir} --out-dir {out}"
+    flags += " --max-steps 3 --rollout-batch-size 8 --num-minibatches 2 --micro-batch-size 4 --max-new-tokens 8"
+    flags += " --warmup-steps 1 --log-every 1 --sample-every 1 --save-every 1 --device cpu"
+    err = exits_2_with_one_line(script, flags.split(), capsys, monkeypatch)
+    assert re.match(f"error: --reward-fn {path}:score " + said.format(file=path), err), err
+    if passed == 0:  # the first iteration
+        assert not out.exists() or os.listdir(out) == [], os.listdir(out)
+        return
+    assert torch.load(out / "ckpt.pt", weights_only=False)["step"] == 1
+    assert {json.loads(line)["step"] for line in open(out / "samples.jsonl")} == {1}
+    assert len(read_scalars(str(out))["objective/score"]) == 1
+    assert len([name for name in os.listdir(out) if name.startswith("events.out.tfevents.")]) == 1
