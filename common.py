@@ -323,6 +323,55 @@ def load_reward_fn(spec: str, sample_prompt: Optional[str] = None, flag: str = "
 
 
 # -----------------------------------------------------------------------------
+# environments (--env): multi-turn episodes, docs/usage.md "How to extend"
+
+
+def load_env(spec: str, first_row: dict, max_turns: int, flag: str = "--env") -> Callable:
+    """--env module:NAME or path/to/file.py:NAME (found as --reward-fn's function is) -> make(row), which builds
+    NAME(row) as a CheckedEnv. NAME(first_row).step("", False) is tried at once; max_turns under 1 is refused."""
+    if max_turns < 1:
+        raise UserError(f"--max-turns {max_turns}: the model's turns an episode may take, use >= 1")
+    factory = load_reward_fn(spec, flag=flag)  # the loader only: no sample prompt, so nothing is called
+
+    def make(row: dict) -> CheckedEnv:
+        return CheckedEnv(f"{flag} {spec}", factory, row)
+
+    make(first_row).step("", False)
+    return make
+
+
+class CheckedEnv:
+    """One episode's environment, NAME(row), whose mistakes are one UserError naming the environment, the turn and
+    the prompt: a raise (building it or in step: call_user_code), a step that is not (observation, reward, done[,
+    info]), a reward that is not a finite number. step returns the four items, info {} when the environment gave
+    none."""
+
+    def __init__(self, name: str, factory: Callable, row: dict):
+        self.name = name
+        self.prompt = shorten(str(row.get("prompt")))
+        self.turn = 0
+        self.env = call_user_code(f"{name}: building it", f"the prompt {self.prompt}", factory, row)
+
+    def step(self, response: str, ended: bool) -> tuple[Optional[str], float, bool, dict]:
+        self.turn += 1
+        where = f"{self.name}: step at turn {self.turn}"
+        context = f"the prompt {self.prompt} and the response {shorten(response)}"
+        result = call_user_code(where, context, self.env.step, response, ended)
+        if not isinstance(result, tuple) or len(result) not in (3, 4):
+            shape = "expected (observation, reward, done) or with an info dict"
+            raise UserError(f"{where} returned {repr(result)[:80]}: {shape}, on {context}")
+        observation, reward, done, *rest = result
+        info = rest[0] if rest else {}
+        if observation is not None and not isinstance(observation, str):
+            raise UserError(f"{where} returned the observation {repr(observation)[:80]}: expected a str or None")
+        if not is_finite_number(reward):
+            raise UserError(f"{where} returned the reward {reward!r}: expected a finite number (a float), on {context}")
+        if not isinstance(info, dict) or not all(is_finite_number(value) for value in info.values()):
+            raise UserError(f"{where} returned the info {repr(info)[:80]}: expected a dict of finite numbers")
+        return observation, float(reward), bool(done), info
+
+
+# -----------------------------------------------------------------------------
 # the optimizer step and its NaN guard
 
 

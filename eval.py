@@ -18,6 +18,10 @@ error covers the choice of prompts and the sampling noise together.
   by --rm (a response without EOS scores --missing-eos-penalty) and the best one is scored like a policy sample (rows
   `<name>_bon<N>`). Its kl is the bound log N - (N-1)/N + the chosen sample's own KL to the reference (the chain rule;
   Beirami et al. 2024, https://arxiv.org/abs/2401.01879), marked `≤` in the table and `kl_bound: true` in the JSON.
+- --env FILE.py:NAME --max-turns N: each prompt row is an episode against the environment NAME(row), the model's
+  turns and the environment's observations in one sequence; the mean return, success (the info key `success`),
+  turns, truncated_frac and every info key (`episode/<key>`), with kl, response_len and perplexity over the model's
+  tokens only, each clustered by prompt as above.
 - --pairs: accuracy, margin and the Bayes ceiling are weighted means over pairs, clustered by record (the pairs of a
   K-wise record share their responses).
 
@@ -26,6 +30,7 @@ python eval.py --policy out/sft/ckpt.pt out/ppo/ckpt.pt --names sft ppo --ref ou
     --json out/results.json --seeds 4
 python eval.py --policy out/sft/ckpt.pt --names sft --best-of-n 1 4 16 64   # best-of-N from SFT, reranked by the RM
 python eval.py --pairs                                                  # reward-model mode: accuracy, calibration
+python eval.py --policy out/sft/ckpt.pt --names sft --prompts games.jsonl --env game.py:Guess --max-turns 6
 """
 
 import json
@@ -45,7 +50,7 @@ import hf
 import parallel
 from common import UserError, format_sample, write_atomic, write_jsonl
 from data import TASKS, drop_tied, encode_prefs, encode_prompts, prompt_ids, prompt_text, read_jsonl, responses_of
-from generate import sample
+from generate import run_episodes, sample
 from model import (
     aggregate_rm_scores,
     calibration_error,
@@ -106,6 +111,12 @@ class Args:
     reward_fn: Optional[str] = None
     """module:function or path/to/file.py:function, fn(prompt, response, ended) -> float (as train_ppo.py's): its mean
     over the samples is the reward_fn column, your own objective on held-out prompts"""
+    env: Optional[str] = None
+    """module:NAME or path/to/file.py:NAME: an environment NAME(row) built from each --prompts row, whose step(response,
+    ended) -> (observation, reward, done[, info]) answers every model turn (docs/usage.md, How to extend): episodes
+    instead of responses, reported as return, success, turns, truncated_frac and each info key (episode/<key>)"""
+    max_turns: int = 1
+    """--env: the model turns an episode may take"""
     missing_eos_penalty: Optional[float] = None
     """best-of-N and --kl-optimal: the RM score of a response without EOS (None: -1, as the RL stages score an RM's
     part: an RM reads its score at the EOS)"""
@@ -309,6 +320,145 @@ def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rms=(
     return samples
 
 
+@torch.no_grad()
+def episode_batch(model, tok, rows: list, make_env, args: Args, device, generator, ref) -> dict:
+    """One generation batch of episodes, one a row; per-episode lists (see sample_episodes)."""
+    query, query_mask = (t.to(device) for t in encode_prompts(tok, [row["prompt"] for row in rows]))
+    compiled = parallel.use_compile(args.compile, device)
+    dtype = parallel.resolve_dtype(args.dtype, device)
+    amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    envs = [make_env(row) for row in rows]
+    with amp:
+        episodes = run_episodes(
+            model,
+            tok,
+            query,
+            query_mask,
+            envs,
+            args.max_turns,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            generator=generator,
+            compiled=compiled,
+        )
+    # the tokens after the prompt: the model's (mask) and the observations' (attention_mask)
+    P = episodes.prompt_width
+    response, attention, mask = episodes.sequences[:, P:], episodes.attention_mask[:, P:], episodes.mask[:, P:]
+    sampler_logprobs = episodes.logprobs[:, P:]
+    policy_logprobs = sampler_logprobs
+    # k1 summed over the model's tokens, each read in the whole episode's context (observations included)
+    ids, packed_mask = left_pack(episodes.sequences, episodes.attention_mask)
+    with amp:
+        ref_logits = packed_response_logits(ref, ids, packed_mask, attention, args.temperature)
+        if not parallel.full_precision(dtype):  # bf16: both from a full forward, as sample_batch reads them
+            policy_logits = packed_response_logits(model, ids, packed_mask, attention, args.temperature)
+            policy_logprobs = logprobs_from_logits(policy_logits, response)
+    ref_logprobs = logprobs_from_logits(ref_logits, response)
+    kl = ((policy_logprobs - ref_logprobs) * mask).sum(1)
+    last_turn = (episodes.turns - 1).clamp(min=0)[:, None]
+    info = [
+        {key: float(values[b]) for key, values in episodes.info.items() if not math.isnan(values[b])}
+        for b in range(len(rows))
+    ]
+    return {
+        "prompt": [prompt_text(tok, row["prompt"]) for row in rows],
+        "turn_texts": episodes.turn_texts,
+        "observations": episodes.observations,
+        "return": episodes.returns.tolist(),
+        "turns": episodes.turns.tolist(),
+        "truncated": episodes.truncated.float().tolist(),
+        "ended": (episodes.ended.gather(1, last_turn).squeeze(1) & (episodes.turns > 0)).tolist(),
+        "n": mask.sum(1).tolist(),
+        "observation_tokens": (attention - mask).sum(1).tolist(),
+        "logprob_sum": (sampler_logprobs * mask).sum(1).tolist(),
+        "kl": kl.tolist(),
+        "info": info,
+    }
+
+
+@torch.no_grad()
+def sample_episodes(model, tok, rows: list, make_env, args: Args, device, ref) -> dict:
+    """One episode per prompt row and seed, seed-major, each seed its own fresh generator. Returns per-episode lists:
+    prompt, turn_texts, observations, return, turns, truncated, ended (its last turn), n (model tokens),
+    observation_tokens, logprob_sum, kl (to ref, over the model's tokens), info (the environment's last values),
+    prompt_index (the cluster), seed."""
+    episodes = {}
+    for seed in range(args.seed, args.seed + args.seeds):
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for start in range(0, len(rows), args.batch_size):
+            batch_rows = rows[start : start + args.batch_size]
+            batch = episode_batch(model, tok, batch_rows, make_env, args, device, generator, ref)
+            batch["prompt_index"] = list(range(start, start + len(batch_rows)))
+            batch["seed"] = [seed] * len(batch_rows)
+            for key, values in batch.items():
+                episodes.setdefault(key, []).extend(values)
+    return episodes
+
+
+def episode_metrics(episodes: dict) -> dict:
+    """The episode table's numbers from sample_episodes' lists, each `<metric>` with its `<metric>_se` (clustered by
+    prompt): return, success (the info key `success`, None without it), turns, truncated_frac, kl, response_len and
+    perplexity over the model's tokens, eos_frac (the last turn ended), observation_tokens, every info key as
+    episode/<key> (over the episodes that gave it); then num_samples and seeds."""
+    cluster = episodes["prompt_index"]
+    stats = {
+        "return": mean_se(episodes["return"], cluster),
+        "turns": mean_se(episodes["turns"], cluster),
+        "truncated_frac": mean_se(episodes["truncated"], cluster),
+        "kl": mean_se(episodes["kl"], cluster),
+        "response_len": mean_se(episodes["n"], cluster),
+        "perplexity": perplexity_se(episodes["logprob_sum"], episodes["n"], cluster),
+        "eos_frac": mean_se([float(e) for e in episodes["ended"]], cluster),
+        "observation_tokens": mean_se(episodes["observation_tokens"], cluster),
+    }
+    for key in sorted({key for info in episodes["info"] for key in info}):
+        given = [(info[key], c) for info, c in zip(episodes["info"], cluster) if key in info]
+        stats[f"episode/{key}"] = mean_se([value for value, _ in given], [c for _, c in given])
+    stats["success"] = stats.get("episode/success")
+    metrics = {}
+    for name, stat in stats.items():
+        metrics[name] = None if stat is None else stat["value"]
+        metrics[f"{name}_se"] = None if stat is None else stat["se"]
+    metrics["num_samples"] = len(cluster)
+    metrics["seeds"] = sorted(set(episodes["seed"]))
+    return metrics
+
+
+def episode_results(args: Args, names: list, rows: list, ref, ref_tok, device) -> dict:
+    """--env: each policy's episodes over the prompt rows that fit the context, {name: episode_metrics + train
+    seconds}; the first --show episodes printed turn by turn."""
+    dtype = parallel.resolve_dtype(args.dtype, device)
+    context = min(context_size(path) for path in [args.ref, *args.policy])
+    fitting = [row for row in rows if len(prompt_ids(ref_tok, row["prompt"])) < context]
+    if not fitting:
+        raise UserError(f"--prompts: no prompt leaves room for a response in the context of {context}")
+    if len(fitting) < len(rows):
+        print(f"eval: {len(rows) - len(fitting)} of {len(rows)} prompts leave no room in the context of {context}")
+    make_env = common.load_env(args.env, fitting[0], args.max_turns)
+    results = {}
+    for name, path in zip(names, args.policy):
+        model, tok, ckpt = load_model(path, "--policy", device, dtype=dtype)
+        if tok.state() != ref_tok.state():
+            raise UserError(f"--policy {path}: its tokenizer differs from the reference's ({args.ref})")
+        episodes = sample_episodes(model, tok, fitting, make_env, args, device, ref)
+        results[name] = episode_metrics(episodes) | {"train_seconds": round((ckpt or {}).get("seconds", 0.0), 1)}
+        for index in range(min(args.show, len(episodes["prompt"]))):
+            turns = zip(episodes["turn_texts"][index], episodes["observations"][index] + [None])
+            shown = " ".join(f"[turn] {text!r}" + (f" [env] {obs!r}" if obs is not None else "") for text, obs in turns)
+            print(f"[{name}] {episodes['prompt'][index]!r} {shown} return {episodes['return'][index]:.3f}")
+    return results
+
+
+def print_episode_table(results: dict) -> None:
+    """--env: the policies' episode metrics as a markdown table, every metric as mean ± standard error."""
+    cols = ["return", "success", "turns", "truncated_frac", "kl", "response_len", "perplexity", "eos_frac"]
+    keys = {key for entry in results.values() for key in entry if key.startswith("episode/") and key[-3:] != "_se"}
+    cols += ["observation_tokens", *sorted(keys - {"episode/success"}), "num_samples", "train_seconds"]
+    print("| policy | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
+    for name, entry in results.items():
+        print(f"| {name} | " + " | ".join(format_value(entry, c) for c in cols) + " |")
+
+
 def pick_samples(samples: dict, indices: list) -> dict:
     """sample_policy's lists at the given sample indices."""
     return {key: [values[index] for index in indices] for key, values in samples.items()}
@@ -397,12 +547,17 @@ def best_of_n(samples: dict, n: int, first_seed: int, missing_eos_penalty: float
     return picked
 
 
+def first_rows(path: str, num_samples: int) -> list:
+    """The first --num-samples rows of a prompts file, saying so when the file holds more."""
+    rows = read_jsonl(path, "prompts", "--prompts")
+    if len(rows) > num_samples:
+        print(f"eval: the first {num_samples} of the {len(rows)} prompts in {path} (--num-samples counts prompts)")
+    return rows[:num_samples]
+
+
 def first_prompts(path: str, num_samples: int) -> list:
-    """The first --num-samples prompts of a prompts file, saying so when the file holds more."""
-    prompts = [row["prompt"] for row in read_jsonl(path, "prompts", "--prompts")]
-    if len(prompts) > num_samples:
-        print(f"eval: the first {num_samples} of the {len(prompts)} prompts in {path} (--num-samples counts prompts)")
-    return prompts[:num_samples]
+    """The first --num-samples prompts of a prompts file (first_rows' prompts)."""
+    return [row["prompt"] for row in first_rows(path, num_samples)]
 
 
 def write_best(path: str, picked: dict, prompts: list, n: int, rank_by: str) -> None:
@@ -603,6 +758,13 @@ def check_args(args: Args) -> None:
             f"--kl-optimal tilts the reference alone: pass one --policy (the --ref), not {len(args.policy)}; evaluate "
             "the others in a run of their own"
         )
+    if args.env and args.reward_fn:
+        raise UserError("--env and --reward-fn: an environment's step gives the rewards, pass one of them")
+    env_modes = {"--pairs": args.pairs, "--best-of-n": args.best_of_n, "--pass-at": args.pass_at}
+    env_modes |= {"--kl-optimal": args.kl_optimal, "--write-best": args.write_best}
+    refused = [flag for flag, given in env_modes.items() if given]
+    if args.env and refused:
+        raise UserError(f"--env evaluates episodes, not responses: {refused[0]} does not apply to them")
     if args.kl_optimal and min(args.kl_optimal) <= 0:
         raise UserError(f"--kl-optimal {min(args.kl_optimal):g}: beta is the strength of the KL term, use > 0")
 
@@ -786,7 +948,8 @@ def main(args: Args) -> dict:
             print(f"| {name} | " + " | ".join(cells) + " |")
         return write_json(args.json, results)
     # 1. prompts, reference and reward models
-    prompts = first_prompts(args.prompts or task_files["eval_prompts"], args.num_samples)
+    rows = first_rows(args.prompts or task_files["eval_prompts"], args.num_samples)
+    prompts = [row["prompt"] for row in rows]
     # a checkpoint is named by its folder (out/ppo/ckpt.pt: ppo), a pretrained model by itself (hf:out/smollm2)
     folders = [os.path.dirname(p) if p.endswith(".pt") else p.removeprefix("hf:").rstrip("/") for p in args.policy]
     names = args.names or [os.path.basename(folder) or f"policy{i}" for i, folder in enumerate(folders)]
@@ -794,6 +957,14 @@ def main(args: Args) -> dict:
         raise UserError(f"--names: {len(names)} names for {len(args.policy)} policies")
     dtype = parallel.resolve_dtype(args.dtype, device)
     ref, ref_tok, _ = load_model(args.ref, "--ref", device, dtype=dtype)
+    if args.env:  # multi-turn: each policy's episodes against the environment
+        results = episode_results(args, names, rows, ref, ref_tok, device)
+        print_episode_table(results)
+        print(
+            f"eval: {len(rows)} episodes x {args.seeds} seeds x {len(args.policy)} policies in "
+            f"{time.time() - t0:.0f}s; ± is one standard error over prompts"
+        )
+        return write_json(args.json, results)
     reward_fn = None
     if args.reward_fn:  # called once at start-up, on the first prompt as the function will see it
         reward_fn = common.load_reward_fn(args.reward_fn, prompt_text(ref_tok, prompts[0]))

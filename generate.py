@@ -360,3 +360,142 @@ def join_samples(tok, prefix_ids, prefix_mask, continued: Samples) -> tuple[Samp
     ended = (response.gather(1, last[:, None]).squeeze(1) == tok.eos_id) & (lengths > 0)
     texts = [tok.decode(row) for row in response.tolist()]  # decode drops the pad and EOS ids
     return Samples(response, mask, logprobs, last, ended, texts, continued.skipped), sampled
+
+
+# -----------------------------------------------------------------------------
+# episodes: several turns against an environment (docs/usage.md "How to extend", an environment)
+
+
+def observation_ids(tok, observation: str) -> list[int]:
+    """An observation's ids, encoded once: a tokenizer without a chat template, its text (it follows the model's EOS
+    directly); a chat tokenizer, the next user turn of its template and the assistant header, read as what the
+    template renders after an assistant turn's end-of-turn token."""
+    if not tok.chat:
+        return tok.encode(observation)
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    head = tok.render(probe, False)
+    whole = tok.render(probe + [{"role": "user", "content": observation}], True)
+    end = max(i for i, token in enumerate(head) if token == tok.eos_id) + 1  # through the assistant's end-of-turn
+    assert whole[:end] == head[:end], f"tokenizer {tok.name}: its template re-renders an earlier turn"
+    return whole[end:]
+
+
+@dataclass
+class Episodes:
+    """What `run_episodes` returns. Token tensors are (B, T) over the whole sequence: the prompt as given (left-padded,
+    prompt_width columns), then the model's and the observations' tokens, right-padded."""
+
+    sequences: Tensor  # (B, T) long, pad_id on padding
+    attention_mask: Tensor  # (B, T) float, 1 on prompt, model and observation tokens
+    mask: Tensor  # (B, T) float, the loss mask: 1 on the model's tokens only
+    logprobs: Tensor  # (B, T) the sampler's log-probs of the model's tokens (full tempered distribution), 0 elsewhere
+    rewards: Tensor  # (B, T) each turn's reward on that turn's last model token, 0 elsewhere
+    returns: Tensor  # (B,) the sum of an episode's turn rewards
+    turns: Tensor  # (B,) long, the model turns taken
+    truncated: Tensor  # (B,) bool, ended because the next observation and a turn did not fit the context
+    ended: Tensor  # (B, max_turns) bool, each turn ended with the end-of-turn token (False past the last turn)
+    info: dict  # key -> (B,) float, the last value the environment's info gave (NaN: never given)
+    turn_texts: list  # per episode, each turn's text without its end-of-turn token
+    observations: list  # per episode, each appended observation's text
+    prompt_width: int  # the prompt's columns in the sequence tensors
+
+
+MODEL, OBSERVATION = 1, 2  # what a token after the prompt is
+
+
+@torch.no_grad()
+def run_episodes(
+    model, tok, query: Tensor, query_mask: Tensor, envs: list, max_turns: int, max_new_tokens: int, **kw
+) -> Episodes:
+    """Episodes over left-padded prompts (query, query_mask (B, P)), one environment a row (env.step(response, ended)
+    -> (observation, reward, done[, info])). Each turn `sample`s every live row's whole history (a fresh prefill: the
+    history grows, the decode stays generate's), hands each row its turn's text and appends the observation's ids.
+    An episode ends when its environment says done, after max_turns, or when the next observation and a full turn of
+    max_new_tokens cannot fit the context (truncated). kw goes to sample (temperature, generator, compiled, ...)."""
+    B = query.size(0)
+    block_size = model.config.block_size
+    histories = [query[b][query_mask[b].bool()].tolist() for b in range(B)]
+    after = [[] for _ in range(B)]  # (token, kind, logprob, reward) of each token after the prompt
+    turns = [0] * B
+    ended = torch.zeros(B, max_turns, dtype=torch.bool)
+    truncated = [len(history) >= block_size for history in histories]  # no room for a token: no turn at all
+    info, turn_texts, observations = {}, [[] for _ in range(B)], [[] for _ in range(B)]
+    live = [b for b in range(B) if not truncated[b]]
+    logprob_dtype = torch.float32  # the sampler's (float64 for a float64 model)
+    for turn in range(max_turns):
+        if not live:
+            break
+        # 1. every live row's history through the decode, left-padded again
+        lengths = [len(histories[b]) for b in live]
+        width = max(lengths)
+        idx = query.new_tensor([[tok.pad_id] * (width - len(histories[b])) + histories[b] for b in live])
+        idx_mask = query_mask.new_tensor([[0] * (width - n) + [1] * n for n in lengths])
+        samples = sample(model, tok, idx, idx_mask, max_new_tokens, **kw)
+        logprob_dtype = samples.logprobs.dtype
+        still_live = []
+        for row, b in enumerate(live):
+            # 2. the turn's tokens as sampled, then the environment's answer on the turn's last token
+            n = int(samples.mask[row].sum())
+            tokens = samples.response[row, :n].tolist()
+            logprobs = samples.logprobs[row, :n].tolist()
+            observation, reward, done, *rest = envs[b].step(samples.texts[row], bool(samples.ended[row]))
+            for key, value in (rest[0] if rest else {}).items():
+                info.setdefault(key, [float("nan")] * B)[b] = float(value)
+            after[b] += [(token, MODEL, logprob, 0.0) for token, logprob in zip(tokens, logprobs)]
+            after[b][-1] = (*after[b][-1][:3], float(reward))
+            histories[b] += tokens
+            turns[b] += 1
+            ended[b, turn] = bool(samples.ended[row])
+            turn_texts[b].append(samples.texts[row])
+            if done or turn == max_turns - 1:
+                continue
+            # 3. the observation, encoded once, when it and a whole turn fit the context
+            text = observation or ""
+            ids = observation_ids(tok, text)
+            if len(histories[b]) + len(ids) + max_new_tokens > block_size:
+                truncated[b] = True
+                continue
+            after[b] += [(token, OBSERVATION, 0.0, 0.0) for token in ids]
+            histories[b] += ids
+            observations[b].append(text)
+            still_live.append(b)
+        live = still_live
+    tensors = episode_tensors(query, query_mask, after, tok.pad_id, logprob_dtype)
+    return Episodes(
+        **tensors,
+        turns=torch.tensor(turns, device=query.device),
+        truncated=torch.tensor(truncated, device=query.device),
+        ended=ended.to(query.device),
+        info={key: torch.tensor(values, device=query.device) for key, values in info.items()},
+        turn_texts=turn_texts,
+        observations=observations,
+        prompt_width=query.size(1),
+    )
+
+
+def episode_tensors(query: Tensor, query_mask: Tensor, after: list, pad_id: int, dtype: torch.dtype) -> dict:
+    """Episodes' token tensors from each row's (token, kind, logprob, reward) after its prompt: sequences,
+    attention_mask, mask, logprobs, rewards (B, P + the longest row's tokens after its prompt; log-probs and rewards
+    in dtype), returns (B,)."""
+    B, width = query.size(0), max(1, max(len(row) for row in after))
+    response = torch.full((B, width), pad_id, dtype=torch.long)
+    kinds = torch.zeros(B, width, dtype=torch.long)
+    logprobs = torch.zeros(B, width, dtype=torch.float64)
+    rewards = torch.zeros(B, width, dtype=torch.float64)
+    for b, row in enumerate(after):
+        if row:
+            tokens, row_kinds, row_logprobs, row_rewards = zip(*row)
+            response[b, : len(row)] = torch.tensor(tokens)
+            kinds[b, : len(row)] = torch.tensor(row_kinds)
+            logprobs[b, : len(row)] = torch.tensor(row_logprobs, dtype=torch.float64)
+            rewards[b, : len(row)] = torch.tensor(row_rewards, dtype=torch.float64)
+    device = query.device
+    prompt_zeros = torch.zeros_like(query_mask, dtype=dtype)
+    return {
+        "sequences": torch.cat([query, response.to(device)], 1),
+        "attention_mask": torch.cat([query_mask.float(), (kinds > 0).float().to(device)], 1),
+        "mask": torch.cat([query_mask.new_zeros(query_mask.shape).float(), (kinds == MODEL).float().to(device)], 1),
+        "logprobs": torch.cat([prompt_zeros, logprobs.to(device, dtype)], 1),
+        "rewards": torch.cat([prompt_zeros, rewards.to(device, dtype)], 1),
+        "returns": rewards.sum(1).to(device, dtype),
+    }
