@@ -503,12 +503,26 @@ class RLData:
     """An RL run's data (load_prompts)."""
 
     prompts: list  # the prompts that leave room for --max-new-tokens in the context
-    too_long: int  # prompts that do not, skipped
+    too_long: list[int]  # the line numbers of those that do not, skipped
+    prompts_path: str  # the prompts' file: --prompts, or the built-in task's
     ptx: list  # the pre-training texts encoded, (ids, loss mask) each
     ptx_too_long: int  # pre-training texts longer than the context, skipped
     gold_fn: Optional[Callable]  # the gold reward on the built-in task, else None
     ptx_path: Optional[str]  # the ptx texts' file: --ptx-data, or the reviews task's own (None: no ptx text)
     reward_fn: Optional[Callable]  # --reward-fn, tried on the first prompt (None: none given)
+
+    def skipped(self) -> str:
+        """The start-up count of the prompts too long, the first 5 by line: `3 too long, skipped: p.jsonl:7, 9`."""
+        if not self.too_long:
+            return "0 too long, skipped"
+        lines = ", ".join(str(line) for line in self.too_long[:5]) + (", ..." if len(self.too_long) > 5 else "")
+        return f"{len(self.too_long)} too long, skipped: {self.prompts_path}:{lines}"
+
+
+def record_lines(path: str) -> list[int]:
+    """The line number of each record read_jsonl reads from path (blank lines skipped)."""
+    with open(path, "rb") as f:
+        return [lineno for lineno, raw in enumerate(f, start=1) if raw.strip()]
 
 
 def same_encoding(tok: Tokenizer, task_tok: Tokenizer, texts: list[str]) -> bool:
@@ -527,18 +541,22 @@ def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
     builtin = args.prompts is None
     task_module = TASKS[args.task] if builtin else None
     task = task_module.build_task(args.task_dir, args.task_seed) if builtin else None
-    rows = read_jsonl(task["prompts"] if builtin else args.prompts, "prompts", "--prompts")
+    prompts_path = task["prompts"] if builtin else args.prompts
+    rows = read_jsonl(prompts_path, "prompts", "--prompts")
     prompts = [row["prompt"] for row in rows]
     if builtin and not same_encoding(tok, load_tokenizer(task["tokenizer"]), prompts[:256]):
         raise UserError(
             f"the policy's tokenizer is not the built-in {args.task} task's ({task['tokenizer']}): was it trained on "
             "another --task?"
         )
-    fitting = [prompt for prompt in prompts if len(prompt_ids(tok, prompt)) + args.max_new_tokens <= block_size]
+    room = block_size - args.max_new_tokens
+    lengths = [len(prompt_ids(tok, prompt)) for prompt in prompts]
+    fitting = [prompt for prompt, length in zip(prompts, lengths) if length <= room]
+    too_long = [lineno for lineno, length in zip(record_lines(prompts_path), lengths) if length > room]
     if not fitting:
         raise UserError(
-            f"every prompt is longer than the context minus --max-new-tokens ({block_size} - {args.max_new_tokens} "
-            "tokens)"
+            f"{prompts_path}: every prompt is longer than the context minus --max-new-tokens ({block_size} - "
+            f"{args.max_new_tokens} = {room} tokens; the shortest takes {min(lengths)})"
         )
     # the task's own text only where it is right (task.PTX_FROM_PRETRAIN: reviews, not arith)
     ptx_path = args.ptx_data or (task["pretrain"] if builtin and task_module.PTX_FROM_PRETRAIN else None)
@@ -552,7 +570,7 @@ def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
         )
     gold_fn = task_module.gold_reward if builtin else None
     reward_fn = load_reward_fn(args.reward_fn, prompt_text(tok, fitting[0])) if args.reward_fn else None
-    return RLData(fitting, len(prompts) - len(fitting), ptx, ptx_too_long, gold_fn, ptx_path, reward_fn)
+    return RLData(fitting, too_long, prompts_path, ptx, ptx_too_long, gold_fn, ptx_path, reward_fn)
 
 
 class PromptStream:

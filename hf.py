@@ -366,8 +366,10 @@ def _model_type(path: str) -> str | None:
 
 
 def _load_error(flag: str, spec: str, what: str, error: Exception) -> UserError:
-    """A failed download or read as one line that names the flag (transformers' own message is many lines)."""
-    return UserError(f"{flag} {spec}: {hub_error(spec.removeprefix('hf:'), what, error)}")
+    """A failed download or read as one line that names the flag (transformers' own message is many lines); an hf:
+    name with no folder of that name here says so first."""
+    name = spec.removeprefix("hf:")
+    return UserError(f"{flag} {spec}: {hub_error(name, what, error, folder=spec.startswith('hf:'))}")
 
 
 def _tokenizer(flag: str, spec: str, tokenizer_spec: str | dict) -> Tokenizer:

@@ -190,18 +190,24 @@ def hf_source_problem(name_or_path: str, tokenizer: bool = False) -> str | None:
         return None
     if os.path.exists(name_or_path):
         return f"{name_or_path} is a file, not a Hugging Face folder (config.json, weights, tokenizer files)"
+    # a path that can only be local (/, ./, ../, ~, or more than one /) is never looked up on the hub
     if name_or_path.startswith((".", "/", "~")) or not HUB_NAME.fullmatch(name_or_path):
-        return f"{name_or_path}: no such folder"
+        return f"no folder {name_or_path} here"
     return None
 
 
-def hub_error(name_or_path: str, what: str, error: Exception) -> str:
-    """A failed load of a hub name or folder as one line: the reason, and what to do offline."""
+def hub_error(name_or_path: str, what: str, error: Exception, folder: bool = True) -> str:
+    """A failed load of a Hugging Face name or folder as one line: a folder's reason; for a name with no folder of
+    that name here, that first (folder: the name may be a folder, an hf: spec), then what to do offline."""
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return (
-        f"could not load {what} {name_or_path!r} (offline? pass a local folder saved with save_pretrained, or set "
-        f"HF_HOME to a cache that has it, and HF_HUB_OFFLINE=1 to skip the network's retries): {first_line}"
+    if os.path.isdir(name_or_path):
+        return f"could not load {what} from the folder {name_or_path}: {first_line}"
+    hub = (
+        f"could not load {what} {name_or_path!r} from the hub (offline? pass a local folder saved with "
+        "save_pretrained, or set HF_HOME to a cache that has it, and HF_HUB_OFFLINE=1 to skip the network's retries): "
+        f"{first_line}"
     )
+    return f"no folder {name_or_path} here, and {hub}" if folder else hub
 
 
 def _through_last(ids: list[int], token: int) -> list[int]:
@@ -255,11 +261,11 @@ def load_tokenizer(spec: str, chat: bool | None = None) -> Tokenizer:
             enc, "gpt2", eos_id=enc.eot_token, pad_id=enc.n_vocab, vocab_size=enc.n_vocab, source={"spec": "gpt2"}
         )
     if spec.startswith("hf:"):
-        from transformers import AutoTokenizer
-
         problem = hf_source_problem(spec[3:], tokenizer=True)
         if problem:
             raise UserError(problem)
+        from transformers import AutoTokenizer
+
         try:
             hf = AutoTokenizer.from_pretrained(spec[3:])
         except Exception as e:

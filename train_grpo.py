@@ -1033,7 +1033,7 @@ def main(args: Args) -> None:
         max_steps,
     )
     print0(
-        f"grpo: {len(data.prompts)} prompts ({data.too_long} too long, skipped) | policy "
+        f"grpo: {len(data.prompts)} prompts ({data.skipped()}) | policy "
         f"{models.actor.num_params() / 1e6:.2f} M | rollout {args.rollout_batch_size} = {d.world_size} ranks x "
         f"{args.num_minibatches} minibatches x {sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | "
         f"{max_steps} iterations | rm {args.rm_ckpt} | device {d.device} {dtype}"

@@ -591,7 +591,7 @@ def main(args: Args) -> None:
         args.rollout_batch_size, "--rollout-batch-size", len(data.prompts), None, args.warmup_steps, max_steps, delay
     )
     print0(
-        f"ppo: {len(data.prompts)} prompts ({data.too_long} too long, skipped) | actor "
+        f"ppo: {len(data.prompts)} prompts ({data.skipped()}) | actor "
         f"{models.actor.num_params() / 1e6:.2f} M, critic {models.critic.num_params() / 1e6:.2f} M | rollout "
         f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x "
         f"{sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | "

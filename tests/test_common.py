@@ -434,7 +434,7 @@ def read_bytes(path: str):
         (SFT + " --data {w}/empty.jsonl --tokenizer {tok}", r"empty\.jsonl: no records"),
         (SFT + " --init {w}/truncated.pt", r"--init .*truncated\.pt: not a readable checkpoint"),
         (SFT + " --resume", r"--resume .*ckpt\.pt: no checkpoint: "),
-        (SFT + " --init hf:{w}/no_such_model", r"--init hf:.*no_such_model: .*no_such_model: no such folder"),
+        (SFT + " --init hf:{w}/no_such_model", r"--init hf:.*no_such_model: no folder .*no_such_model here"),
         (SFT + " --init hf:{w}/model_only", r"model_only holds no tokenizer files \(tokenizer\.json, "),
         (SFT + " --init hf:no-such-org/no-such-model", r"could not load the tokenizer .*HF_HUB_OFFLINE=1 to skip"),
         (SFT + " --data {w}/nofile.jsonl", r"^error: --data .*nofile\.jsonl: no such file"),

@@ -272,6 +272,33 @@ def test_ptx_texts_too_long_are_counted_and_none_left_is_an_error(tmp_path, task
     assert data.load_prompts(dataclasses.replace(args, ptx_coef=0.0), tok, block_size=64).ptx == []
 
 
+def test_prompts_too_long_are_named_by_file_and_line_and_none_left_names_the_file(tmp_path, task_dir):
+    """--prompts: the start-up line counts the prompts too long for the context and names the file and their first 5
+    lines (blank lines counted as the file counts them); every prompt too long is one line naming the file (both were
+    a count alone)."""
+    import train_ppo
+
+    tok = tokenizer.load_tokenizer(task.build_task(task_dir, 1337)["tokenizer"])
+    long_prompt, short_prompt = {"prompt": "the plot was good. " * 40}, {"prompt": "Review of"}
+    rows = [short_prompt, long_prompt, short_prompt, long_prompt] + [long_prompt] * 5
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" + ("\n" if line == 0 else "") for line, row in enumerate(rows)))
+    args = train_ppo.Args(prompts=str(path), task_dir=task_dir, max_new_tokens=8)
+    loaded = data.load_prompts(args, tok, block_size=64)
+    assert loaded.prompts == ["Review of"] * 2 and loaded.too_long == [3, 5, 6, 7, 8, 9, 10]
+    assert loaded.skipped() == f"7 too long, skipped: {path}:3, 5, 6, 7, 8, ..."
+    path.write_text(json.dumps(short_prompt) + "\n" + json.dumps(long_prompt) + "\n")
+    assert data.load_prompts(args, tok, block_size=64).skipped() == f"1 too long, skipped: {path}:2"
+    path.write_text(json.dumps(short_prompt) + "\n")
+    assert data.load_prompts(args, tok, block_size=64).skipped() == "0 too long, skipped"
+    with pytest.raises(UserError) as error:
+        data.load_prompts(args, tok, block_size=8)
+    assert str(error.value) == (
+        f"{path}: every prompt is longer than the context minus --max-new-tokens (8 - 8 = 0 tokens; the shortest "
+        f"takes {len(tok.encode('Review of'))})"
+    )
+
+
 def test_read_jsonl_empty_missing_and_ok(tmp_path):
     for path, what in [
         (_write(tmp_path / "empty.jsonl", b"\n  \n"), "no records"),

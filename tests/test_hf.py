@@ -99,7 +99,7 @@ def test_load_init_routes(llama_dir, gpt2_dir):
     assert model.num_params() == model.num_params(non_embedding=False) - emb
     assert gpt2.num_params() == gpt2.num_params(non_embedding=False) - 64 * 32
     assert model.flops_per_token(16) == 6 * model.num_params() + 12 * 2 * 4 * 8 * 16
-    with pytest.raises(common.UserError, match="missing: no such folder"):
+    with pytest.raises(common.UserError, match="no folder .*missing here"):
         load_init(f"hf:{llama_dir}/missing")
 
 
@@ -470,13 +470,17 @@ def test_bos_once_at_the_start_of_every_sequence(bos_tokenizer_dir):
 # offline: every model and tokenizer load is one line that names the flag
 
 
-@pytest.mark.parametrize("spec", ["gpt2", "hf:gpt2"])
-def test_offline_load_is_one_line(spec, monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "spec, start",
+    [("gpt2", "could not load GPT-2 weights"), ("hf:gpt2", "no folder gpt2 here, and could not load the tokenizer")],
+)
+def test_offline_load_is_one_line(spec, start, monkeypatch, tmp_path):
+    """An hf: name says first that no folder of that name is here."""
     offline(monkeypatch, tmp_path)
     with pytest.raises(common.UserError) as e:
         load_init(spec, flag="--init")
     msg = str(e.value)
-    assert msg.startswith(f"--init {spec}: could not load") and "offline?" in msg and "\n" not in msg
+    assert msg.startswith(f"--init {spec}: {start}") and "offline?" in msg and "\n" not in msg
 
 
 def test_tokenizer_load_failure_names_the_flag(monkeypatch):
@@ -492,6 +496,45 @@ def test_tokenizer_load_failure_names_the_flag(monkeypatch):
         load_init("gpt2", flag="--init")
     msg = str(e.value)
     assert msg.startswith("--init gpt2: could not load the GPT-2 tokenizer") and "\n" not in msg
+
+
+@pytest.mark.parametrize("name", ["./out/smollm3", "../smollm3", "/no/such/dir", "out/smol/lm3", "~/smollm3"])
+def test_a_path_that_can_only_be_local_never_reaches_transformers(name, monkeypatch, tmp_path):
+    offline(monkeypatch, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    import transformers
+
+    def no_call(*args, **kwargs):
+        raise AssertionError("transformers was called")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_call)
+    monkeypatch.setattr(HFCausalLM, "from_pretrained", no_call)
+    with pytest.raises(common.UserError) as error:
+        load_init(f"hf:{name}", flag="--sft-ckpt")
+    assert str(error.value) == f"--sft-ckpt hf:{name}: no folder {name} here"
+
+
+@pytest.mark.parametrize("name", ["out/smollm3", "smollm3"])
+def test_a_name_that_may_be_a_hub_id_says_first_there_is_no_folder(name, monkeypatch, tmp_path):
+    """Before: "could not load the tokenizer 'out/smollm3' (offline? ...)", never that the folder is missing."""
+    offline(monkeypatch, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("out/smollm2")  # the folder meant
+    with pytest.raises(common.UserError) as error:
+        load_init(f"hf:{name}", flag="--sft-ckpt")
+    message = str(error.value)
+    assert message.startswith(f"--sft-ckpt hf:{name}: no folder {name} here, and could not load the tokenizer ")
+    assert "from the hub (offline?" in message and "\n" not in message
+
+
+def test_a_folder_transformers_cannot_read_is_named_as_a_folder(monkeypatch, tmp_path):
+    offline(monkeypatch, tmp_path)
+    write_tokenizer(str(tmp_path / "tok_only"))  # a tokenizer and no model
+    with pytest.raises(common.UserError) as error:
+        load_init(f"hf:{tmp_path / 'tok_only'}", flag="--sft-ckpt")
+    message = str(error.value)
+    assert message.startswith(f"--sft-ckpt hf:{tmp_path / 'tok_only'}: could not load a causal LM from the folder ")
+    assert "offline?" not in message and "\n" not in message
 
 
 @pytest.mark.slow
