@@ -14,7 +14,7 @@ import torch
 import arith
 import task as reviews
 from common import UserError, load_reward_fn, write_jsonl
-from tokenizer import HH_ASSISTANT, HH_NAMES, Tokenizer, load_tokenizer
+from tokenizer import HH_ASSISTANT, HH_NAMES, Tokenizer, load_tokenizer, same_tokenizer
 
 # the built-in tasks by --task (reviews: task.py): each module has build_task, gold_reward, is_valid, is_task_prompt and
 # is_held_out with the same signatures, STEP_END and PTX_FROM_PRETRAIN
@@ -525,14 +525,6 @@ def record_lines(path: str) -> list[int]:
         return [lineno for lineno, raw in enumerate(f, start=1) if raw.strip()]
 
 
-def same_encoding(tok: Tokenizer, task_tok: Tokenizer, texts: list[str]) -> bool:
-    """Whether tok encodes like the task's tokenizer: the same EOS, vocabulary size and ids for texts (an exported
-    and reloaded one, hf:DIR, is the same tokenizer saved another way)."""
-    if (tok.eos_id, tok.vocab_size) != (task_tok.eos_id, task_tok.vocab_size):
-        return False
-    return all(tok.encode(text) == task_tok.encode(text) for text in texts)
-
-
 def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
     """An RL run's data (args: rollout.RolloutArgs): --prompts and --ptx-data, or without --prompts the built-in
     task's (--task) prompts and (without --ptx-data) its pre-training text; and --reward-fn. No prompt with room for a
@@ -544,7 +536,7 @@ def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
     prompts_path = task["prompts"] if builtin else args.prompts
     rows = read_jsonl(prompts_path, "prompts", "--prompts")
     prompts = [row["prompt"] for row in rows]
-    if builtin and not same_encoding(tok, load_tokenizer(task["tokenizer"]), prompts[:256]):
+    if builtin and same_tokenizer(tok, load_tokenizer(task["tokenizer"]), prompts):
         raise UserError(
             f"the policy's tokenizer is not the built-in {args.task} task's ({task['tokenizer']}): was it trained on "
             "another --task?"

@@ -59,6 +59,7 @@ from model import (
     packed_response_logits,
     score_sequences,
 )
+from tokenizer import same_tokenizer
 
 
 @dataclass
@@ -775,13 +776,15 @@ def rm_paths(args: Args) -> list[str]:
     return [path for path in paths if path and path != "none"]
 
 
-def load_rms(paths: list[str], device, tok, dtype: torch.dtype) -> list:
-    """The reward models (scalar heads), each with the given tokenizer's state, in eval mode on device."""
+def load_rms(paths: list[str], device, tok, dtype: torch.dtype, prompts: list) -> list:
+    """The reward models (scalar heads), in eval mode on device, each refused unless its tokenizer is the given one
+    (tokenizer.same_tokenizer on the prompts)."""
     rms = []
     for path in paths:
         rm, rm_tok, _ = load_model(path, "--rm", device, want="score", dtype=dtype)
-        if rm_tok.state() != tok.state():
-            raise UserError(f"--rm {path}: its tokenizer differs from the reference's")
+        difference = same_tokenizer(rm_tok, tok, prompts)
+        if difference:
+            raise UserError(f"--rm {path}: its tokenizer differs from --ref's: {difference}")
         rms.append(rm)
     return rms
 
@@ -968,7 +971,7 @@ def main(args: Args) -> dict:
     reward_fn = None
     if args.reward_fn:  # called once at start-up, on the first prompt as the function will see it
         reward_fn = common.load_reward_fn(args.reward_fn, prompt_text(ref_tok, prompts[0]))
-    rms = load_rms(rm_paths(args), device, ref_tok, dtype)
+    rms = load_rms(rm_paths(args), device, ref_tok, dtype, prompts)
     # every policy and the reference answer the same prompts (KL and win rate stay paired): those with room for a
     # response in the smallest context among them
     context = min(context_size(path) for path in [args.ref, *args.policy])
@@ -1006,8 +1009,9 @@ def main(args: Args) -> dict:
     _, ref_gold = policy_metrics(ref_samples, task, None)
     for name, path in zip(names, args.policy):
         model, tok, ckpt = load_model(path, "--policy", device, dtype=dtype)
-        if tok.state() != ref_tok.state():
-            raise UserError(f"--policy {path}: its tokenizer differs from the reference's ({args.ref})")
+        difference = same_tokenizer(tok, ref_tok, prompts)
+        if difference:
+            raise UserError(f"--policy {path}: its tokenizer differs from --ref {args.ref}'s: {difference}")
         # best-of-N draws max(N) seeds per prompt once; the plain row takes the first --seeds of them
         num_seeds = max([args.seeds, *(args.best_of_n or []), *([args.pass_samples] if args.pass_at else [])])
         samples = sample_policy(model, tok, prompts, replace(args, seeds=num_seeds), device, ref=ref, rms=rms)

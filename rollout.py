@@ -39,7 +39,7 @@ from model import (
     packed_response_logits,
     response_forward,
 )
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, same_tokenizer
 
 
 @dataclass
@@ -189,15 +189,16 @@ def load_inputs(args) -> tuple[dict, dict, list[dict], Tokenizer, RLData]:
     if args.ref_ckpt is not None:
         ref = policy_checkpoint(args.ref_ckpt, "--ref-ckpt")
     rms = [load_checkpoint(path, kind="rm", flag="--rm-ckpt") for path in args.rm_ckpt if path != "none"]
+    tok = Tokenizer.from_state(sft["tokenizer"])
+    data = load_prompts(args, tok, sft["model_config"]["block_size"])
+    # a teacher or RM in another folder may hold the same tokenizer: compared by what it encodes of the run's prompts
     others = [("--ref-ckpt", args.ref_ckpt, ref)] + [("--rm-ckpt", p, c) for p, c in zip(args.rm_ckpt, rms)]
     for flag, path, ckpt in others:
-        if ckpt["tokenizer"] != sft["tokenizer"]:
-            raise UserError(
-                f"{flag} {path}: its tokenizer differs from --sft-ckpt {args.sft_ckpt}'s (train it from this SFT "
-                "checkpoint)"
-            )
-    tok = Tokenizer.from_state(sft["tokenizer"])
-    return sft, ref, rms, tok, load_prompts(args, tok, sft["model_config"]["block_size"])
+        other_tok = tok if ckpt["tokenizer"] == sft["tokenizer"] else Tokenizer.from_state(ckpt["tokenizer"])
+        difference = same_tokenizer(other_tok, tok, data.prompts)
+        if difference:
+            raise UserError(f"{flag} {path}: its tokenizer differs from --sft-ckpt {args.sft_ckpt}'s: {difference}")
+    return sft, ref, rms, tok, data
 
 
 def compile_role(model):

@@ -150,6 +150,49 @@ class Tokenizer:
         return tok
 
 
+SAME_TOKENIZER_PROMPTS = 256  # the prompts same_tokenizer encodes with both
+
+
+def same_tokenizer(a: Tokenizer, b: Tokenizer, prompts: list) -> str | None:
+    """None when a and b encode alike, else their first difference as a short phrase: the same saved state, or the
+    same eos, pad and bos ids, vocabulary (its size; its tokens where both are of one kind), chat template and ids of
+    the first 256 prompts (strings or conversations, as data.prompt_ids encodes them). A copy of a Hugging Face folder,
+    or the task's tokenizer exported and loaded back (hf:DIR), is the same tokenizer in another place."""
+    if a.state() == b.state():
+        return None
+    for name, label in (("eos_id", "eos"), ("pad_id", "pad"), ("bos_id", "bos"), ("vocab_size", "vocabulary size")):
+        if getattr(a, name) != getattr(b, name):
+            return f"{label} {getattr(a, name)} against {getattr(b, name)}"
+    # tokens the prompts may not hold (a response's); a tiktoken BPE and a Hugging Face tokenizer spell them apart
+    one_kind = isinstance(a.backend, tiktoken.Encoding) == isinstance(b.backend, tiktoken.Encoding)
+    if one_kind and _vocabulary(a) != _vocabulary(b):
+        return "another vocabulary of the same size"
+    a_template, b_template = _chat_template(a), _chat_template(b)
+    if a_template != b_template and a_template and b_template:
+        return "another chat template"
+    if a_template != b_template:
+        return "a chat template against none" if a_template else "no chat template against one"
+    for i, prompt in enumerate(prompts[:SAME_TOKENIZER_PROMPTS]):
+        # a string as it is (BOS first where there is one), a conversation rendered with the generation prompt
+        a_ids = a.encode(prompt, bos=True) if isinstance(prompt, str) else a.render(prompt, True)
+        b_ids = b.encode(prompt, bos=True) if isinstance(prompt, str) else b.render(prompt, True)
+        if a_ids != b_ids:
+            return f"prompt {i + 1} encodes to other ids"
+    return None
+
+
+def _vocabulary(tok: Tokenizer) -> dict:
+    """Token -> id: a tiktoken BPE's ranks, a Hugging Face tokenizer's vocabulary."""
+    if isinstance(tok.backend, tiktoken.Encoding):
+        return tok.backend._mergeable_ranks
+    return tok.backend.get_vocab()
+
+
+def _chat_template(tok: Tokenizer) -> str | dict | None:
+    """The chat template tok renders conversations with (a Hugging Face tokenizer's, when chat), else None."""
+    return tok.backend.chat_template if tok.chat else None
+
+
 def bpe_tokenizer(name: str, ranks: list[bytes], pat_str: str) -> Tokenizer:
     # ranks[i] is the token with id i; the EOS comes next and the pad id lies outside the embedding
     enc = tiktoken.Encoding(

@@ -46,7 +46,7 @@ from data import (
 from generate import sample
 from lora import BaseView
 from model import logprobs_from_logits, response_forward
-from tokenizer import Tokenizer, load_tokenizer
+from tokenizer import Tokenizer, load_tokenizer, same_tokenizer
 
 DEFAULT_BETA = {"dpo": 0.3, "ipo": 0.5, "kto": 0.1}  # --beta None (IPO's β works on per-token mean log-probs)
 
@@ -478,8 +478,12 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     eval_rows, _ = drop_tied(eval_rows)
     task_tok = load_tokenizer(task["tokenizer"]) if builtin else None
     model, tok, _ = hf.load_init(args.init, tokenizer=task_tok, score_head=False, kind=checkpoints.POLICY_KINDS)
-    if builtin and tok.state() != task_tok.state():
-        raise UserError(f"--init {args.init}: its tokenizer is not the built-in task's ({task['tokenizer']})")
+    difference = same_tokenizer(tok, task_tok, [row["prompt"] for row in train_rows]) if builtin else None
+    if difference:
+        raise UserError(
+            f"--init {args.init}: its tokenizer is not the built-in task's (--task {args.task}, {task['tokenizer']}): "
+            f"{difference}"
+        )
     init_hash = checkpoints.init_fingerprint(args.init)  # what this run started from
     block_size = model.config.block_size
     encode = encode_kto if kto else encode_prefs

@@ -38,7 +38,7 @@ from data import (
 )
 from model import calibration_error, last_token_scores, lm_loss, score_sequences
 from task import PROBE_KINDS, is_task_prompt, probe_texts
-from tokenizer import Tokenizer, load_tokenizer
+from tokenizer import Tokenizer, load_tokenizer, same_tokenizer
 
 
 @dataclass
@@ -307,8 +307,12 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
         raise UserError("--init scratch only works on the built-in task; pass an SFT checkpoint or gpt2")
     task_tok = load_tokenizer(task["tokenizer"]) if builtin else None
     model, tok, _ = hf.load_init(args.init, tokenizer=task_tok, score_head=True, kind=("sft", "rm"))
-    if builtin and tok.state() != task_tok.state():
-        raise UserError(f"--init {args.init}: its tokenizer is not the built-in task's ({task['tokenizer']})")
+    difference = same_tokenizer(tok, task_tok, [row["prompt"] for row in train_rows]) if builtin else None
+    if difference:
+        raise UserError(
+            f"--init {args.init}: its tokenizer is not the built-in task's (--task {args.task}, {task['tokenizer']}): "
+            f"{difference}"
+        )
     block_size = model.config.block_size
     train, too_long = encode_prefs(tok, train_rows, block_size)
     evals, _ = encode_prefs(tok, eval_rows, block_size)

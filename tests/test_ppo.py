@@ -539,8 +539,10 @@ def test_ppo_smoke_with_reward_model(tmp_path, task_dir, trained_sft):
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
     assert len(ckpt["rm_hashes"]) == 1 and "objective/gold" in read_scalars(out)
     bad_path = str(tmp_path / "rm_bad.pt")
+    ranks = list(sft["tokenizer"]["ranks"])
+    ranks[300], ranks[301] = ranks[301], ranks[300]  # the same size, two merges swapped: another tokenizer
     checkpoints.save_checkpoint(
-        torch.load(rm_path, weights_only=False) | {"tokenizer": {**sft["tokenizer"], "name": "x"}}, bad_path
+        torch.load(rm_path, weights_only=False) | {"tokenizer": {**sft["tokenizer"], "ranks": ranks}}, bad_path
     )
     fresh = str(tmp_path / "ppo_fresh")  # mistakes of a new run
     with pytest.raises(common.UserError, match="tokenizer differs"):
