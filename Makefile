@@ -111,8 +111,9 @@ test: venv real-venv
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(XDIST) -q --durations=15 tests
 
-# the edit-run loop of a fork (about 2 minutes on 2 cores): the math, the user errors, one tiny smoke run per stage
-test-fast: venv real-venv
+# the edit-run loop of a fork: the math, the user errors, one tiny smoke run per stage; only requirements.txt (the
+# real-model tests skip without requirements-real.txt's packages: make real-venv adds them)
+test-fast: venv
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(XDIST) -q -m "not slow" --durations=10 tests
 
