@@ -1,6 +1,7 @@
 """Checkpoints (docs/design.md §4): the checkpoint dict every stage writes and reads back (Run.save, Run.resume), model
-and optimizer state (LoRA adapters beside merged weights, FSDP2's sharded optimizer state through DCP), atomic saves,
-RNG state, the --resume flag check (resume_args), fingerprints of what a run started from, and --export-hf.
+and optimizer state (a LoRA model's adapters and the record of its base, FSDP2's sharded optimizer state through DCP),
+atomic saves, RNG state, the --resume flag check (resume_args), fingerprints of what a run started from, and
+--export-hf.
 """
 
 import hashlib
@@ -206,10 +207,62 @@ def set_rng_state(state: dict, generator: Optional[torch.Generator] = None) -> N
 # model and optimizer state
 
 
-def model_state(model: torch.nn.Module, key: str = "model") -> dict:
-    """A model's checkpoint entries: `key` = its full state dict, adapters merged, and with LoRA `<key>_lora` = the
-    trainable parameters, which a resume loads onto the base rebuilt from --init. Under --fsdp every rank calls it;
-    rank 0 gets the entries, the others {}."""
+def base_specs(kind: str, args) -> dict:
+    """The spec each model a stage trains was built from, by checkpoint key: --init in SFT, RM and DPO; --sft-ckpt for
+    PPO's and GRPO's policy; PPO's critic the first --rm-ckpt, or the policy's init with --rm-ckpt none (train_ppo.py's
+    critic_init)."""
+    if kind in ("sft", "rm", "dpo"):
+        return {"model": args.init}
+    reward_models = [path for path in args.rm_ckpt if path != "none"]
+    return {"model": args.sft_ckpt, "critic": reward_models[0] if reward_models else args.sft_ckpt}
+
+
+def lora_base(model: torch.nn.Module, spec: str, args: CommonArgs) -> Optional[dict]:
+    """What a LoRA model's checkpoint keeps of its frozen base instead of its weights (docs/design.md §4): the spec it
+    was built from and its fingerprint, its heads, the dtype its matrices are stored in (bf16 under bf16) and the
+    adapters' settings. None without LoRA, or from scratch (random weights no spec rebuilds)."""
+    if not lora_layers(model) or spec == "scratch":
+        return None
+    frozen_matrix = next(p for p in model.parameters() if not p.requires_grad and p.dim() >= 2)
+    return dict(
+        spec=spec,
+        sha256=init_fingerprint(spec),
+        lm_head=model.config.lm_head,
+        score_head=model.config.score_head,
+        dtype=str(frozen_matrix.dtype).removeprefix("torch."),
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets,
+    )
+
+
+def check_base(base: dict, needed_by: str) -> None:
+    """A LoRA checkpoint's base as it is now against its record: missing, or changed since (its fingerprint differs),
+    is a UserError naming it and the checkpoint that needs it. A base saved without a fingerprint (a hub name not in
+    the cache) is not checked."""
+    if base["sha256"] is None:
+        return
+    try:
+        fingerprint = init_fingerprint(base["spec"])
+    except OSError:  # a .pt file that is gone
+        fingerprint = None
+    if fingerprint is None:
+        raise UserError(
+            f"{needed_by} holds LoRA adapters only, and its base {base['spec']} is missing (put it back at that path, "
+            "relative to where you run)"
+        )
+    if fingerprint != base["sha256"]:
+        raise UserError(
+            f"{needed_by} holds LoRA adapters only, and its base {base['spec']} changed since it was trained (sha256 "
+            "differs): its adapters fit the old weights"
+        )
+
+
+def model_state(model: torch.nn.Module, key: str = "model", base: Optional[dict] = None) -> dict:
+    """A model's checkpoint entries: `key` = its full state dict, adapters merged; with LoRA `<key>_lora` = the
+    trainable parameters (adapters, scalar head), which a resume loads onto the base rebuilt from --init. With a
+    `base` record (lora_base) the LoRA entry alone: a reader merges it onto the base (hf.model_state_dict). Under
+    --fsdp every rank calls it; rank 0 gets the entries, the others {}."""
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -218,18 +271,20 @@ def model_state(model: torch.nn.Module, key: str = "model") -> dict:
             return {}
     else:
         state = model.state_dict()
-    entries = {key: merged_state_dict(model, state)}
+    entries = {}
+    if base is None:
+        entries[key] = merged_state_dict(model, state)
     if lora_layers(model):
         trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         entries[f"{key}_lora"] = {name: value.detach() for name, value in state.items() if name in trainable}
     return entries
 
 
-def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out_dir: str, key: str = "model") -> dict:
-    """model_state plus the optimizer's state (`optimizer` for the model, `<key>_optimizer` for another key, e.g.
+def training_state(entry: Trained, out_dir: str, base: Optional[dict] = None) -> dict:
+    """model_state plus the optimizer's state (`optimizer` for the model, `<name>_optimizer` for another name, e.g.
     critic_optimizer): what a checkpoint in out_dir holds of one trained model. Every rank calls it under --fsdp."""
-    optimizer_key = "optimizer" if key == "model" else f"{key}_optimizer"
-    return model_state(model, key) | {optimizer_key: optimizer_state(model, optimizer, out_dir, optimizer_key)}
+    optimizer = optimizer_state(entry.model, entry.optimizer, out_dir, entry.optimizer_key)
+    return model_state(entry.model, entry.name, base) | {entry.optimizer_key: optimizer}
 
 
 def load_model_state(model: torch.nn.Module, ckpt: dict, key: str = "model") -> None:
@@ -325,11 +380,12 @@ def load_checkpoint(path: str, kind: Optional[str | tuple] = None, flag: str = "
         ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # a truncated or foreign file
         raise UserError(f"{flag} {path}: not a readable checkpoint ({type(e).__name__})") from None
-    if not isinstance(ckpt, dict) or "kind" not in ckpt or "model" not in ckpt:
+    if not isinstance(ckpt, dict) or "kind" not in ckpt or ("model" not in ckpt and "model_lora" not in ckpt):
         raise UserError(f"{flag} {path}: not a checkpoint written by this repo")
     kinds = (kind,) if isinstance(kind, str) else kind
     if kinds is not None and ckpt["kind"] not in kinds:
         raise UserError(f"{flag} {path}: is a '{ckpt['kind']}' checkpoint, expected {' or '.join(kinds)}")
+    ckpt["path"] = path  # not saved: where it was read from, for a LoRA checkpoint's missing base to name
     return ckpt
 
 
@@ -365,6 +421,7 @@ class Run:
     trained: list[Trained]
     started: float
     earlier_seconds: float = 0.0
+    bases: Optional[dict] = None  # lora_base of each trained model by name, computed at the first save (rank 0)
 
     @property
     def path(self) -> str:
@@ -374,17 +431,24 @@ class Run:
         return self.earlier_seconds + time.time() - self.started
 
     def save(self, step: int, data_state: dict, generator: Optional[torch.Generator] = None, **extra) -> None:
-        """Write out_dir/ckpt.pt: kind; per trained model its weights, adapters and optimizer state (Trained's keys),
-        `<name>_config` and its LR schedule; tokenizer, args, step, every rank's RNG states (and `generator`'s),
-        data_state, world_size, seconds, and the stage's own keys (`extra`). Every rank calls it (under --fsdp each
-        gathers the weights and writes its optimizer shard); rank 0 writes the file."""
+        """Write out_dir/ckpt.pt: kind; per trained model its weights (a LoRA model: its adapters, and in `base` the
+        record that rebuilds its base), optimizer state (Trained's keys), `<name>_config` and its LR schedule;
+        tokenizer, args, step, every rank's RNG states (and `generator`'s), data_state, world_size, seconds, and the
+        stage's own keys (`extra`). Every rank calls it (under --fsdp each gathers the weights and writes its optimizer
+        shard); rank 0 writes the file."""
         rng = all_rng_states(generator)
+        if self.bases is None and self.d.master:  # the fingerprints hash the bases: once a run, on rank 0
+            specs = base_specs(self.kind, self.args)
+            self.bases = {entry.name: lora_base(entry.model, specs[entry.name], self.args) for entry in self.trained}
+        bases = self.bases or {}
         entries = {}
         for entry in self.trained:
-            entries |= training_state(entry.model, entry.optimizer, self.args.out_dir, entry.name)
+            entries |= training_state(entry, self.args.out_dir, bases.get(entry.name))
         if not self.d.master:
             return
         checkpoint = dict(kind=self.kind, **entries)
+        if any(bases.values()):
+            checkpoint["base"] = {name: base for name, base in bases.items() if base is not None}
         for entry in self.trained:
             checkpoint[f"{entry.name}_config"] = asdict(entry.model.config)
             checkpoint[schedule_key(entry)] = entry.schedule.state_dict()

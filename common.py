@@ -66,7 +66,8 @@ class CommonArgs:
     """activation checkpointing: keep each block's input only and recompute the block in the backward (less memory,
     about a third more compute)"""
     lora_rank: int = 0
-    """train low-rank adapters of this rank on a frozen base (0: full fine-tuning); checkpoints hold merged weights"""
+    """train low-rank adapters of this rank on a frozen base (0: full fine-tuning); checkpoints hold the adapters and
+    the name and hash of the base, which every reader rebuilds and merges them onto"""
     lora_alpha: float = 16.0
     """LoRA scale alpha: the update is (alpha / rank) B A"""
     lora_targets: Optional[list[str]] = None
@@ -378,8 +379,8 @@ class CheckedEnv:
 @dataclass
 class Trained:
     """One model a stage trains, as the shared skeleton (guarded_step here, checkpoints.Run's save and resume)
-    sees it. Its checkpoint entries are `<name>` (the weights, adapters merged), `<name>_lora` (LoRA: the trainable
-    parameters) and `<name>_optimizer` (`optimizer` for the model named `model`)."""
+    sees it. Its checkpoint entries are `<name>` (the weights; not in a LoRA run's, which has `base`), `<name>_lora`
+    (LoRA: the trainable parameters) and `<name>_optimizer` (`optimizer` for the model named `model`)."""
 
     name: str
     model: torch.nn.Module  # the bare module (not compiled, not DDP): its parameters are the trained ones

@@ -18,10 +18,12 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from checkpoints import export_hf, load_checkpoint
+from checkpoints import check_base, export_hf, load_checkpoint
 from common import UserError
 from generate import cache_dtype, decode_compile_mode, static_layout
+from lora import add_lora, merged_state_dict
 from model import GPT, GPTConfig, strip_wrapper_prefixes
+from parallel import store_low_precision
 from tokenizer import Tokenizer, hub_error, load_tokenizer
 
 
@@ -105,7 +107,8 @@ class HFCausalLM(nn.Module):
         map_location: str | torch.device = "cpu",
     ) -> "HFCausalLM":
         """The adapter half of model_from_checkpoint (which dispatches on the checkpoint's kind): architecture from
-        model_config["hf_config"] (AutoModelForCausalLM.from_config, nothing downloaded), weights from ckpt[key].
+        model_config["hf_config"] (AutoModelForCausalLM.from_config, nothing downloaded), weights from ckpt[key]
+        (merged_weights: a LoRA checkpoint's merged onto its base).
         Heads default to what was saved (the lm head as ckpt[f"{key}_config"] says: PPO saves critic_config, else
         model_config); a score head asked for but absent starts fresh (an RM from an SFT model), one not asked for is
         dropped."""
@@ -114,7 +117,7 @@ class HFCausalLM(nn.Module):
         if not isinstance(ckpt, dict):
             ckpt = torch.load(ckpt, map_location=map_location, weights_only=False)  # our own files hold RNG states
         saved_config = ckpt.get(f"{key}_config", ckpt["model_config"])
-        state_dict = strip_wrapper_prefixes(ckpt[key])
+        state_dict = strip_wrapper_prefixes(merged_weights(ckpt, key))
         lm_head = saved_config["lm_head"] if lm_head is None else lm_head
         score_head = "score_head.weight" in state_dict if score_head is None else score_head
         hf_config = AutoConfig.for_model(**saved_config["hf_config"])
@@ -329,6 +332,28 @@ class HFCausalLM(nn.Module):
 # the checkpoint loader and the --init grammar
 
 
+def merged_weights(ckpt: dict, key: str = "model") -> dict:
+    """The full state dict of a checkpoint's model `key`: ckpt[key], or for a LoRA checkpoint (adapters only, §4) its
+    base rebuilt from ckpt["base"][key] (recursively when that is a LoRA checkpoint too), checked against its
+    fingerprint, stored in the dtype it trained in, with the adapters and trained heads loaded, merged as
+    lora.merged_state_dict merged it when the run saved: the same tensors, bit for bit, on the same device."""
+    if key in ckpt:
+        return ckpt[key]
+    base = ckpt["base"][key]
+    needed_by = ckpt.get("path", "a LoRA checkpoint")
+    check_base(base, needed_by)
+    flag = f"{needed_by}: its base"
+    model, _, _ = load_init(base["spec"], lm_head=base["lm_head"], score_head=base["score_head"], flag=flag)
+    add_lora(model, base["lora_rank"], base["lora_alpha"], base["lora_targets"])
+    # as parallel.place_model stored a LoRA base under bf16: its frozen matrices in that dtype, adapters in fp32
+    store_low_precision(model, getattr(torch, base["dtype"]), frozen_only=True)
+    missing, unexpected = model.load_state_dict(ckpt[f"{key}_lora"], strict=False)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    if unexpected or any(name in missing for name in trainable):
+        raise UserError(f"{needed_by}: its {key}_lora does not fit its base {base['spec']} (a checkpoint edited?)")
+    return merged_state_dict(model)
+
+
 def model_from_checkpoint(
     ckpt: dict | str | os.PathLike,
     key: str = "model",
@@ -336,10 +361,13 @@ def model_from_checkpoint(
     score_head: bool | None = None,
 ) -> GPT | HFCausalLM:
     """Either kind of model from one of our checkpoints (the dict or a path), on the CPU: an HFCausalLM when
-    model_config holds hf_config, else a native GPT; weights from ckpt[key] ("critic" for PPO's). Heads default to
-    the checkpoint's; True adds an absent one (fresh, from the global torch seed), False drops one."""
+    model_config holds hf_config, else a native GPT; weights from ckpt[key] ("critic" for PPO's), merged onto the
+    rebuilt base for a LoRA checkpoint (merged_weights). Heads default to the checkpoint's; True adds an absent one
+    (fresh, from the global torch seed), False drops one."""
     if not isinstance(ckpt, dict):
-        ckpt = torch.load(ckpt, map_location="cpu", weights_only=False)  # our own files hold RNG states
+        path = os.fspath(ckpt)
+        ckpt = torch.load(path, map_location="cpu", weights_only=False) | {"path": path}  # our own files: RNG states
+    ckpt = ckpt | {key: merged_weights(ckpt, key)}
     if "hf_config" in ckpt["model_config"]:  # written by the adapter: rebuilt from the config alone
         return HFCausalLM.from_checkpoint(ckpt, key=key, lm_head=lm_head, score_head=score_head)
     return GPT.from_checkpoint(ckpt, key=key, lm_head=lm_head, score_head=score_head)

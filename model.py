@@ -438,6 +438,11 @@ class GPT(nn.Module):
                 "this checkpoint holds a Hugging Face model (its model_config has hf_config): "
                 "load it with hf.model_from_checkpoint, which rebuilds either kind"
             )
+        if key not in ckpt:
+            raise ValueError(
+                f"this checkpoint holds LoRA adapters only ({key}_lora and base): load it with "
+                "hf.model_from_checkpoint, which rebuilds the base and merges them"
+            )
         state_dict = strip_wrapper_prefixes(ckpt[key])
         lm_head = "lm_head.weight" in state_dict if lm_head is None else lm_head
         score_head = "score_head.weight" in state_dict if score_head is None else score_head

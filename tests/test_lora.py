@@ -5,6 +5,7 @@ Face Llama, and a resume refused after the base folder changed."""
 import copy
 import os
 import shutil
+import time
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,9 @@ from conftest import CHAIN_SFT, run_chain
 import checkpoints
 import common
 import hf
+import parallel
 import train_ppo
+import train_rm
 import train_sft
 from lora import BaseView, LoRAEmbedding, LoRALinear, add_lora, lora_disabled, merge_lora, merged_state_dict
 from model import GPT, GPTConfig
@@ -181,11 +184,133 @@ def test_grad_ckpt_gives_the_same_loss_and_gradients(make, llama_dir):
         assert torch.allclose(grads_a[name], grads_b[name], atol=1e-10), name
 
 
+# -----------------------------------------------------------------------------
+# LoRA checkpoints: adapters and the record of their base, merged by the loader
+
+
+def save_as_a_run(kind: str, args, models: dict, tok, seed: int = 0) -> tuple[str, dict]:
+    """Run.save's checkpoint of LoRA models by key (model, critic) whose adapters and heads moved: (its path, each
+    model's merged state dict, what checkpoints held as `<key>` before they kept adapters only)."""
+    trained = []
+    for name, model in models.items():
+        randomize_adapters(model, seed)
+        with torch.no_grad():
+            for parameter_name, parameter in model.named_parameters():
+                if parameter_name.startswith("score_head."):
+                    parameter.add_(0.5)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+        trained.append(common.Trained(name, model, optimizer, common.LRSchedule(1e-3, 0, 10)))
+    dist = parallel.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), ddp=False)
+    checkpoints.Run(kind, args, dist, tok, trained, started=time.time()).save(step=1, data_state={})
+    return os.path.join(args.out_dir, "ckpt.pt"), {name: merged_state_dict(model) for name, model in models.items()}
+
+
+def lora_model(spec: str, args, dtype: torch.dtype = torch.float32, **heads):
+    """A stage's model: built from spec (through the loader when it is a LoRA checkpoint), adapters on, the frozen
+    base stored in dtype as parallel.place_model stores it."""
+    model, tok, _ = hf.load_init(spec, **heads)
+    add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets)
+    parallel.store_low_precision(model, dtype, frozen_only=True)
+    return model, tok
+
+
+def assert_same_tensors(state: dict, want: dict) -> None:
+    assert state.keys() == want.keys()
+    for name, value in want.items():
+        assert state[name].dtype == value.dtype and torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_lora_checkpoint_holds_adapters_and_the_loader_merges_them_to_the_bit(tmp_path, tiny_ckpts, dtype):
+    """A LoRA SFT from a .pt checkpoint, then a LoRA RM from that SFT: each checkpoint holds its adapters (and the RM
+    its trained head) and `base`, no full weights; the loader rebuilds the base (recursively for the RM), merges, and
+    returns exactly the merged state dict the run held, bf16 matrices included."""
+    targets = ["c_attn", "c_proj", "c_fc", "wte"]
+    lora = dict(lora_rank=2, lora_alpha=4.0, lora_targets=targets)
+    sft_args = train_sft.Args(out_dir=str(tmp_path / "sft"), init=tiny_ckpts[0], **lora)
+    sft_model, tok = lora_model(tiny_ckpts[0], sft_args, dtype)
+    sft_path, sft_merged = save_as_a_run("sft", sft_args, {"model": sft_model}, tok)
+    sft = checkpoints.load_checkpoint(sft_path)
+    assert "model" not in sft and all("lora_" in name for name in sft["model_lora"])
+    base = sft["base"]["model"]
+    assert base["spec"] == tiny_ckpts[0] and base["sha256"] == checkpoints.file_sha256(tiny_ckpts[0])
+    assert base["dtype"] == str(dtype).removeprefix("torch.") and base["lora_targets"] == targets
+    assert_same_tensors(hf.merged_weights(sft), sft_merged["model"])
+    assert any(not torch.equal(value, sft_merged["model"][name]) for name, value in sft_model.state_dict().items())
+    # the RM's base is the LoRA SFT: two levels, and the RM's fresh head trains
+    rm_args = train_rm.Args(out_dir=str(tmp_path / "rm"), init=sft_path, **lora)
+    rm_model, _ = lora_model(sft_path, rm_args, dtype, score_head=True)
+    rm_path, rm_merged = save_as_a_run("rm", rm_args, {"model": rm_model}, tok, seed=1)
+    rm = checkpoints.load_checkpoint(rm_path)
+    assert "score_head.weight" in rm["model_lora"] and rm["base"]["model"]["spec"] == sft_path
+    assert_same_tensors(hf.merged_weights(rm), rm_merged["model"])
+    loaded = hf.model_from_checkpoint(rm_path)
+    assert_same_tensors(loaded.state_dict(), {name: value.float() for name, value in rm_merged["model"].items()})
+    critic = hf.model_from_checkpoint(rm, lm_head=False, score_head=True)  # PPO's critic from a LoRA RM
+    assert torch.equal(critic.score_head.weight, rm_merged["model"]["score_head.weight"].float())
+
+
+def test_a_lora_checkpoint_names_its_missing_or_changed_base(tmp_path, tiny_ckpts, capsys):
+    """The loader checks the base against its fingerprint: gone or changed is one line naming the base and the
+    checkpoint that needs it (exit 2 from a script: `python hf.py export`); --resume still loads the adapters onto
+    the rebuilt base."""
+    init = str(tmp_path / "init.pt")
+    shutil.copy(tiny_ckpts[0], init)
+    args = train_sft.Args(out_dir=str(tmp_path / "sft"), init=init, lora_rank=2)
+    model, tok = lora_model(init, args)
+    path, merged = save_as_a_run("sft", args, {"model": model}, tok)
+    resumed, _ = lora_model(init, args)
+    checkpoints.load_model_state(resumed, checkpoints.load_checkpoint(path))
+    assert_same_tensors(merged_state_dict(resumed), merged["model"])
+    os.rename(init, init + ".moved")
+    with pytest.raises(common.UserError, match=rf"^{path} holds LoRA adapters only, and its base {init} is missing"):
+        hf.model_from_checkpoint(checkpoints.load_checkpoint(path))
+    with pytest.raises(SystemExit) as exit:
+        common.run_main(lambda argv: hf.export_checkpoint(*argv), [path, str(tmp_path / "hf")])
+    error = capsys.readouterr().err
+    assert exit.value.code == 2 and f"its base {init} is missing" in error and len(error.strip().splitlines()) == 1
+    ckpt = torch.load(init + ".moved", weights_only=False)
+    ckpt["model"]["transformer.ln_f.bias"] += 1.0
+    checkpoints.save_checkpoint(ckpt, init)
+    with pytest.raises(common.UserError, match=rf"its base {init} changed since it was trained \(sha256 differs\)"):
+        hf.model_from_checkpoint(path)
+
+
+def test_hf_lora_policy_and_critic_merge_to_the_bit_and_export(tmp_path, llama_dir):
+    """The tiny Llama: a LoRA SFT from its folder, then a PPO run from that SFT with a policy and a critic (no RM: the
+    critic's base is the policy's init, without its lm head); each merges back exactly, and the export of the SFT
+    checkpoint is a plain transformers model with the merged model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    targets = ["q_proj", "v_proj", "down_proj", "embed_tokens"]
+    lora = dict(lora_rank=2, lora_alpha=4.0, lora_targets=targets)
+    sft_args = train_sft.Args(out_dir=str(tmp_path / "sft"), init=f"hf:{llama_dir}", **lora)
+    sft_model, tok = lora_model(f"hf:{llama_dir}", sft_args)
+    sft_path, sft_merged = save_as_a_run("sft", sft_args, {"model": sft_model}, tok)
+    sft = checkpoints.load_checkpoint(sft_path)
+    assert sft["base"]["model"]["sha256"] == checkpoints.init_fingerprint(f"hf:{llama_dir}")
+    assert_same_tensors(hf.merged_weights(sft), sft_merged["model"])
+    ppo_args = train_ppo.Args(out_dir=str(tmp_path / "ppo"), sft_ckpt=sft_path, rm_ckpt=["none"], **lora)
+    actor, _ = lora_model(sft_path, ppo_args)
+    critic, _ = lora_model(sft_path, ppo_args, lm_head=False, score_head=True)
+    ppo_path, ppo_merged = save_as_a_run("ppo", ppo_args, {"model": actor, "critic": critic}, tok)
+    ppo = checkpoints.load_checkpoint(ppo_path)
+    assert not {"model", "critic"} & set(ppo) and ppo["base"]["critic"]["lm_head"] is False
+    assert_same_tensors(hf.merged_weights(ppo), ppo_merged["model"])
+    assert_same_tensors(hf.merged_weights(ppo, "critic"), ppo_merged["critic"])
+    hf.export_checkpoint(sft_path, str(tmp_path / "export"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    merged = hf.model_from_checkpoint(sft).eval()
+    idx = torch.randint(3, 83, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(merged(idx)[0], exported(idx).logits)
+
+
 @pytest.mark.slow
-def test_sft_lora_checkpoint_holds_merged_weights_and_resumes(tmp_path, task_dir, tiny_ckpts):
-    """SFT with --lora-rank, the tied embedding among the targets: `model` is the merged full state dict (a later
-    stage loads it as any), `model_lora` the adapters; the --export-hf folder gives the unmerged model's logits;
-    --resume continues on the base rebuilt from --init."""
+def test_sft_lora_checkpoint_holds_adapters_and_resumes(tmp_path, task_dir, tiny_ckpts):
+    """SFT with --lora-rank, the tied embedding among the targets: `model_lora` the adapters and `base` the --init they
+    go on, no full `model` (the loader merges: a later stage loads it as any); the --export-hf folder gives the
+    unmerged model's logits; --resume continues on the base rebuilt from --init."""
     args = train_sft.Args(
         out_dir=str(tmp_path / "lora"),
         task_dir=task_dir,
@@ -206,10 +331,12 @@ def test_sft_lora_checkpoint_holds_merged_weights_and_resumes(tmp_path, task_dir
     )
     train_sft.main(replace(args, export_hf=str(tmp_path / "hf")))
     ckpt = torch.load(tmp_path / "lora" / "ckpt.pt", weights_only=False)
-    assert not any("lora_" in key for key in ckpt["model"])
+    assert "model" not in ckpt and ckpt["base"]["model"]["spec"] == tiny_ckpts[0]
     assert ckpt["model_lora"] and all("lora_" in key for key in ckpt["model_lora"])
+    merged = hf.merged_weights(ckpt)
+    assert not any("lora_" in key for key in merged)
     init = torch.load(tiny_ckpts[0], weights_only=False)["model"]
-    moved = [key for key in init if not torch.equal(init[key], ckpt["model"][key])]
+    moved = [key for key in init if not torch.equal(init[key], merged[key])]
     targets = ("c_attn.weight", "c_proj.weight", "c_fc.weight", "wte.weight", "lm_head.weight")
     assert "transformer.wte.weight" in moved and all(key.endswith(targets) for key in moved)
     model = hf.model_from_checkpoint(ckpt)  # the plain loader: merged weights
@@ -259,8 +386,8 @@ def test_ppo_lora_shares_bases_and_trains(tmp_path, task_dir, tiny_ckpts, capsys
     out = capsys.readouterr().out
     assert "actor: LoRA rank 4" in out and "critic: LoRA rank 4" in out
     ckpt = torch.load(tmp_path / "ppo" / "ckpt.pt", weights_only=False)
-    assert {"model", "model_lora", "critic", "critic_lora"} <= set(ckpt)
-    assert not any("lora_" in key for key in ckpt["model"]) and not any("lora_" in key for key in ckpt["critic"])
+    assert {"model_lora", "critic_lora", "base"} <= set(ckpt) and not {"model", "critic"} & set(ckpt)
+    assert ckpt["base"]["critic"]["spec"] == rm and ckpt["base"]["critic"]["lm_head"] is False  # the critic's init
     actor = hf.model_from_checkpoint(ckpt)
     reference = hf.model_from_checkpoint(checkpoints.load_checkpoint(sft))
     differs = [n for n, p in actor.state_dict().items() if not torch.equal(p, reference.state_dict()[n])]
@@ -270,8 +397,9 @@ def test_ppo_lora_shares_bases_and_trains(tmp_path, task_dir, tiny_ckpts, capsys
 @pytest.mark.slow
 def test_llama_chain_with_lora_and_grad_ckpt(tmp_path, llama_dir, user_data):
     """--lora-rank and --grad-ckpt on the Hugging Face adapter through SFT, RM and PPO: adapters on q/k/v/o, the MLP
-    projections and the (untied) token embedding, checkpoints with merged weights (plain adapter models load them)
-    and the adapters beside them, and an export with the unmerged actor's logits."""
+    projections and the (untied) token embedding, checkpoints with the adapters and their base (each stage's the one
+    before: PPO's critic on the LoRA RM, itself on the LoRA SFT), merged by the loader, and an export with the
+    unmerged actor's logits."""
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"]
     ckpts = run_chain(
         tmp_path, f"hf:{llama_dir}", user_data, lora_rank=2, lora_alpha=4, lora_targets=targets, grad_ckpt=True
@@ -280,8 +408,11 @@ def test_llama_chain_with_lora_and_grad_ckpt(tmp_path, llama_dir, user_data):
         adapters = ckpts[stage]["model_lora"]
         assert any(name.endswith("q_proj.lora_a") for name in adapters), stage
         assert any(name.endswith("embed_tokens.lora_b") for name in adapters), stage
-        assert not any("lora_" in name for name in ckpts[stage]["model"]), stage
+        assert "model" not in ckpts[stage] and not any("lora_" in name for name in hf.merged_weights(ckpts[stage]))
     assert any(name.endswith("lora_b") for name in ckpts["ppo"]["critic_lora"])
+    assert ckpts["ppo"]["base"]["critic"]["spec"] == ckpts["rm"]["args"]["out_dir"] + "/ckpt.pt"
+    critic = hf.model_from_checkpoint(ckpts["ppo"], key="critic")  # two levels of bases under it
+    assert critic.score_head is not None and not critic.config.lm_head
     sft, policy = (hf.model_from_checkpoint(ckpts[s]).eval() for s in ("sft", "ppo"))
     idx = torch.randint(3, 83, (2, 7))
     with torch.no_grad():
