@@ -27,6 +27,14 @@ of bench/compare_trl.sh).
 
 python bench/decode.py --vs-hf                                    # shape S on 2 CPU threads
 python bench/decode.py --vs-hf --model-dir out/smollm2 --batch 16 --prompt-len 64 --resp-len 48   # SmolLM2-135M
+
+--greedy-check instead decodes greedily (temperature 0) from the same model and prompts with compiled=False and
+compiled=True and holds the token ids equal; otherwise it prints the first divergence (the earliest step, then the
+lowest row) with both ids and the eager forward's logit margin between them there, and exits 1. A divergence whose
+margin is at most --tie-margin is a rounding tie (a random model's logits are close to flat: bf16 flips such ties),
+counted, not failed. Last line: `greedy: rows_equal=<n>/<B> ties=<n> first_divergence=<row, step or none>`.
+
+python bench/decode.py --greedy-check                             # a tiny GPT on the CPU, inductor's backend
 """
 
 import os
@@ -35,7 +43,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 import tyro
@@ -66,6 +74,11 @@ class Args(Shape):
     model_dir: str | None = None
     """a Hugging Face folder (make smollm2: out/smollm2) whose real weights replace the random model; --vocab is its
     vocabulary"""
+    greedy_check: bool = False
+    """compare the compiled decode's greedy token ids with the eager decode's instead (exit 1 on a divergence)"""
+    tie_margin: float = 0.0
+    """--greedy-check: a divergence where the eager forward's logits of the two ids lie within this is a rounding
+    tie, not a failure (0: every divergence fails)"""
 
 
 def hbm_peak(device: torch.device) -> float:
@@ -115,6 +128,62 @@ def against_transformers(args: Args, model, prompts, mask, generator) -> None:
     print(f"decode_vs_hf: ours_tok_per_s={rates['ours']:.1f} hf_tok_per_s={rates['hf']:.1f} ratio={ratio:.2f}")
 
 
+def first_divergence(eager: torch.Tensor, compiled: torch.Tensor) -> Optional[tuple[int, int]]:
+    """(row, step) of the first differing token id of two (B, R) decodes: the earliest step, then the lowest row;
+    None when they are equal."""
+    differs = (eager != compiled).cpu()
+    if not differs.any():
+        return None
+    step = int(differs.any(0).nonzero()[0])
+    row = int(differs[:, step].nonzero()[0])
+    return row, step
+
+
+def logit_margin(model, prompt: torch.Tensor, response: torch.Tensor, eager_id: int, compiled_id: int) -> float:
+    """The eager forward's logit of eager_id minus compiled_id after prompt (P,) and response (S,): how close to a
+    tie the two decodes' choice was."""
+    with torch.no_grad():
+        logits = model(torch.cat([prompt, response])[None])[0][0, -1].float()  # (V,)
+    return (logits[eager_id] - logits[compiled_id]).item()
+
+
+def greedy_check(args: Args, model, prompts, mask, dtype: torch.dtype) -> int:
+    """Greedy decodes, eager then compiled, from the same model and prompts: 0 when every row is equal or ends at a
+    tie within --tie-margin, else 1; prints the first divergence, every failing one, and the rows' agreement."""
+    B, R, V = args.batch, args.resp_len, args.vocab
+    autocast = torch.autocast(prompts.device.type, dtype=dtype, enabled=dtype != torch.float32)
+    tokens = {}
+    with autocast:
+        for compiled in (False, True):
+            tokens[compiled] = generate(model, prompts, mask, R, V, V + 1, temperature=0.0, compiled=compiled)[0]
+    eager, fast = tokens[False], tokens[True]
+    first = first_divergence(eager, fast)
+    ties, failures = 0, 0
+    for row in range(B):
+        divergence = first_divergence(eager[row : row + 1], fast[row : row + 1])
+        if divergence is None:
+            continue
+        step = divergence[1]
+        eager_id, compiled_id = eager[row, step].item(), fast[row, step].item()
+        with autocast:
+            margin = logit_margin(model, prompts[row], eager[row, :step], eager_id, compiled_id)
+        tie = abs(margin) <= args.tie_margin
+        ties += tie
+        failures += not tie
+        if (row, step) == first or not tie:
+            window = slice(max(0, step - 3), step + 3)
+            verdict = "a tie" if tie else "FAILS"
+            print(
+                f"[result] row {row} step {step}: eager id {eager_id}, compiled id {compiled_id}, eager's logit "
+                f"margin {margin:.2e} ({verdict} at --tie-margin {args.tie_margin:g}); from step {window.start}: "
+                f"eager {eager[row, window].tolist()}, compiled {fast[row, window].tolist()}",
+                flush=True,
+            )
+    where = "none" if first is None else f"row {first[0]} step {first[1]}"
+    print(f"greedy: rows_equal={B - ties - failures}/{B} ties={ties} failures={failures} first_divergence={where}")
+    return 1 if failures else 0
+
+
 def main(args: Args) -> None:
     from torch._dynamo.utils import counters
 
@@ -137,6 +206,8 @@ def main(args: Args) -> None:
     generator = torch.Generator(device=device).manual_seed(args.seed)
     if args.vs_hf:
         return against_transformers(args, model, prompts, mask, generator)
+    if args.greedy_check:
+        sys.exit(greedy_check(args, model, prompts, mask, dtype))
 
     def sync():
         if device.type == "cuda":
