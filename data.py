@@ -6,14 +6,14 @@ task of each --task. The record layouts: docs/design.md §3.
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
 import arith
 import task as reviews
-from common import UserError, load_reward_fn, write_jsonl
+from common import UserError, load_env, load_reward_fn, write_jsonl
 from tokenizer import HH_ASSISTANT, HH_NAMES, Tokenizer, load_tokenizer, same_tokenizer
 
 # the built-in tasks by --task (reviews: task.py): each module has build_task, gold_reward, is_valid, is_task_prompt and
@@ -510,6 +510,8 @@ class RLData:
     gold_fn: Optional[Callable]  # the gold reward on the built-in task, else None
     ptx_path: Optional[str]  # the ptx texts' file: --ptx-data, or the reviews task's own (None: no ptx text)
     reward_fn: Optional[Callable]  # --reward-fn, tried on the first prompt (None: none given)
+    rows: list = field(default_factory=list)  # the kept prompts' whole records, an environment's input
+    make_env: Optional[Callable] = None  # make_env(row): an episode's environment (env_spec), tried on the first row
 
     def skipped(self) -> str:
         """The start-up count of the prompts too long, the first 5 by line: `3 too long, skipped: p.jsonl:7, 9`."""
@@ -544,6 +546,7 @@ def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
     room = block_size - args.max_new_tokens
     lengths = [len(prompt_ids(tok, prompt)) for prompt in prompts]
     fitting = [prompt for prompt, length in zip(prompts, lengths) if length <= room]
+    fitting_rows = [row for row, length in zip(rows, lengths) if length <= room]
     too_long = [lineno for lineno, length in zip(record_lines(prompts_path), lengths) if length > room]
     if not fitting:
         raise UserError(
@@ -560,9 +563,21 @@ def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
             f"--ptx-data {ptx_path}: all {ptx_too_long} texts are longer than the context ({block_size} tokens): no "
             "ptx loss (shorten them, or --ptx-coef 0)"
         )
-    gold_fn = task_module.gold_reward if builtin else None
+    gold_fn = getattr(task_module, "gold_reward", None) if builtin else None  # a multi-turn task has none
     reward_fn = load_reward_fn(args.reward_fn, prompt_text(tok, fitting[0])) if args.reward_fn else None
-    return RLData(fitting, too_long, prompts_path, ptx, ptx_too_long, gold_fn, ptx_path, reward_fn)
+    spec = env_spec(args)
+    make_env = load_env(spec, fitting_rows[0], args.max_turns) if spec else None
+    return RLData(
+        fitting, too_long, prompts_path, ptx, ptx_too_long, gold_fn, ptx_path, reward_fn, fitting_rows, make_env
+    )
+
+
+def env_spec(args) -> Optional[str]:
+    """The RL run's environment (args: rollout.RolloutArgs): --env, else without --prompts the built-in task's own (a
+    module attribute ENV, e.g. "guess:Game"); None: one response a prompt."""
+    if args.env is not None or args.prompts is not None:
+        return args.env
+    return getattr(TASKS[args.task], "ENV", None)
 
 
 class PromptStream:

@@ -27,8 +27,8 @@ import hf
 import parallel
 from checkpoints import POLICY_KINDS, load_checkpoint
 from common import UserError
-from data import Order, PromptStream, PtxStream, RLData, encode_prompts, load_prompts, prompt_text
-from generate import Samples, continuation_budget, join_samples, sample
+from data import Order, PromptStream, PtxStream, RLData, encode_prompts, env_spec, load_prompts, prompt_text
+from generate import Episodes, Samples, continuation_budget, join_samples, run_episodes, sample
 from lora import BaseView, merge_lora, merged_state_dict
 from model import (
     aggregate_rm_scores,
@@ -38,6 +38,7 @@ from model import (
     masked_mean,
     packed_response_logits,
     response_forward,
+    row_extent,
 )
 from tokenizer import Tokenizer, same_tokenizer
 
@@ -66,7 +67,12 @@ class RolloutArgs(common.CommonArgs):
     reward_fn_coef: float = 1.0
     """weight of --reward-fn in the score"""
     prompts: Optional[str] = None
-    """prompts JSONL, one {"prompt": str or [messages]} a line (None: the built-in task's)"""
+    """prompts JSONL, one {"prompt": str or [messages]} a line and any fields --env reads (None: the built-in task's)"""
+    env: Optional[str] = None
+    """module:NAME or path/to/file.py:NAME, NAME(row) an episode's environment over several turns (docs/usage.md; None:
+    one response a prompt, or the built-in task's own ENV)"""
+    max_turns: int = 1
+    """--env: the model turns an episode may take"""
     ptx_data: Optional[str] = None
     """pre-training text JSONL {"text": str} for the ptx loss (None: on by default on the reviews task only, with its
     own text; no ptx on arith, whose demonstrations are half wrong on purpose, nor on --prompts)"""
@@ -87,7 +93,11 @@ class RolloutArgs(common.CommonArgs):
     missing_eos_penalty: Optional[float] = None
     """the score of a response without EOS. None: with an RM, its part is -1 (an RM reads its score at the EOS) and
     --reward-fn still adds its own value (it is given `ended`); with --reward-fn alone, the function decides. A
-    number: every such response scores it, whatever the RM or the function says"""
+    number: every such response scores it, whatever the RM or the function says (with --env: replaces the return of
+    an episode whose last turn did not end)"""
+    mask_truncated: bool = False
+    """DAPO overlong filtering: responses without EOS, and episodes truncated by the context, keep their score but
+    contribute nothing to the loss"""
     tis_cap: Optional[float] = None
     """truncated importance sampling (Yao et al. 2025), for a sampler whose numerics differ from the trainer's (bf16):
     each token's policy loss weighted by min(pi_old / pi_sampler, C), pi_old the training forward's probability of
@@ -109,8 +119,14 @@ def check_rollout_args(args: RolloutArgs, scored: bool = True) -> None:
     needs a score (an RM or --reward-fn); distillation's reward is the teacher's log-probs alone."""
     if args.temperature <= 0:
         raise UserError(f"--temperature {args.temperature}: RL samples from the tempered distribution; use > 0")
-    if scored and args.rm_ckpt == ["none"] and args.reward_fn is None:
-        raise UserError("--rm-ckpt none needs --reward-fn module:function (e.g. task:gold_reward)")
+    env = env_spec(args)
+    if scored and args.rm_ckpt == ["none"] and args.reward_fn is None and env is None:
+        raise UserError("--rm-ckpt none needs --reward-fn module:function (e.g. task:gold_reward) or --env")
+    if env is not None and args.reward_fn is not None:
+        where = f"--env {env}" if args.env else f"--task {args.task} (its environment {env})"
+        raise UserError(f"{where} and --reward-fn {args.reward_fn}: an environment's step gives the rewards, pass one")
+    if args.max_turns < 1:
+        raise UserError(f"--max-turns {args.max_turns}: the model's turns an episode may take, use >= 1")
     if "none" in args.rm_ckpt and len(args.rm_ckpt) > 1:
         raise UserError(f"--rm-ckpt {' '.join(args.rm_ckpt)}: 'none' stands alone (no reward model)")
     if args.tis_cap is not None and args.tis_cap <= 0:
@@ -244,8 +260,8 @@ def place(models: Models, args, d: parallel.Dist, dtype: torch.dtype) -> Models:
 class Engine:
     """What a run's rollouts are made with, fixed while it runs (one object a call, as nanochat's Engine): the models by
     role, the tokenizer, the shared flags, the rows per forward, the generator of every random draw (sampling here,
-    shuffling in the update), the autocast dtype, the reward function (--reward-fn) and, on the built-in task, the
-    gold reward (logged, never optimised)."""
+    shuffling in the update), the autocast dtype, the reward function (--reward-fn), on the built-in task the gold
+    reward (logged, never optimised), and the environment (--env)."""
 
     models: Models
     tok: Tokenizer
@@ -255,6 +271,7 @@ class Engine:
     dtype: torch.dtype = torch.float32
     reward_fn: Optional[Callable] = None
     gold_fn: Optional[Callable] = None
+    make_env: Optional[Callable] = None  # make_env(row): an episode's environment (--env); None: one response a prompt
 
 
 # -----------------------------------------------------------------------------
@@ -268,9 +285,11 @@ class Responses:
     query: torch.Tensor  # (B, P) left-padded prompt ids
     query_mask: torch.Tensor  # (B, P)
     prompt_texts: list[str]  # each prompt as the reward function and the logs see it (a conversation rendered)
-    samples: Samples  # the whole responses: a prefix given, then the tokens sampled
+    samples: Samples  # the whole responses: a prefix given, then the tokens sampled; mask: the model's tokens
     sampled: torch.Tensor  # (B, T) 1.0 on the tokens this call sampled (samples.mask without a prefix)
+    attention_mask: torch.Tensor  # (B, T) 1.0 on the response's model and observation tokens (samples.mask without)
     packed: tuple  # (ids, mask) (B, W): each row's prompt and response together (model.left_pack), what is scored
+    episodes: Optional[Episodes] = None  # --env: the episodes the response holds
 
 
 @torch.no_grad()
@@ -299,17 +318,69 @@ def generate_responses(engine: Engine, prompts: list, prefix: Optional[tuple] = 
         samples, sampled = join_samples(tok, prefix_ids, prefix_mask, samples)
     prompt_texts = [prompt_text(tok, prompt) for prompt in prompts]
     packed = left_pack(torch.cat([query, samples.response], 1), torch.cat([query_mask, samples.mask], 1))
-    return Responses(query, query_mask, prompt_texts, samples, sampled, packed)
+    return Responses(query, query_mask, prompt_texts, samples, sampled, samples.mask, packed)
+
+
+@torch.no_grad()
+def generate_episodes(engine: Engine, rows: list) -> Responses:
+    """Step 1 with an environment: an episode a row (its JSONL record), generate.run_episodes at --temperature for up
+    to --max-turns turns. The response is everything after the prompt, the model's and the observations' tokens;
+    samples.mask (the loss mask) covers the model's, attention_mask both."""
+    tok, args, models = engine.tok, engine.args, engine.models
+    device = next(models.actor.parameters()).device
+    prompts = [row["prompt"] for row in rows]
+    query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
+    envs = [engine.make_env(row) for row in rows]
+    compiled = parallel.use_compile(args.compile, device) and not args.fsdp
+    policy = models.actor if models.sampler is None else models.sampler
+    amp = torch.autocast(device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
+    # --fsdp: gathered once for every turn, so a rank's decodes never wait on another's, whatever its turn count
+    with amp, parallel.gathered(policy):
+        episodes = run_episodes(
+            policy,
+            tok,
+            query,
+            query_mask,
+            envs,
+            args.max_turns,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            generator=engine.generator,
+            compiled=compiled,
+        )
+    P = episodes.prompt_width
+    response, attention_mask, mask = (
+        tensor[:, P:] for tensor in (episodes.sequences, episodes.attention_mask, episodes.mask)
+    )
+    last = (row_extent(mask) - 1).clamp(min=0)  # (B,) the episode's last model token
+    last_turn = (episodes.turns - 1).clamp(min=0)[:, None]
+    ended = episodes.ended.gather(1, last_turn).squeeze(1) & (episodes.turns > 0)  # the last turn ended with EOS
+    texts = [
+        episode_text(turns, observations) for turns, observations in zip(episodes.turn_texts, episodes.observations)
+    ]
+    samples = Samples(response, mask, episodes.logprobs[:, P:] * mask, last, ended, texts)
+    prompt_texts = [prompt_text(tok, prompt) for prompt in prompts]
+    packed = left_pack(episodes.sequences, episodes.attention_mask)
+    return Responses(query, query_mask, prompt_texts, samples, mask, attention_mask, packed, episodes)
+
+
+def episode_text(turns: list[str], observations: list[str]) -> str:
+    """An episode as the logs show it: each model turn, and each observation after [env]."""
+    parts = [turns[0]] if turns else []
+    for observation, turn in zip(observations, turns[1:]):
+        parts += [f"[env] {observation}", turn]
+    return " ".join(parts)
 
 
 def micro_batches(responses: Responses, micro_batch_size: int):
     """(rows, ids, mask, response, response_mask) of each micro-batch of a rollout, in order: each row's prompt and
-    response packed (Responses.packed), so a row needs only its own to fit the context; its response as generated."""
+    response packed (Responses.packed), so a row needs only its own to fit the context; its response as generated,
+    response_mask its attention mask (an episode's observations included)."""
     ids, mask = responses.packed
-    samples = responses.samples
+    response, attention_mask = responses.samples.response, responses.attention_mask
     for start in range(0, ids.size(0), micro_batch_size):
         rows = slice(start, start + micro_batch_size)
-        yield rows, ids[rows], mask[rows], samples.response[rows], samples.mask[rows]
+        yield rows, ids[rows], mask[rows], response[rows], attention_mask[rows]
 
 
 # -----------------------------------------------------------------------------
@@ -324,6 +395,24 @@ def response_scores(engine: Engine, responses: Responses, amp):
     """Step 2: scores (B,), each RM's at the last real token of the packed row, aggregated by --rm-agg, plus
     coef * reward_fn(prompt, response, ended); --missing-eos-penalty applied. Returns (scores, parts logged apart:
     rm_score and reward_fn when there are two, score_std for an ensemble)."""
+    args = engine.args
+    samples = responses.samples
+    scores, score_parts = rm_scores(engine, responses, amp)
+    if engine.reward_fn is not None:
+        fn_scores = reward_fn_scores(engine, responses).to(scores.device)
+        if engine.models.reward_models:
+            score_parts["rm_score"] = scores
+        score_parts["reward_fn"] = fn_scores
+        scores = scores + args.reward_fn_coef * fn_scores
+    if args.missing_eos_penalty is not None:  # given: the whole score of a response without EOS
+        scores = torch.where(samples.ended, scores, torch.full_like(scores, args.missing_eos_penalty))
+    return scores, score_parts
+
+
+def rm_scores(engine: Engine, responses: Responses, amp) -> tuple[torch.Tensor, dict]:
+    """The RMs' part of the scores (B,), each RM's at the last real token of the packed row (an episode's last model
+    token), aggregated by --rm-agg; -1 for a response without EOS; 0 without an RM. Returns (scores, parts:
+    score_std for an ensemble)."""
     args = engine.args
     samples = responses.samples
     members = []  # (B,) each RM's
@@ -344,15 +433,28 @@ def response_scores(engine: Engine, responses: Responses, amp):
             score_parts["score_std"] = member_scores.std(0, correction=0)
         # an RM reads its score at the EOS: a response without one has no RM score, -1 in its place
         scores = torch.where(samples.ended, scores, torch.full_like(scores, MISSING_EOS_RM_SCORE))
-    if engine.reward_fn is not None:
-        fn_scores = reward_fn_scores(engine, responses).to(scores.device)
-        if members:
-            score_parts["rm_score"] = scores
-        score_parts["reward_fn"] = fn_scores
-        scores = scores + args.reward_fn_coef * fn_scores
-    if args.missing_eos_penalty is not None:  # given: the whole score of a response without EOS
-        scores = torch.where(samples.ended, scores, torch.full_like(scores, args.missing_eos_penalty))
     return scores, score_parts
+
+
+@torch.no_grad()
+def episode_scores(engine: Engine, responses: Responses, amp) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Step 2 with an environment: turn_rewards (B, T), each turn's reward on its last model token, plus the RMs'
+    score of the whole episode on its last; a given --missing-eos-penalty replaces the return of an episode whose last
+    turn did not end. Returns (scores (B,): the returns, turn_rewards, parts logged apart: rm_score and env_return
+    with an RM, score_std)."""
+    samples, episodes = responses.samples, responses.episodes
+    turn_rewards = episodes.rewards[:, episodes.prompt_width :].float() * samples.mask
+    last = samples.last[:, None]  # (B, 1) the episode's last model token
+    score_parts = {}
+    if engine.models.reward_models:
+        rm_part, score_parts = rm_scores(engine, responses, amp)
+        score_parts |= {"rm_score": rm_part, "env_return": turn_rewards.sum(1)}
+        turn_rewards = turn_rewards.scatter_add(1, last, rm_part[:, None])
+    penalty = engine.args.missing_eos_penalty
+    if penalty is not None:  # given: the whole return of an episode whose last turn did not end
+        penalized = torch.zeros_like(turn_rewards).scatter(1, last, penalty)
+        turn_rewards = torch.where(samples.ended[:, None], turn_rewards, penalized)
+    return turn_rewards.sum(1), turn_rewards, score_parts
 
 
 def reward_fn_scores(engine: Engine, responses: Responses) -> torch.Tensor:
@@ -449,6 +551,15 @@ def policy_and_reference_logprobs(engine: Engine, responses: Responses, amp) -> 
 BF16_LOGPROB_BOUND = 0.15
 
 
+def kept_rows(experience: dict) -> torch.Tensor:
+    """(B,) 1.0 on the rows --mask-truncated keeps in the loss: the response ended with EOS (an episode: its last
+    turn) and, with --env, the context did not cut the episode short."""
+    kept = experience["ended"]
+    if "truncated" in experience:
+        kept = kept * (1 - experience["truncated"])
+    return kept
+
+
 def check_logprobs(generation_logprobs, logprobs, mask, dtype: torch.dtype) -> tuple[float, float]:
     """The sampler's log-probs against the training forward's, (B, T) each: returns (max, mean) |diff| a token over
     every rank. Raises on every rank at once: fp32 max above 1e-4; bf16 or TF32 mean above BF16_LOGPROB_BOUND."""
@@ -499,21 +610,35 @@ def tis_metrics(experience: dict, loss_mask, cap: float, device) -> tuple[torch.
 
 @torch.no_grad()
 def rollout(engine: Engine, prompts: list, prefix: Optional[tuple] = None, k: int = 1) -> tuple[dict, dict, list]:
-    """Steps 1-3 on this rank's prompts (a group's G copies consecutive). prefix (ids, mask) (B, Tp): partial
-    responses to continue; k: continuations a row, consecutive. Returns (experience: (B * k, ...) tensors query,
-    query_mask, response, mask, logprobs, ref_logprobs, sampler_logprobs (0 on a prefix), scores, ended; sums for
+    """Steps 1-3 on this rank's prompts (a group's G copies consecutive); with --env (engine.make_env) the prompts
+    are their JSONL rows and each is an episode. prefix (ids, mask) (B, Tp): partial responses to continue; k:
+    continuations a row, consecutive. Returns (experience: (B * k, ...) tensors query, query_mask, response,
+    attention_mask (the response's model and observation tokens), mask (the model's: the loss mask), logprobs,
+    ref_logprobs, sampler_logprobs (0 on a prefix), scores, ended, and with --env turn_rewards, truncated; sums for
     rollout_metrics; records: the responses as dicts for the logs)."""
     if k > 1:
         prompts = [prompt for prompt in prompts for _ in range(k)]
         prefix = None if prefix is None else tuple(tensor.repeat_interleave(k, 0) for tensor in prefix)
-    responses = generate_responses(engine, prompts, prefix)
+    error = None
+    if engine.make_env is None:
+        responses = generate_responses(engine, prompts, prefix)
+    else:
+        try:
+            responses = generate_episodes(engine, prompts)
+        except UserError as raised:  # the user's environment, on this rank: all ranks learn of it first
+            error = raised
+        raise_on_every_rank(error, next(engine.models.actor.parameters()).device)
+        prompts = [row["prompt"] for row in prompts]
     samples = responses.samples
     amp = torch.autocast(samples.mask.device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
     logprobs = policy_and_reference_logprobs(engine, responses, amp)
     logprob_error, mean_error = check_logprobs(samples.logprobs, logprobs["logprobs"], responses.sampled, engine.dtype)
-    error = None
+    turn_rewards = None
     try:
-        scores, score_parts = response_scores(engine, responses, amp)
+        if responses.episodes is None:
+            scores, score_parts = response_scores(engine, responses, amp)
+        else:
+            scores, turn_rewards, score_parts = episode_scores(engine, responses, amp)
     except UserError as raised:  # the user's reward function, on this rank: all ranks learn of it first
         error = raised
     raise_on_every_rank(error, samples.mask.device)
@@ -521,6 +646,7 @@ def rollout(engine: Engine, prompts: list, prefix: Optional[tuple] = None, k: in
         query=responses.query,
         query_mask=responses.query_mask,
         response=samples.response,
+        attention_mask=responses.attention_mask,
         mask=samples.mask,
         logprobs=logprobs["logprobs"],
         ref_logprobs=logprobs["ref_logprobs"],
@@ -528,11 +654,15 @@ def rollout(engine: Engine, prompts: list, prefix: Optional[tuple] = None, k: in
         ended=samples.ended.float(),
         sampler_logprobs=samples.logprobs * samples.mask,
     )
+    if turn_rewards is not None:
+        experience |= dict(turn_rewards=turn_rewards, truncated=responses.episodes.truncated.float())
     ended = samples.ended.tolist()  # one host sync for the records
     gold = None
-    if engine.gold_fn is not None:
+    if engine.gold_fn is not None and responses.episodes is None:
         gold = [engine.gold_fn(p, t, e) for p, t, e in zip(responses.prompt_texts, samples.texts, ended)]
     sums = rollout_sums(experience, logprobs["entropy"], score_parts, gold)
+    if responses.episodes is not None:
+        sums |= episode_sums(responses)
     sums |= {"logprob_err": logprob_error, "logprob_err_mean": mean_error}
     records = []
     for row, score in enumerate(scores.tolist()):
@@ -565,6 +695,29 @@ def rollout_sums(experience: dict, entropy, score_parts: dict, gold: Optional[li
     return sums
 
 
+def episode_sums(responses: Responses) -> dict:
+    """This rank's sums behind the episode metrics: turns, observation tokens, truncated episodes, and each info key's
+    sum and count over the episodes that gave it (keys agreed over ranks: an all-reduce needs the same on each)."""
+    episodes = responses.episodes
+    observation_tokens = responses.attention_mask - responses.samples.mask
+    sums = {
+        "episode/turns": episodes.turns.sum().float(),
+        "episode/observation_tokens": observation_tokens.sum(),
+        "episode/truncated": episodes.truncated.sum().float(),
+    }
+    keys = sorted(episodes.info)
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, keys)
+        keys = sorted(set().union(*gathered))
+    for key in keys:
+        values = episodes.info.get(key, torch.full_like(episodes.returns, float("nan")))
+        given = ~values.isnan()
+        sums[f"info/{key}"] = torch.where(given, values, 0.0).sum()
+        sums[f"info_count/{key}"] = given.sum().float()
+    return sums
+
+
 def rollout_metrics(sums: dict, device) -> tuple[dict, dict]:
     """Global means of the rollout's metrics from one all-reduce of this rank's named sums (rollout_sums, plus the
     stage's own). Returns (metrics, the global sums)."""
@@ -588,6 +741,14 @@ def rollout_metrics(sums: dict, device) -> tuple[dict, dict]:
     for key, value in totals.items():
         if key.startswith("part/"):
             metrics[f"objective/{key.removeprefix('part/')}"] = value / sequences
+    if "episode/turns" in totals:  # --env: per episode
+        metrics["episode/turns"] = totals["episode/turns"] / sequences
+        metrics["episode/observation_tokens"] = totals["episode/observation_tokens"] / sequences
+        metrics["episode/truncated_frac"] = totals["episode/truncated"] / sequences
+    for key, value in totals.items():
+        if key.startswith("info/"):  # an info key's mean over the episodes that gave it
+            name = key.removeprefix("info/")
+            metrics[f"episode/{name}"] = value / max(totals[f"info_count/{name}"], 1.0)
     return metrics, totals
 
 
@@ -598,7 +759,7 @@ def rollout_metrics(sums: dict, device) -> tuple[dict, dict]:
 def policy_logprobs(actor, batch: dict, temperature: float):
     """The training forward over one micro-batch: (logits (B, T, V), log-probs of the response tokens (B, T))."""
     logits, _ = response_forward(
-        actor, batch["query"], batch["query_mask"], batch["response"], batch["mask"], temperature
+        actor, batch["query"], batch["query_mask"], batch["response"], batch["attention_mask"], temperature
     )
     return logits, logprobs_from_logits(logits, batch["response"])
 
@@ -620,7 +781,8 @@ def update_kl(actor, experience: dict, micro_batch_size: int, temperature: float
     """KL(pi_old || pi_new) per response (summed k3, r = pi_new / pi_old) after an update, from one no-grad pass
     over the first micro-batch of every rank's rollout, averaged over ranks."""
     rows = slice(0, micro_batch_size)
-    batch = {key: experience[key][rows] for key in ("query", "query_mask", "response", "mask", "logprobs")}
+    keys = ("query", "query_mask", "response", "attention_mask", "mask", "logprobs")
+    batch = {key: experience[key][rows] for key in keys}
     with amp:
         _, logprobs = policy_logprobs(actor, batch, temperature)
     log_ratio = torch.where(batch["mask"].bool(), batch["logprobs"] - logprobs, 0.0)
@@ -676,7 +838,10 @@ def build_loop(args, data: RLData, sizes: parallel.RolloutSizes, group_size: int
     group_size times in a row) and the ptx stream (None without a ptx loss) over their global orders, the hashes."""
     generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
     order = Order(len(data.prompts), args.seed)
-    prompt_stream = PromptStream(data.prompts, order, sizes.prompts_per_rank, group_size, d)
+    # --env: the stream hands out whole rows, the environment's input
+    prompt_stream = PromptStream(
+        data.rows if data.make_env else data.prompts, order, sizes.prompts_per_rank, group_size, d
+    )
     ptx_stream = None
     if sizes.ptx_micro_batch_size:
         ptx_order = Order(len(data.ptx), args.seed + 1)

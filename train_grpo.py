@@ -136,8 +136,6 @@ class Args(rollout.RolloutArgs):
     entropy_coef: float = 0.0
     """the entropy bonus: -coef x the policy's entropy a token in the policy loss, aggregated as it (0: off; PPO-max
     leaves it out: the KL penalty keeps the policy spread, and the paper finds the bonus sensitive)"""
-    mask_truncated: bool = False
-    """DAPO overlong filtering: responses without EOS keep their score but contribute nothing to the policy loss"""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling (G > 1): a group whose G scores are all equal carries no signal; sample fresh groups until
     the iteration has rollout_batch_size / G informative ones or --max-sample-rounds are spent (then the first
@@ -199,6 +197,8 @@ def check_args(args: Args) -> None:
         raise UserError(f"--no-grpo-std-norm applies to --estimator grpo, not {estimator}")
     if estimator != "vineppo" and (args.vine_k, args.vine_chunk) != (defaults.vine_k, defaults.vine_chunk):
         raise UserError(f"--vine-k and --vine-chunk apply to --estimator vineppo, not {estimator}")
+    if estimator == "vineppo" and rollout.env_spec(args) is not None:
+        raise UserError(f"--estimator vineppo with --env {rollout.env_spec(args)}: no environment restarts mid-episode")
     if args.vine_k < 1 or args.vine_chunk < 1:
         raise UserError(f"--vine-k {args.vine_k} --vine-chunk {args.vine_chunk}: use >= 1")
     if estimator != "rebel" and args.rebel_eta != defaults.rebel_eta:
@@ -405,13 +405,19 @@ def reward_to_go(rewards, mask, gamma: float) -> torch.Tensor:
     return returns
 
 
-def reinforce_pp_advantages(scores, logprobs, ref_logprobs, mask, group_size: int, kl_coef: float, gamma: float):
+def reinforce_pp_advantages(
+    scores, logprobs, ref_logprobs, mask, group_size: int, kl_coef: float, gamma: float, turn_rewards=None
+):
     """REINFORCE++ before its whitening (Hu 2025): scores (B,), the rest (B, T) -> (B, T) reward-to-go of the per-token
-    rewards, 0 on padding. With group_size > 1 the score first loses its group's mean (REINFORCE++-baseline, as
-    OpenRLHF's reinforce_baseline: the mean is the scores', the KL stays per token)."""
-    if group_size > 1:
+    rewards, 0 on padding. turn_rewards (B, T): a multi-turn episode's earlier turns' rewards (split_turn_rewards), so
+    an episode's return is scores + their sum. With group_size > 1 the score first loses its group's mean return
+    (REINFORCE++-baseline, as OpenRLHF's reinforce_baseline: the mean is the returns', the KL stays per token)."""
+    if group_size > 1 and turn_rewards is None:
         scores = group_advantages(scores, group_size, "reinforce_pp")
-    rewards = shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef)
+    elif group_size > 1:  # the baseline compares whole episodes: their returns' group mean, off the last turn's reward
+        returns = scores + (turn_rewards * mask).sum(1)  # (B,)
+        scores = scores - returns.view(-1, group_size).mean(1).repeat_interleave(group_size)
+    rewards = shape_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, turn_rewards)
     return reward_to_go(rewards, mask, gamma)
 
 
@@ -712,7 +718,7 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
     elif args.estimator == "reinforce_pp":  # the reward-to-go; with G > 1 the group mean of the scores as baseline
         logprobs, ref_logprobs = experience["logprobs"], experience["ref_logprobs"]
         advantages = reinforce_pp_advantages(
-            score_norm, logprobs, ref_logprobs, mask, args.group_size, reward_kl_coef, args.gamma
+            score_norm, logprobs, ref_logprobs, mask, args.group_size, reward_kl_coef, args.gamma, turn_rewards
         )
     elif args.estimator == "vineppo":  # Monte-Carlo values from continuations sampled at each step's start
         advantages, estimator_sums = vineppo_advantages(engine, prompts, experience, reward_moments)
@@ -886,7 +892,7 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
     # only fill the batch; whitening statistics come from these tokens too: a dropped response never moves the update
     loss_mask = mask
     if args.mask_truncated:
-        loss_mask = mask * experience["ended"][:, None]
+        loss_mask = mask * rollout.kept_rows(experience)[:, None]
     if args.dynamic_sampling:
         loss_mask = loss_mask * experience["informative"][:, None]
     batch = experience | {"loss_mask": loss_mask}
@@ -900,7 +906,9 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
     first = {}
     updates = 0
     skipped_before = loop.guard.skipped
-    lengths = row_extent(mask).tolist()  # one host sync: each micro-batch trims its right padding to its longest row
+    lengths = row_extent(
+        experience["attention_mask"]
+    ).tolist()  # one host sync: each micro-batch trims its right padding
     for _ in range(args.ppo_epochs):
         if args.estimator == "rebel":  # whole groups permuted: a pair never splits (micro-batches hold whole groups)
             group_size = args.group_size
@@ -929,7 +937,12 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
                 ptx_token_count = parallel.all_reduce_stack([ptx_tokens], device)[0].float()  # left on device
             loss_token_count = counts_on_device[0, minibatch].float()
             weights, denom = loss_weights(
-                minibatch_batch["loss_mask"], args.loss_agg, loss_sequences, loss_token_count, args.max_new_tokens
+                minibatch_batch["loss_mask"],
+                args.loss_agg,
+                loss_sequences,
+                loss_token_count,
+                args.max_new_tokens,
+                args.max_turns,
             )
             minibatch_batch["weights"] = weights
             step_sums = defaultdict(float)  # this step's sums, kept if it steps
@@ -1071,7 +1084,7 @@ def main(args: Args) -> None:
         device_ids = [d.local_rank] if d.device.type == "cuda" else None
         actor.forward = DDP(forward.actor, device_ids=device_ids, gradient_as_bucket_view=True)
     engine = rollout.Engine(
-        forward, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn
+        forward, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn, data.make_env
     )
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops, dtype)

@@ -326,12 +326,12 @@ class CollapseDetector:
 
 @torch.no_grad()
 def critic_values(critic, experience: dict, micro_batch_size: int, temperature: float, amp) -> torch.Tensor:
-    """The critic's values (B, T) of the rollout's response tokens, per micro-batch, masked (read one position
-    before each token, where its log-prob is)."""
+    """The critic's values (B, T) of the rollout's response tokens, per micro-batch, masked to the model's tokens (read
+    one position before each token, where its log-prob is; the forward attends to the observations too)."""
     parts = []
     for start in range(0, experience["mask"].size(0), micro_batch_size):
         rows = slice(start, start + micro_batch_size)
-        inputs = [experience[key][rows] for key in ("query", "query_mask", "response", "mask")]
+        inputs = [experience[key][rows] for key in ("query", "query_mask", "response", "attention_mask")]
         with amp:
             parts.append(response_forward(critic, *inputs, temperature)[1])
     return torch.cat(parts) * experience["mask"]
@@ -388,7 +388,7 @@ def actor_backward(actor, batch: dict, args: Args, token_count, sync: bool, amp)
     """The actor's clipped policy loss on one micro-batch, a token mean over the minibatch's global token count, and
     its backward (gradients accumulate; DDP all-reduces where sync). Returns (its sums for the metrics, the new
     log-probs)."""
-    mask = batch["mask"]
+    mask = batch["loss_mask"]
     weights = mask * batch["tis"] if "tis" in batch else mask  # --tis-cap
     with parallel.grad_sync(actor, sync), amp:
         logits, logprobs = rollout.policy_logprobs(actor, batch, args.temperature)
@@ -420,14 +420,15 @@ def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
 
 def critic_backward(critic, batch: dict, args: Args, token_count, sync: bool, amp) -> dict:
     """The clipped value loss on one micro-batch over the minibatch's global token count, and its backward."""
-    inputs = [batch[key] for key in ("query", "query_mask", "response", "mask")]
+    inputs = [batch[key] for key in ("query", "query_mask", "response", "attention_mask")]
+    mask = batch["loss_mask"]
     with parallel.grad_sync(critic, sync), amp:
         _, new_values = response_forward(critic, *inputs, args.temperature)
         vf_loss, vf_stats = ppo_value_loss(
-            new_values, batch["values"], batch["returns"], batch["mask"], args.cliprange_value, denom=token_count
+            new_values, batch["values"], batch["returns"], mask, args.cliprange_value, denom=token_count
         )
     (vf_loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
-    tokens = batch["mask"].sum()
+    tokens = mask.sum()
     return {"vf_loss": vf_loss.detach(), "vf_clipfrac": vf_stats["clipfrac"] * tokens, "tokens": tokens}
 
 
@@ -447,19 +448,25 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
     critic_forward = critic.model if critic.forward is None else critic.forward
     train_actor = loop.step >= args.critic_warmup_steps  # the critic warm-up: only the critic trains
     use_ptx = train_actor and loop.ptx_stream is not None
-    batch = dict(experience)
+    # the losses' tokens: the model's; --mask-truncated drops responses without EOS and episodes cut by the context
+    loss_mask = mask
+    if args.mask_truncated:
+        loss_mask = mask * rollout.kept_rows(experience)[:, None]
+    batch = experience | {"loss_mask": loss_mask}
     metrics = {}
     if args.tis_cap is not None:  # truncated importance sampling: the sampler's and the trainer's numerics differ
-        batch["tis"], metrics = rollout.tis_metrics(experience, mask, args.tis_cap, device)
+        batch["tis"], metrics = rollout.tis_metrics(experience, loss_mask, args.tis_cap, device)
     if args.adv_whiten == "rollout":  # once over the whole rollout with global statistics (TRL)
-        mean, variance = parallel.global_moments(batch["advantages"], mask, device)
+        mean, variance = parallel.global_moments(batch["advantages"], loss_mask, device)
         batch["advantages"] = whiten(batch["advantages"], mean, variance)
     totals = {"actor": defaultdict(float), "critic": defaultdict(float)}  # this rank's sums over the steps each took
     steps = {"actor": 0, "critic": 0}  # the steps each model took (the same on every rank)
     first = {}
     updates = 0  # optimizer steps every model took
     skipped_before = loop.guard.skipped
-    lengths = row_extent(mask).tolist()  # one host sync: each micro-batch trims its right padding to its longest row
+    lengths = row_extent(
+        experience["attention_mask"]
+    ).tolist()  # one host sync: each micro-batch trims its right padding
     for _ in range(args.ppo_epochs):
         permutation = torch.randperm(mask.size(0), generator=loop.generator, device=loop.generator.device)
         widths = parallel.micro_batch_widths(lengths, permutation.tolist(), micro_batch_size)
@@ -467,7 +474,7 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
         for minibatch in range(args.num_minibatches):
             minibatch_rows_taken = slice(minibatch * minibatch_rows, (minibatch + 1) * minibatch_rows)
             minibatch_batch = parallel.take_rows(batch, permutation[minibatch_rows_taken])
-            minibatch_mask = minibatch_batch["mask"]
+            minibatch_mask = minibatch_batch["loss_mask"]
             if args.adv_whiten == "minibatch":  # PPO-max: global statistics over the whole minibatch
                 mean, variance = parallel.global_moments(minibatch_batch["advantages"], minibatch_mask, device)
                 minibatch_batch["advantages"] = whiten(minibatch_batch["advantages"], mean, variance)
@@ -488,7 +495,9 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
                     for key, value in (ptx_sums | sums).items():
                         step_sums["actor"][key] += value
                     if not loop.first and not first:  # must read ratio 1, approx_kl 0, clipfrac 0
-                        first = rollout.first_micro_batch(logprobs, micro_batch["logprobs"], micro_batch["mask"], sums)
+                        first = rollout.first_micro_batch(
+                            logprobs, micro_batch["logprobs"], micro_batch["loss_mask"], sums
+                        )
                 sums = critic_backward(critic_forward, micro_batch, args, token_count, sync, amp)
                 for key, value in sums.items():
                     step_sums["critic"][key] += value
@@ -620,7 +629,7 @@ def main(args: Args) -> None:
         actor.forward = DDP(forward.actor, device_ids=device_ids, gradient_as_bucket_view=True)
         critic.forward = DDP(forward.critic, device_ids=device_ids, gradient_as_bucket_view=True)
     engine = rollout.Engine(
-        forward, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn
+        forward, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn, data.make_env
     )
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops, dtype)

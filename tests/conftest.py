@@ -214,6 +214,7 @@ def fake_experience(B: int = 8, seed: int = 0):
         query=query,
         query_mask=query_mask,
         response=response,
+        attention_mask=mask,
         mask=mask,
         values=values * mask,
         logprobs=logprobs_from_logits(logits, response) * mask,

@@ -351,11 +351,11 @@ def test_collapse_detector():
 
 def test_defaults_are_ppo_max_and_the_retired_flags_are_gone():
     """PPO-max's settings are plain defaults now (no estimator to resolve them from); the flags the critic-free
-    family took along are no fields of train_ppo.Args."""
+    family took along are no fields of train_ppo.Args (--mask-truncated is both stages' now: rollout.RolloutArgs)."""
     args = train_ppo.Args()
     assert (args.kl_coef, args.reward_norm, args.reward_clip, args.adv_whiten) == (0.3, "norm", 5.0, "minibatch")
     assert (args.critic_warmup_steps, args.out_dir) == (5, "out/ppo")
-    moved = ("adv_estimator", "group_size", "grpo_std_norm", "mask_truncated", "dynamic_sampling", "kl_penalty")
+    moved = ("adv_estimator", "group_size", "grpo_std_norm", "dynamic_sampling", "kl_penalty")
     moved += ("max_sample_rounds", "kl_estimator", "loss_agg", "cliprange_high", "dual_clip")
     assert not set(moved) & set(train_ppo.Args.__dataclass_fields__)
     assert train_ppo.Args().entropy_coef == 0.0  # a flag again (default off)
@@ -923,7 +923,9 @@ def test_the_entropy_bonus_gradient_against_a_written_out_reference():
     for coef in (0.0, 0.05):
         actor.zero_grad()
         args = train_ppo.Args(entropy_coef=coef, temperature=0.7)
-        sums[coef], _ = train_ppo.actor_backward(actor, exp, args, token_count, True, nullcontext())
+        sums[coef], _ = train_ppo.actor_backward(
+            actor, exp | {"loss_mask": exp["mask"]}, args, token_count, True, nullcontext()
+        )
         grads[coef] = [p.grad.clone() for p in actor.parameters()]
     actor.zero_grad()
     logits, _ = response_forward(actor, exp["query"], exp["query_mask"], exp["response"], exp["mask"], 0.7)
