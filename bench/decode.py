@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ppo_throughput import Shape, build_model  # noqa: E402
 
+import parallel  # noqa: E402
 from generate import generate  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -66,7 +67,8 @@ class Args(Shape):
     dtype: str = "float32"
     """float32 | bfloat16 (autocast)"""
     weights: Literal["fp32", "bf16"] = "fp32"
-    """how the weights are stored: fp32 (under --dtype bfloat16 autocast casts them per op, as PPO's rollout) or bf16"""
+    """how the weights are stored: fp32 (under --dtype bfloat16 autocast casts them per op, as PPO's rollout) or bf16
+    (matrices in bf16, norms and biases fp32: parallel.store_low_precision, the stages' sampler copy)"""
     reps: int = 3
     """timed calls per mode and length, after one warm-up call (the compile)"""
     vs_hf: bool = False
@@ -199,8 +201,8 @@ def main(args: Args) -> None:
         model = HFCausalLM.from_pretrained(args.model_dir).to(device).eval().requires_grad_(False)
         args.arch, args.vocab = "llama", model.config.vocab_size
     B, P, R, V = args.batch, args.prompt_len, args.resp_len, args.vocab
-    if args.weights == "bf16":
-        model = model.to(torch.bfloat16)
+    if args.weights == "bf16":  # the stages' sampler copy: matrices in bf16, norms and biases fp32
+        parallel.store_low_precision(model, torch.bfloat16)
     prompts = torch.randint(0, V, (B, P), generator=torch.Generator().manual_seed(args.seed)).to(device)
     mask = torch.ones_like(prompts)
     generator = torch.Generator(device=device).manual_seed(args.seed)

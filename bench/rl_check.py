@@ -178,6 +178,19 @@ def kill_and_resume(command: str, out_dir: str, limit: float) -> tuple[bool, str
     return True, f"killed at step {killed_at}"
 
 
+def resumed_against_uninterrupted(command: str, out: str, left) -> tuple[bool, str]:
+    """(passed, figures): command killed and resumed in out/killed, then run whole in out/uninterrupted, their final
+    checkpoints compared; left(share) gives a part's timeout."""
+    passed, figures = kill_and_resume(f"{command} --out-dir {out}/killed", f"{out}/killed", left(45))
+    if not passed:
+        return False, figures
+    returncode, output = run_stage(f"{command} --out-dir {out}/uninterrupted", left(30))
+    if returncode != 0:
+        return False, f"the uninterrupted run exited {returncode}: {last_lines(output)}"
+    equal, compared = compare_checkpoints(f"{out}/uninterrupted/ckpt.pt", f"{out}/killed/ckpt.pt")
+    return equal, f"{figures}; {compared}"
+
+
 def print_table(rows: list[Row]) -> None:
     width = max(len(row.name) for row in rows)
     print(f"\nrl_check: {'run':{width}s}  result  seconds  figures")
@@ -227,17 +240,7 @@ def main(args: Args) -> None:
     # 3. kill and resume: the GRPO run's flags twice, one SIGKILLed mid-run and resumed
     if built:
         began = time.time()
-        command = f"{base} --estimator grpo --seed 1 --out-dir {out}/killed"
-        passed, figures = kill_and_resume(command, f"{out}/killed", left(45))
-        full_run = f"{base} --estimator grpo --seed 1 --out-dir {out}/uninterrupted"
-        if passed:
-            returncode, output = run_stage(full_run, left(30))
-            passed, figures = (
-                (True, figures) if returncode == 0 else (False, f"exit {returncode}: {last_lines(output)}")
-            )
-        if passed:
-            equal, compared = compare_checkpoints(f"{out}/uninterrupted/ckpt.pt", f"{out}/killed/ckpt.pt")
-            passed, figures = equal, f"{figures}; {compared}"
+        passed, figures = resumed_against_uninterrupted(f"{base} --estimator grpo --seed 1", out, left)
         rows.append(Row("kill-resume", passed, time.time() - began, figures))
     print_table(rows)
     passed = sum(row.passed for row in rows)
