@@ -43,9 +43,10 @@ class CommonArgs:
     """where ckpt.pt, TensorBoard event files and samples.jsonl go"""
     seed: int = 1337
     """run seed (init, data order, sampling); per-rank sampling seeds are seed*1000+rank"""
-    task: Literal["reviews", "arith"] = "reviews"
-    """the built-in task when no data is given: reviews (task.py, a continuous gold reward) or arith (arith.py,
-    addition with a verifier: gold is the accuracy); keep it the same across stages, a checkpoint records it"""
+    task: Literal["reviews", "arith", "guess"] = "reviews"
+    """the built-in task when no data is given: reviews (task.py, a continuous gold reward), arith (arith.py,
+    addition with a verifier: gold is the accuracy) or guess (guess.py, a multi-turn game: SFT, RL and eval only);
+    keep it the same across stages, a checkpoint records it"""
     task_seed: int = 1337
     """seed of the built-in task (grammar draws, splits, tokenizer); keep it the same across stages"""
     task_dir: str = "out/data"

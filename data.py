@@ -12,13 +12,30 @@ from typing import Callable, Optional
 import torch
 
 import arith
+import guess
 import task as reviews
 from common import UserError, load_env, load_reward_fn, write_jsonl
+from generate import observation_ids
 from tokenizer import HH_ASSISTANT, HH_NAMES, Tokenizer, load_tokenizer, same_tokenizer
 
-# the built-in tasks by --task (reviews: task.py): each module has build_task, gold_reward, is_valid, is_task_prompt and
-# is_held_out with the same signatures, STEP_END and PTX_FROM_PRETRAIN
-TASKS = {"reviews": reviews, "arith": arith}
+# the built-in tasks by --task (reviews: task.py): each module has build_task, is_valid, is_task_prompt, STEP_END and
+# PTX_FROM_PRETRAIN with the same signatures. The single-turn ones (reviews, arith) have gold_reward and is_held_out
+# too; the multi-turn one (guess) has ENV instead, its environment (--env's spelling), with TURNS and MAX_NEW_TOKENS,
+# and its build_task writes no pairs nor pretrain file (builtin_files says so)
+TASKS = {"reviews": reviews, "arith": arith, "guess": guess}
+
+
+def builtin_files(args, needed: str, instead: str) -> dict[str, str]:
+    """The built-in task's files (args.task, task_dir, task_seed), or a one-line error naming the flag to give
+    instead when it has no `needed` file (--task guess has no preference pairs)."""
+    paths = TASKS[args.task].build_task(args.task_dir, args.task_seed)
+    if needed not in paths:
+        raise UserError(
+            f"--task {args.task} has no {needed} file (a multi-turn task: SFT, the RL stages and eval.py run it): "
+            f"give {instead}"
+        )
+    return paths
+
 
 # -----------------------------------------------------------------------------
 # JSONL readers
@@ -124,6 +141,30 @@ def _sft_layout_problem(obj: dict) -> str | None:
     return None
 
 
+TURN_ROLES = ("assistant", "env")
+
+
+def _turns_problem(obj: dict) -> str | None:
+    """What is wrong with an episode record {"prompt", "turns": [{"role": "assistant" | "env", "text"}, ...]} (the
+    model's turns and the environment's observations in order, the last the model's), or None."""
+    if any(key in obj for key in ("response", "completion", "messages")):
+        return "fields 'turns' and 'response'/'completion'/'messages' in one record: an episode or a response, not both"
+    prompt = obj.get("prompt")
+    if isinstance(prompt, list):
+        return _messages_problem(prompt, "prompt")
+    if not isinstance(prompt, str) or not prompt:
+        return "field 'prompt' of an episode record must be a non-empty string or a list of messages"
+    turns = obj["turns"]
+    if not isinstance(turns, list) or not turns:
+        return "field 'turns' must be a non-empty list of turns"
+    for number, turn in enumerate(turns, start=1):
+        if not isinstance(turn, dict) or turn.get("role") not in TURN_ROLES or not isinstance(turn.get("text"), str):
+            return f'field \'turns\' turn {number}: expected {{"role": "assistant" or "env", "text": str}}'
+    if turns[-1]["role"] != "assistant":
+        return "field 'turns': the last turn must be the assistant's (an episode ends on a model turn)"
+    return None
+
+
 def _unpaired_problem(obj: dict) -> str | None:
     """What is wrong with TRL's unpaired KTO record {"prompt", "completion", "label": bool} (strings, or messages with
     the completion's assistant turns), or None."""
@@ -146,6 +187,8 @@ def _check_fields(obj: dict, kind: str) -> str | None:
         return _unpaired_problem(obj)
     if kind == "kto":
         kind = "pairs"
+    if kind == "sft" and "turns" in obj:
+        return _turns_problem(obj)
     if kind == "sft":
         problem = _sft_layout_problem(obj)
         if problem:
@@ -395,13 +438,30 @@ class Order:
         self._perm = None
 
 
+def episode_ids(tok: Tokenizer, row: dict) -> tuple[list[int], list[int]]:
+    """An episode record's ids as generate.run_episodes makes them, and its loss mask: 1 on the model's tokens (each
+    assistant turn's text and its EOS), 0 on the prompt and on each observation (encoded on its own, after the EOS or
+    as the chat template's next user turn: generate.observation_ids)."""
+    ids = prompt_ids(tok, row["prompt"])
+    loss_mask = [0] * len(ids)
+    for turn in row["turns"]:
+        model_turn = turn["role"] == "assistant"
+        turn_ids = tok.encode(turn["text"]) + [tok.eos_id] if model_turn else observation_ids(tok, turn["text"])
+        ids += turn_ids
+        loss_mask += [int(model_turn)] * len(turn_ids)
+    return ids, loss_mask
+
+
 def encode_sft(tok: Tokenizer, rows: list[dict], block_size: int, mask_prompt: bool) -> tuple[list, int]:
     """-> ([(ids, loss_mask), ...], n_skipped): ids = [BOS] + prompt + response + EOS (a BOS if the tokenizer has
     one), loss_mask[t] = 1 on targets: never the first token, nor a prompt token under mask_prompt. A {"text"} row has
-    an empty prompt, a {"messages"} row learns every assistant turn; rows over block_size are skipped."""
+    an empty prompt, a {"messages"} row learns every assistant turn, a {"turns"} row (an episode) the model's turns
+    only, whatever mask_prompt (episode_ids); rows over block_size are skipped."""
     examples, skipped = [], 0
     for row in rows:
-        if "messages" in row:
+        if "turns" in row:
+            ids, loss_mask = episode_ids(tok, row)
+        elif "messages" in row:
             ids, loss_mask = tok.conversation(row["messages"], row.get("learn_from", 0))
             loss_mask = [0] + loss_mask[1:]  # the first token is never a target
         else:
@@ -428,6 +488,8 @@ def sft_sequence(tok: Tokenizer, row: dict) -> list[int]:
     """An SFT record's whole sequence (prompt, response and its stop token): a reward model's calibration input."""
     if "messages" in row:
         return tok.conversation(row["messages"], row.get("learn_from", 0))[0]
+    if "turns" in row:
+        return episode_ids(tok, row)[0]
     return prompt_ids(tok, row["prompt"]) + response_ids(tok, row["prompt"], row["response"])
 
 

@@ -49,7 +49,17 @@ import common
 import hf
 import parallel
 from common import UserError, format_sample, write_atomic, write_jsonl
-from data import TASKS, drop_tied, encode_prefs, encode_prompts, prompt_ids, prompt_text, read_jsonl, responses_of
+from data import (
+    TASKS,
+    builtin_files,
+    drop_tied,
+    encode_prefs,
+    encode_prompts,
+    prompt_ids,
+    prompt_text,
+    read_jsonl,
+    responses_of,
+)
 from generate import run_episodes, sample
 from model import (
     aggregate_rm_scores,
@@ -134,9 +144,10 @@ class Args:
     """prompts per generation batch"""
     seed: int = 1234
     """first sampling seed (the same for every policy)"""
-    task: Literal["reviews", "arith"] = "reviews"
-    """the built-in task whose held-out prompts and gold are used: reviews (task.py) or arith (arith.py: gold is the
-    verifier's accuracy, valid_frac the share of answers that parse)"""
+    task: Literal["reviews", "arith", "guess"] = "reviews"
+    """the built-in task whose held-out prompts and gold are used: reviews (task.py), arith (arith.py: gold is the
+    verifier's accuracy, valid_frac the share of answers that parse) or guess (guess.py: episodes against its own
+    environment, beside the optimum's values)"""
     task_seed: int = 1337
     """seed of the built-in task"""
     task_dir: str = "out/data"
@@ -399,7 +410,8 @@ def sample_episodes(model, tok, rows: list, make_env, args: Args, device, ref) -
 def episode_metrics(episodes: dict) -> dict:
     """The episode table's numbers from sample_episodes' lists, each `<metric>` with its `<metric>_se` (clustered by
     prompt): return, success (the info key `success`, None without it), turns, truncated_frac, kl, response_len and
-    perplexity over the model's tokens, eos_frac (the last turn ended), observation_tokens, every info key as
+    perplexity over the model's tokens, tokens_per_turn (the model's tokens over its turns), eos_frac (the last turn
+    ended), observation_tokens, every info key as
     episode/<key> (over the episodes that gave it); then num_samples and seeds."""
     cluster = episodes["prompt_index"]
     stats = {
@@ -408,6 +420,7 @@ def episode_metrics(episodes: dict) -> dict:
         "truncated_frac": mean_se(episodes["truncated"], cluster),
         "kl": mean_se(episodes["kl"], cluster),
         "response_len": mean_se(episodes["n"], cluster),
+        "tokens_per_turn": ratio_mean(episodes["n"], episodes["turns"], cluster),
         "perplexity": perplexity_se(episodes["logprob_sum"], episodes["n"], cluster),
         "eos_frac": mean_se([float(e) for e in episodes["ended"]], cluster),
         "observation_tokens": mean_se(episodes["observation_tokens"], cluster),
@@ -436,6 +449,7 @@ def episode_results(args: Args, names: list, rows: list, ref, ref_tok, device) -
     if len(fitting) < len(rows):
         print(f"eval: {len(rows) - len(fitting)} of {len(rows)} prompts leave no room in the context of {context}")
     make_env = common.load_env(args.env, fitting[0], args.max_turns)
+    task_module = TASKS[args.task]
     results = {}
     for name, path in zip(names, args.policy):
         model, tok, ckpt = load_model(path, "--policy", device, dtype=dtype)
@@ -443,6 +457,8 @@ def episode_results(args: Args, names: list, rows: list, ref, ref_tok, device) -
             raise UserError(f"--policy {path}: its tokenizer differs from the reference's ({args.ref})")
         episodes = sample_episodes(model, tok, fitting, make_env, args, device, ref)
         results[name] = episode_metrics(episodes) | {"train_seconds": round((ckpt or {}).get("seconds", 0.0), 1)}
+        if args.env == getattr(task_module, "ENV", None):  # the built-in game: the optimum's values beside
+            results[name] |= task_module.optimum_columns(results[name]["kl"])
         for index in range(min(args.show, len(episodes["prompt"]))):
             turns = zip(episodes["turn_texts"][index], episodes["observations"][index] + [None])
             shown = " ".join(f"[turn] {text!r}" + (f" [env] {obs!r}" if obs is not None else "") for text, obs in turns)
@@ -452,12 +468,50 @@ def episode_results(args: Args, names: list, rows: list, ref, ref_tok, device) -
 
 def print_episode_table(results: dict) -> None:
     """--env: the policies' episode metrics as a markdown table, every metric as mean ± standard error."""
-    cols = ["return", "success", "turns", "truncated_frac", "kl", "response_len", "perplexity", "eos_frac"]
+    cols = ["return", "success", "turns", "truncated_frac", "kl", "response_len", "tokens_per_turn", "perplexity"]
+    cols += ["eos_frac"]
     keys = {key for entry in results.values() for key in entry if key.startswith("episode/") and key[-3:] != "_se"}
     cols += ["observation_tokens", *sorted(keys - {"episode/success"}), "num_samples", "train_seconds"]
     print("| policy | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
     for name, entry in results.items():
         print(f"| {name} | " + " | ".join(format_value(entry, c) for c in cols) + " |")
+    optimum = next(iter(results.values()))
+    if "success_optimum" in optimum:  # the built-in game (guess.optimum_columns)
+        print(
+            f"the optimum (binary search): success {optimum['success_optimum']:.3f} | turns "
+            f"{optimum['turns_optimum']:.3f} | episode/invalid 0 | tokens_per_turn "
+            f"{optimum['tokens_per_turn_optimum']:.3f}; the weak player: success {optimum['success_weak']:.3f} | "
+            f"turns {optimum['turns_weak']:.3f}"
+        )
+        tilted = [
+            f"{name} {entry['success_tilted']:.3f} (beta {entry['beta_tilted']:.3g})" for name, entry in results.items()
+        ]
+        print("the tilted optimum's success at each policy's kl: " + ", ".join(tilted))
+
+
+def with_task_env(args: Args) -> Args:
+    """args with the built-in task's environment (a module attribute ENV: guess's guess:Game) where neither --env nor
+    --prompts is given, and its --max-turns and --max-new-tokens (TURNS, MAX_NEW_TOKENS) where not given."""
+    task_module = TASKS[args.task]
+    if args.env is not None or args.prompts is not None or not hasattr(task_module, "ENV"):
+        return args
+    given = getattr(args, "given", None)
+    defaults = Args()
+    sizes = {"max_turns": task_module.TURNS, "max_new_tokens": task_module.MAX_NEW_TOKENS}
+    # from Python (no args.given): a flag at its default counts as not given
+    taken = {
+        flag: size
+        for flag, size in sizes.items()
+        if (flag not in given if given is not None else getattr(args, flag) == getattr(defaults, flag))
+    }
+    print(
+        f"eval: --task {args.task}: --env {task_module.ENV} "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items())
+    )
+    resolved = replace(args, env=task_module.ENV, **taken)
+    if given is not None:
+        resolved.given = given
+    return resolved
 
 
 def pick_samples(samples: dict, indices: list) -> dict:
@@ -930,6 +984,7 @@ def main(args: Args) -> dict:
     t0 = time.time()
     flag = "--rm" if args.pairs else "--policy"
     args = checkpoints.task_from_checkpoint(args, (args.rm if args.pairs else args.policy)[0], flag)  # unless given
+    args = with_task_env(args) if not args.pairs else args
     check_args(args)
     common.seed_everything(args.seed)
     device = torch.device(
@@ -941,7 +996,8 @@ def main(args: Args) -> dict:
     )
     needs_task = args.pairs_data is None if args.pairs else args.prompts is None  # the built-in task's, on demand
     missing_eos_score = -1.0 if args.missing_eos_penalty is None else args.missing_eos_penalty
-    task_files = TASKS[args.task].build_task(args.task_dir, args.task_seed) if needs_task else None
+    needed = "pairs_eval" if args.pairs else "eval_prompts"
+    task_files = builtin_files(args, needed, "--pairs-data") if needs_task else None
     results = {}
     if args.pairs:
         results = rm_metrics(args, task_files, device)

@@ -8,6 +8,9 @@ secrets apart, so the optimum succeeds with probability 3/4 in 69/20 turns (`opt
 The demonstrations are a weak player's, a uniform guess among the values still consistent: 0.499 (`policy_values`).
 `tilted_optimum(beta)` is the multi-turn KL-optimal limit over that reference. The tokenizer merges bytes only into
 "guess" and the feedback words: every digit is a token of its own, each feedback word one token.
+
+As a built-in task (--task guess, data.TASKS) it has no single-turn gold reward and no preference pairs: its
+environment is ENV, which the RL stages and eval.py take when no --env is given, with the turn sizes below.
 """
 
 import functools
@@ -33,6 +36,7 @@ TASK_VERSION = 1  # bump when generation changes: the cache folder is keyed by i
 STEP_END = None  # a guess has no sentence: VinePPO's steps are --vine-chunk tokens
 PTX_FROM_PRETRAIN = False  # no pre-training text: the demonstrations are a weak player's
 GUESS_RE = re.compile(r"[1-9]\d*")
+ENV = "guess:Game"  # the task's environment, as --env spells it
 
 # a policy or a reference: (low, high, turns left) -> {guess: probability}, the secret uniform on low..high
 Policy = Callable[[int, int, int], dict]
@@ -49,6 +53,11 @@ def parse_guess(response: str, ended: bool, numbers: int = NUMBERS) -> int | Non
 def is_valid(response: str, ended: bool) -> bool:
     """A turn is a guess: it parses, lies in 1..NUMBERS and has its EOS."""
     return parse_guess(response, ended) is not None
+
+
+def is_task_prompt(prompt) -> bool:
+    """A prompt of this task (PROMPT)."""
+    return prompt == PROMPT
 
 
 class Game:
@@ -94,27 +103,57 @@ def outcomes(low: int, high: int, guess: int) -> tuple[Fraction, list[tuple[Frac
     return Fraction(1, size), below + above
 
 
-def optimum(numbers: int = NUMBERS, turns: int = TURNS) -> tuple[Fraction, Fraction]:
-    """The highest success probability over all strategies, and the fewest expected turns among the strategies that
-    reach it (a failed episode takes all `turns`): (3/4, 69/20) for the game's sizes."""
+def guess_tokens(guess: int) -> int:
+    """The model tokens a guess takes: its digits (a token each) and the EOS."""
+    return len(str(guess)) + 1
+
+
+@functools.cache
+def best_strategy(numbers: int, turns: int) -> tuple[Fraction, Fraction, Fraction]:
+    """(success, expected turns, expected model tokens) of the best strategy: the most success, then the fewest turns,
+    then the fewest tokens (a failed episode takes all `turns`)."""
 
     @functools.cache
-    def best(low: int, high: int, left: int) -> tuple[Fraction, Fraction]:
+    def best(low: int, high: int, left: int) -> tuple[Fraction, Fraction, Fraction]:
         if left == 0:
-            return Fraction(0), Fraction(0)
+            return Fraction(0), Fraction(0), Fraction(0)
         candidates = []
         for guess in range(low, high + 1):
             hit, rest = outcomes(low, high, guess)
             success = hit + sum(p * best(lo, hi, left - 1)[0] for p, lo, hi in rest)
             expected_turns = 1 + sum(p * best(lo, hi, left - 1)[1] for p, lo, hi in rest)
-            candidates.append((success, -expected_turns))
-        # most success first, then fewest turns
-        success, negative_turns = max(candidates)
-        return success, -negative_turns
+            tokens = guess_tokens(guess) + sum(p * best(lo, hi, left - 1)[2] for p, lo, hi in rest)
+            candidates.append((success, -expected_turns, -tokens))
+        # most success first, then fewest turns, then fewest tokens: each a sum over the feedback with positive
+        # weights, so the order holds node by node
+        success, negative_turns, negative_tokens = max(candidates)
+        return success, -negative_turns, -negative_tokens
 
     return best(1, numbers, turns)
 
 
+@functools.cache
+def float_outcomes(low: int, high: int, guess: int) -> tuple[float, list[tuple[float, int, int]]]:
+    """outcomes in floats, for the tilted limit's float recursion."""
+    hit, rest = outcomes(low, high, guess)
+    return float(hit), [(float(p), lo, hi) for p, lo, hi in rest]
+
+
+def optimum(numbers: int = NUMBERS, turns: int = TURNS) -> tuple[Fraction, Fraction]:
+    """The highest success probability over all strategies, and the fewest expected turns among the strategies that
+    reach it (a failed episode takes all `turns`): (3/4, 69/20) for the game's sizes."""
+    success, expected_turns, _ = best_strategy(numbers, turns)
+    return success, expected_turns
+
+
+def optimum_tokens_per_turn(numbers: int = NUMBERS, turns: int = TURNS) -> Fraction:
+    """The model tokens a turn of the best strategy takes (expected tokens over expected turns; fewest tokens among
+    the optimal strategies, whose guesses of 10 and more take a token more): 164/69 for the game's sizes."""
+    _, expected_turns, tokens = best_strategy(numbers, turns)
+    return tokens / expected_turns
+
+
+@functools.cache
 def weak_policy(low: int, high: int, left: int) -> dict[int, Fraction]:
     """The demonstrations' player: a uniform guess among the values still consistent."""
     return {guess: Fraction(1, high - low + 1) for guess in range(low, high + 1)}
@@ -160,8 +199,8 @@ def tilted_policy(beta: float, reference: Policy = weak_policy, numbers: int = N
         for guess, prob in reference(low, high, left).items():
             if prob == 0:
                 continue
-            hit, rest = outcomes(low, high, guess)
-            q = float(hit) + sum(float(p) * value(lo, hi, left - 1) for p, lo, hi in rest)
+            hit, rest = float_outcomes(low, high, guess)
+            q = hit + sum(p * value(lo, hi, left - 1) for p, lo, hi in rest)
             rows.append((guess, float(prob), q))
         return rows
 
@@ -188,18 +227,46 @@ def tilted_optimum(
         for guess, prob in policy(low, high, left).items():
             if prob == 0:  # 0 log 0: a guess the tilt has underflowed to nothing
                 continue
-            hit, rest = outcomes(low, high, guess)
-            later_success = sum(float(p) * moments(lo, hi, left - 1)[0] for p, lo, hi in rest)
-            later_kl = sum(float(p) * moments(lo, hi, left - 1)[1] for p, lo, hi in rest)
-            success += prob * (float(hit) + later_success)
+            hit, rest = float_outcomes(low, high, guess)
+            later_success = sum(p * moments(lo, hi, left - 1)[0] for p, lo, hi in rest)
+            later_kl = sum(p * moments(lo, hi, left - 1)[1] for p, lo, hi in rest)
+            success += prob * (hit + later_success)
             kl += prob * (math.log(prob / float(ref[guess])) + later_kl)
         return success, kl
 
     return moments(1, numbers, turns)
 
 
+def tilted_at_kl(kl: float, reference: Policy = weak_policy, numbers: int = NUMBERS, turns: int = TURNS) -> dict:
+    """The tilted optimum whose KL to the reference is kl, found by bisection on log beta (its KL falls as beta
+    grows): {"beta", "success", "kl"}, the most success a policy at that KL can reach. A kl past the limit's range
+    gives its end: beta 1e3 (about the reference itself) or 1e-4 (about the optimum)."""
+    low, high = math.log(1e-4), math.log(1e3)
+    for _ in range(30):
+        middle = (low + high) / 2
+        _, middle_kl = tilted_optimum(math.exp(middle), reference, numbers, turns)
+        low, high = (middle, high) if middle_kl > kl else (low, middle)
+    beta = math.exp((low + high) / 2)
+    success, beta_kl = tilted_optimum(beta, reference, numbers, turns)
+    return {"beta": beta, "success": success, "kl": beta_kl}
+
+
+def optimum_columns(kl: float | None) -> dict:
+    """eval.py's values beside a policy's episode metrics: the optimum's success, turns, invalid share and tokens a
+    turn; the weak player's success and turns; the tilted optimum at the policy's KL (to the SFT, taken as the KL to
+    the weak player it imitates): its success and beta."""
+    success, expected_turns = optimum()
+    weak_success, weak_turns = policy_values(weak_policy)
+    columns = {"success_optimum": float(success), "turns_optimum": float(expected_turns), "invalid_optimum": 0.0}
+    columns["tokens_per_turn_optimum"] = float(optimum_tokens_per_turn())
+    columns |= {"success_weak": float(weak_success), "turns_weak": float(weak_turns)}
+    tilted = tilted_at_kl(max(kl, 0.0)) if kl is not None else {"success": None, "beta": None}
+    columns |= {"success_tilted": tilted["success"], "beta_tilted": tilted["beta"]}
+    return columns
+
+
 # -----------------------------------------------------------------------------
-# the demonstrations, their encoding and the files
+# the demonstrations and the files
 
 
 def weak_episode(rng: random.Random, secret: int) -> dict:
@@ -216,23 +283,6 @@ def weak_episode(rng: random.Random, secret: int) -> dict:
             return {"prompt": PROMPT, "secret": secret, "turns": turns}
         turns.append({"role": "env", "text": observation})
         low, high = (guess + 1, high) if observation == HIGHER else (low, guess - 1)
-
-
-def encode_episode(tok: Tokenizer, record: dict) -> tuple[list[int], list[int]]:
-    """An episode record's ids as the rollout makes them (docs/design.md §3), and its loss mask: 1 on the model's
-    tokens (each assistant turn and its EOS), 0 on the prompt and the observations (each encoded on its own)."""
-    ids = tok.encode(record["prompt"], bos=True)
-    loss_mask = [0] * len(ids)
-    for turn in record["turns"]:
-        if turn["role"] == "assistant":
-            turn_ids = tok.encode(turn["text"]) + [tok.eos_id]
-        elif turn["role"] == "env":
-            turn_ids = tok.encode(turn["text"])
-        else:
-            raise ValueError(f"guess: a turn's role is 'assistant' or 'env', not {turn['role']!r}")
-        ids += turn_ids
-        loss_mask += [int(turn["role"] == "assistant")] * len(turn_ids)
-    return ids, loss_mask
 
 
 def task_tokenizer() -> Tokenizer:

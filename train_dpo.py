@@ -35,6 +35,7 @@ from common import UserError, format_sample, print0
 from data import (
     TASKS,
     Order,
+    builtin_files,
     drop_tied,
     encode_kto,
     encode_prefs,
@@ -469,7 +470,7 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     """Step 1: the preference data, tokenizer and policy (--init), checked before any process group; returns them and
     the init's fingerprint (--resume compares it)."""
     builtin = args.data is None
-    task = TASKS[args.task].build_task(args.task_dir, args.task_seed) if builtin else None
+    task = builtin_files(args, "pairs", "--data") if builtin else None
     train_path = task["pairs"] if builtin else args.data
     eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)
     kto = args.loss == "kto"

@@ -28,6 +28,7 @@ from common import UserError, print0
 from data import (
     TASKS,
     Order,
+    builtin_files,
     drop_tied,
     encode_prefs,
     pad_right,
@@ -296,7 +297,7 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     them and the init's fingerprint (--resume compares it)."""
     builtin = args.data is None
     task_module = TASKS[args.task]
-    task = task_module.build_task(args.task_dir, args.task_seed) if builtin else None
+    task = builtin_files(args, "pairs", "--data") if builtin else None
     train_path = task["pairs"] if builtin else args.data
     eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)
     train_rows, eval_rows = read_train_eval(train_path, eval_path, "pairs")

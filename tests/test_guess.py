@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import guess
+from data import episode_ids
 from tokenizer import load_tokenizer
 
 
@@ -118,7 +119,7 @@ def test_an_episode_encodes_as_the_rollout_appends_it():
     record = {"prompt": guess.PROMPT, "secret": 7, "turns": []}
     record["turns"] = [{"role": "assistant", "text": "13"}, {"role": "env", "text": "lower"}]
     record["turns"].append({"role": "assistant", "text": "7"})
-    ids, loss_mask = guess.encode_episode(tok, record)
+    ids, loss_mask = episode_ids(tok, record)
     one, three, seven = (tok.encode(digit)[0] for digit in "137")
     assert ids[7:] == [one, three, tok.eos_id, tok.encode("lower")[0], seven, tok.eos_id]
     assert loss_mask == [0] * 7 + [1, 1, 1, 0, 1, 1]
@@ -135,9 +136,7 @@ def test_an_episode_encodes_as_the_rollout_appends_it():
             if done:
                 break
             ids, loss_mask = ids + tok.encode(observation), loss_mask + [0]
-        assert guess.encode_episode(tok, record) == (ids, loss_mask)
-    with pytest.raises(ValueError, match="'assistant' or 'env'"):
-        guess.encode_episode(tok, {"prompt": guess.PROMPT, "turns": [{"role": "user", "text": "1"}]})
+        assert episode_ids(tok, record) == (ids, loss_mask)
 
 
 @functools.cache
@@ -278,3 +277,99 @@ def test_task_files_are_fixed_by_the_seed(tmp_path):
         assert steps[-1][2] and not any(step[2] for step in steps[:-1])
     tok = load_tokenizer(paths["tokenizer"])
     assert tok.encode(guess.PROMPT + guess.HIGHER) == guess.task_tokenizer().encode(guess.PROMPT + guess.HIGHER)
+
+
+@pytest.mark.parametrize("numbers,turns", [(12, 2)])
+def test_best_strategy_tokens_against_every_deterministic_strategy(numbers, turns):
+    """Guesses of 10 and more take a token more: among the strategies of the most success and fewest turns, the
+    fewest expected tokens."""
+    best = None
+    for tree in strategies(numbers, turns):
+        success = expected_turns = tokens = Fraction(0)
+        for secret in range(1, numbers + 1):
+            node, game = tree, guess.Game({"secret": secret}, numbers, turns)
+            while True:
+                first, if_higher, if_lower = node
+                tokens += Fraction(guess.guess_tokens(first), numbers)
+                observation, reward, done, info = game.step(str(first), True)
+                if done:
+                    success += Fraction(int(reward), numbers)
+                    expected_turns += Fraction(info["guesses"], numbers)
+                    break
+                node = if_higher if observation == guess.HIGHER else if_lower
+        candidate = (success, -expected_turns, -tokens)
+        best = candidate if best is None else max(best, candidate)
+    assert guess.best_strategy(numbers, turns) == (best[0], -best[1], -best[2])
+    assert guess.optimum_tokens_per_turn() == Fraction(164, 69)
+
+
+def test_tilted_at_kl_inverts_the_limits_curve():
+    sizes = dict(reference=guess.weak_policy, numbers=7, turns=3)
+    for beta in (0.5, 0.05):
+        success, kl = guess.tilted_optimum(beta, **sizes)
+        found = guess.tilted_at_kl(kl, **sizes)
+        assert found["beta"] == pytest.approx(beta, rel=1e-5) and found["success"] == pytest.approx(success, abs=1e-8)
+    weak_success, _ = guess.policy_values(guess.weak_policy, 7, 3)
+    best_success, _ = guess.optimum(7, 3)
+    assert guess.tilted_at_kl(0.0, **sizes)["success"] == pytest.approx(float(weak_success), abs=1e-4)
+    assert guess.tilted_at_kl(50.0, **sizes)["success"] == pytest.approx(float(best_success), abs=1e-4)
+
+
+def test_episode_records_as_sft_data(tmp_path):
+    """{"prompt", "turns"} records: read as SFT data (a malformed one is path:line), encoded by episode_ids with the
+    loss on the model's tokens only, even where the prompt is not masked (from scratch on the built-in task)."""
+    from common import UserError
+    from data import encode_sft, read_jsonl
+
+    tok = guess.task_tokenizer()
+    record = guess.weak_episode(random.Random(3), 11)
+    path = tmp_path / "episodes.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    (row,) = read_jsonl(str(path), "sft")
+    (example,), skipped = encode_sft(tok, [row], guess.BLOCK_SIZE, mask_prompt=False)
+    assert example == episode_ids(tok, record) and skipped == 0
+    ids, loss_mask = example
+    model_tokens = [token for token, learned in zip(ids, loss_mask) if learned]
+    assert model_tokens.count(tok.eos_id) == sum(turn["role"] == "assistant" for turn in record["turns"])
+    assert tok.encode(guess.HIGHER)[0] not in model_tokens and tok.encode(guess.LOWER)[0] not in model_tokens
+    bad = [
+        ({"prompt": "p", "turns": [{"role": "user", "text": "1"}]}, "turn 1: expected"),
+        ({"prompt": "p", "turns": [{"role": "assistant", "text": "1"}, {"role": "env", "text": "lower"}]}, "last"),
+        ({"prompt": "p", "turns": [], "response": "1"}, "an episode or a response"),
+        ({"prompt": "", "turns": [{"role": "assistant", "text": "1"}]}, "non-empty"),
+    ]
+    for obj, message in bad:
+        path.write_text(json.dumps(record) + "\n" + json.dumps(obj) + "\n")
+        with pytest.raises(UserError, match=f"episodes.jsonl:2: .*{message}"):
+            read_jsonl(str(path), "sft")
+
+
+def test_the_task_gives_eval_its_environment_and_sizes(tmp_path):
+    """eval.py --task guess: the task's environment and turn sizes where not given; a given flag, or --prompts, wins;
+    the RM and DPO stages and eval.py --pairs refuse the task (no pairs) in one line."""
+    import eval as evaluate
+    from common import UserError
+    from data import builtin_files
+
+    resolved = evaluate.with_task_env(evaluate.Args(task="guess"))
+    assert (resolved.env, resolved.max_turns, resolved.max_new_tokens) == ("guess:Game", 4, 3)
+    given = evaluate.Args(task="guess", max_turns=2)
+    given.given = frozenset({"max_turns"})
+    resolved = evaluate.with_task_env(given)
+    assert (resolved.env, resolved.max_turns, resolved.max_new_tokens) == ("guess:Game", 2, 3)
+    assert resolved.given == given.given
+    assert evaluate.with_task_env(evaluate.Args(task="guess", prompts="mine.jsonl")).env is None
+    assert evaluate.with_task_env(evaluate.Args(task="arith")).env is None
+    args = evaluate.Args(task="guess", task_dir=str(tmp_path))
+    with pytest.raises(UserError, match="--task guess has no pairs file .*: give --data"):
+        builtin_files(args, "pairs", "--data")
+    assert builtin_files(args, "eval_prompts", "--prompts")["eval_prompts"].endswith("eval_prompts.jsonl")
+
+
+def test_optimum_columns_beside_a_policys_kl():
+    columns = guess.optimum_columns(0.087)
+    assert columns["success_optimum"] == 0.75 and columns["turns_optimum"] == 3.45 and columns["invalid_optimum"] == 0
+    assert columns["success_weak"] == pytest.approx(0.498640, abs=1e-6)
+    assert columns["success_tilted"] == pytest.approx(guess.tilted_optimum(columns["beta_tilted"])[0])
+    assert columns["beta_tilted"] == pytest.approx(0.3, rel=0.01)  # design.md §3: beta 0.3 is 0.550 at 0.087 nats
+    assert guess.optimum_columns(None)["success_tilted"] is None
