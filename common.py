@@ -289,6 +289,16 @@ def call_user_code(name: str, context: str, fn: Callable, *args):
         raise UserError(f"{name} raised {type(e).__name__}{message} at {where} on {context}") from None
 
 
+def checked_reward(name: str, fn: Callable, prompt: str, response: str, ended: bool) -> float:
+    """fn(prompt, response, ended), the user's reward: a raise, or a value that is not a finite number, is one
+    UserError naming the function, the prompt and the answer."""
+    context = f"prompt {shorten(prompt)} answer {shorten(response)}"
+    value = call_user_code(name, context, fn, prompt, response, ended)
+    if not is_finite_number(value):
+        raise UserError(f"{name} returned {repr(value)[:60]} on {context}: expected a finite number (a float)")
+    return float(value)
+
+
 def load_reward_fn(spec: str, sample_prompt: Optional[str] = None, flag: str = "--reward-fn") -> Callable:
     """--reward-fn module:function or path/to/file.py:function -> fn(prompt, response, ended) -> float, a module
     found from the current folder or the repo's. With sample_prompt it is tried at once on that prompt and an empty

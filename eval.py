@@ -1073,7 +1073,8 @@ def main(args: Args) -> dict:
         samples = sample_policy(model, tok, prompts, replace(args, seeds=num_seeds), device, ref=ref, rms=rms)
         if reward_fn is not None:
             responses = zip(samples["prompt"], samples["response"], samples["ended"])
-            samples["reward_fn"] = [float(reward_fn(p, r, e)) for p, r, e in responses]
+            reward_fn_flag = f"--reward-fn {args.reward_fn}"
+            samples["reward_fn"] = [common.checked_reward(reward_fn_flag, reward_fn, p, r, e) for p, r, e in responses]
         train_seconds = round((ckpt or {}).get("seconds", 0.0), 1)  # the stage's wall time (a pretrained model: 0)
         plain = [index for index, seed in enumerate(samples["seed"]) if seed < args.seed + args.seeds]
         metrics, _ = policy_metrics(pick_samples(samples, plain), task, ref_gold)

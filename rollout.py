@@ -461,14 +461,10 @@ def reward_fn_scores(engine: Engine, responses: Responses) -> torch.Tensor:
     """--reward-fn's value for each response (B,). A raise, or a value that is not a finite number, is a UserError
     naming the function, the prompt and the answer, on this rank alone (rollout raises it on every rank)."""
     name = f"--reward-fn {engine.args.reward_fn}"
-    values = []
     texts = zip(responses.prompt_texts, responses.samples.texts, responses.samples.ended.tolist())
+    values = []
     for prompt, response, ended in texts:  # a conversation: rendered
-        context = f"prompt {common.shorten(prompt)} answer {common.shorten(response)}"
-        value = common.call_user_code(name, context, engine.reward_fn, prompt, response, ended)
-        if not common.is_finite_number(value):
-            raise UserError(f"{name} returned {repr(value)[:60]} on {context}: expected a finite number (a float)")
-        values.append(float(value))
+        values.append(common.checked_reward(name, engine.reward_fn, prompt, response, ended))
     return torch.tensor(values)
 
 

@@ -370,6 +370,24 @@ def test_reward_fn_column_is_the_users_objective_on_held_out_prompts(tmp_path, t
     assert ev.main(replace(args, reward_fn=None))["sft"]["reward_fn"] is None
 
 
+def test_a_reward_fn_that_raises_on_some_answers_is_one_line_naming_it(tmp_path, task_dir, tiny_policy):
+    """eval.py --reward-fn that raises past the start-up check, or returns nan: the error names the function, the
+    line of the raise and the answer, as the RL stages do (it was a traceback, and a nan a nan column)."""
+    path = tmp_path / "picky.py"
+    path.write_text(
+        "calls = []\ndef score(prompt, response, ended):\n    calls.append(1)\n    return 1 / (len(calls) < 3)\n"
+    )
+    nan_path = tmp_path / "nan.py"
+    nan_path.write_text("def score(prompt, response, ended):\n    return float('nan') if response else 0.0\n")
+    args = ev.Args(policy=[tiny_policy], names=["sft"], ref=tiny_policy, rm="none", num_samples=4, task_dir=task_dir)
+    with pytest.raises(
+        common.UserError, match=r"--reward-fn .*picky.py:score raised ZeroDivisionError .*picky.py:4 .*answer"
+    ):
+        ev.main(replace(args, reward_fn=f"{path}:score", max_new_tokens=4))
+    with pytest.raises(common.UserError, match=r"nan.py:score returned nan on prompt .* expected a finite number"):
+        ev.main(replace(args, reward_fn=f"{nan_path}:score", max_new_tokens=4))
+
+
 @pytest.mark.slow
 def test_pairs_on_user_data_builds_no_task(tmp_path, tiny_ckpts):
     """eval.py --pairs --pairs-data X reads X only (it used to build the built-in task into --task-dir first)."""
