@@ -327,3 +327,50 @@ def test_the_rm_probes_features_read_each_response_alone_whatever_the_padding(sm
     for row, (sequence, start) in enumerate(zip(sequences, starts)):
         for token, column in vocabulary.items():
             assert counts[row, column] == sequence[start:].count(token)
+
+
+def test_the_chat_guessing_game_parses_the_first_integer_and_its_baselines_are_exact():
+    """experiments/chat_guess.py: a turn's guess is the first integer of an ended turn, in 1..numbers ("My guess is
+    5." guesses 5; a cut turn, no integer or 11 ends the game with reward 0); the feedback is the next user turn; the
+    blind player's success is 1 - (1 - 1/N)^K and the optimum is guess.py's DP (1 at 1..10 in 4 guesses, 7/10 in 3)."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import chat_guess
+
+    row = chat_guess.rows(1, 10, 3, seed=0)[0] | {"secret": 7}
+    game = chat_guess.ChatGame(row)
+    assert game.step("My guess is 5.", True) == ("Higher.", 0.0, False, {})
+    assert game.step("9 or 8", True) == ("Lower.", 0.0, False, {})
+    assert game.step("7", True) == (None, 1.0, True, {"success": 1, "guesses": 3, "invalid": 0})
+    for response, ended in (("7", False), ("seven", True), ("11", True), ("0", True)):
+        assert chat_guess.ChatGame(row).step(response, ended) == (
+            None,
+            0.0,
+            True,
+            {"success": 0, "guesses": 1, "invalid": 1},
+        )
+    out_of_turns = chat_guess.ChatGame(row)
+    assert [out_of_turns.step("1", True)[1:3] for _ in range(3)] == [(0.0, False), (0.0, False), (0.0, True)]
+    assert row["prompt"][-1]["role"] == "user" and "1 to 10 in 3 tries" in row["prompt"][0]["content"]
+    for numbers, turns, optimum in ((10, 4, 1.0), (10, 3, 0.7), (20, 4, 0.75)):
+        baselines = chat_guess.baselines(numbers, turns)
+        assert baselines["optimum"]["success"] == pytest.approx(optimum)
+        assert baselines["blind_uniform"]["success"] == pytest.approx(1 - (1 - 1 / numbers) ** turns)
+    train, held_out = chat_guess.rows(64, 10, 4, seed=1), chat_guess.rows(64, 10, 4, seed=2)
+    assert [r["secret"] for r in train] != [r["secret"] for r in held_out]
+
+
+@pytest.mark.slow
+def test_make_real_multiturn_runs_on_smollm2s_weights(tmp_path, smollm2_two_layers):
+    """experiments/real_multiturn.py --tiny on SmolLM2's real tokenizer and its first two layers: eval.py --env on the
+    chat game, GRPO over its episodes, eval again, and results.json with both rows' episode columns."""
+    out = str(tmp_path / "real_multiturn")
+    command = [sys.executable, os.path.join(ROOT, "experiments", "real_multiturn.py"), "--tiny", "--out-dir", out]
+    done = subprocess.run(command + ["--model-dir", smollm2_two_layers], env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.load(open(os.path.join(out, "results.json")))
+    for name in ("instruct", "grpo"):
+        row = results[name]
+        assert 0 <= row["success"] <= 1 and row["success_se"] >= 0 and row["num_samples"] == 4
+        assert 1 <= row["turns"] <= 2 and 0 <= row["episode/invalid"] <= 1 and math.isfinite(row["kl"])
+    assert results["instruct"]["kl"] == pytest.approx(0, abs=1e-4) and results["grpo"]["train_seconds"] > 0
+    assert results["_meta"]["baselines"]["optimum"]["success"] == pytest.approx(0.3)  # 1..10 in 2 guesses: 3/10
