@@ -127,12 +127,19 @@ def eager_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int):
     return model.lm_head(h[:, -1]), advance
 
 
-def static_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int):
+def static_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int, cache_len: int | None = None):
     """The fixed-shape decode (generate's compiled=True): the prompts left-padded to a multiple of 16 (the slots a
     prompt leaves empty are masked), a StaticKVCache per layer, the prefill eager; advance runs compiled_decode with
-    the same shapes at every step."""
-    idx, real, key_real, width = static_layout(idx, real, max_new_tokens, model.config.block_size)
-    max_len = width + max_new_tokens
+    the same shapes at every step. cache_len: the caches' length whatever the prompts' width (run_episodes: the
+    context, one shape every turn), the slots past the prompt and the new tokens masked."""
+    if cache_len is None:
+        idx, real, key_real, width = static_layout(idx, real, max_new_tokens, model.config.block_size)
+        max_len = width + max_new_tokens
+    else:
+        B, width = idx.size()
+        max_len = max(cache_len, width + max_new_tokens)  # a prompt too long for the context: one more shape
+        key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1)  # (B, width + max_new_tokens)
+        key_real = F.pad(key_real, (0, max_len - width - max_new_tokens), value=False)  # (B, max_len)
     n_real = real.long().sum(-1)  # (B,)
     device = idx.device
     dtype = cache_dtype(device, model.lm_head.weight.dtype)
@@ -140,7 +147,7 @@ def static_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int):
     for cache in caches:
         cache.slots = torch.arange(width, device=device)  # the prefill writes the prompt's slots
     pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, width)
-    prefill_mask = F.pad(padded_causal_mask(real), (0, max_new_tokens), value=False)  # (B, 1, width, max_len)
+    prefill_mask = F.pad(padded_causal_mask(real), (0, max_len - width), value=False)  # (B, 1, width, max_len)
     h = model._trunk(idx.masked_fill(~real, 0), pos, prefill_mask, caches)
     for cache in caches:
         cache.slots = step_slot  # then one slot a step, refilled in place
@@ -256,9 +263,11 @@ def generate(
     min_new_tokens: int = 0,
     generator: torch.Generator | None = None,
     compiled: bool = False,
+    cache_len: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Sample from model (GPT or HFCausalLM) for left-padded prompts idx, attention_mask (B, P) (None: no padding).
-    max_new_tokens: an int or a (B,) per-row budget. generator: None = the global RNG. compiled: static KV caches.
+    max_new_tokens: an int or a (B,) per-row budget. generator: None = the global RNG. compiled: static KV caches,
+    cache_len long where given (model.GPT's; None: the prompt's width bucket and the new tokens).
     Returns response (B, Tn) long (pad_id after EOS), response_mask (B, Tn) float (EOS included), logprobs (B, Tn)
     under the full tempered distribution (0 on padding)."""
     assert model.config.lm_head, "generate needs a model with an lm head"
@@ -279,8 +288,10 @@ def generate(
             return decode_loop(
                 logits, advance, budget, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator
             )
-    prefill = static_prefill if compiled else eager_prefill
-    logits, advance = prefill(model, idx, real, steps)
+    if compiled:
+        logits, advance = static_prefill(model, idx, real, steps, cache_len)
+    else:
+        logits, advance = eager_prefill(model, idx, real, steps)
     return decode_loop(logits, advance, budget, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator)
 
 
@@ -409,9 +420,10 @@ def run_episodes(
 ) -> Episodes:
     """Episodes over left-padded prompts (query, query_mask (B, P)), one environment a row (env.step(response, ended)
     -> (observation, reward, done[, info])). Each turn `sample`s every live row's whole history (a fresh prefill: the
-    history grows, the decode stays generate's), hands each row its turn's text and appends the observation's ids.
-    An episode ends when its environment says done, after max_turns, or when the next observation and a full turn of
-    max_new_tokens cannot fit the context (truncated). kw goes to sample (temperature, generator, compiled, ...)."""
+    history grows, the decode stays generate's at the batch's shape), hands each row its turn's text and appends the
+    observation's ids. An episode ends when its environment says done, after max_turns, or when the next observation
+    and a full turn of max_new_tokens cannot fit the context (truncated). kw goes to sample (temperature, generator,
+    compiled, ...)."""
     B = query.size(0)
     block_size = model.config.block_size
     histories = [query[b][query_mask[b].bool()].tolist() for b in range(B)]
@@ -425,28 +437,30 @@ def run_episodes(
     for turn in range(max_turns):
         if not live:
             break
-        # 1. every live row's history through the decode, left-padded again
-        lengths = [len(histories[b]) for b in live]
-        width = max(lengths)
-        idx = query.new_tensor([[tok.pad_id] * (width - len(histories[b])) + histories[b] for b in live])
-        idx_mask = query_mask.new_tensor([[0] * (width - n) + [1] * n for n in lengths])
-        samples = sample(model, tok, idx, idx_mask, max_new_tokens, **kw)
+        # 1. every live row's history through the decode, left-padded again; a finished row keeps its last token and
+        # no budget, so each turn decodes the batch's shape (compiled: one graph, its caches the context long)
+        rows = [histories[b] if b in live else histories[b][-1:] for b in range(B)]
+        width = max(len(row) for row in rows)
+        idx = query.new_tensor([[tok.pad_id] * (width - len(row)) + row for row in rows])
+        idx_mask = query_mask.new_tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+        budget = torch.tensor([max_new_tokens if b in live else 0 for b in range(B)], device=query.device)
+        samples = sample(model, tok, idx, idx_mask, budget, cache_len=block_size, **kw)
         logprob_dtype = samples.logprobs.dtype
         still_live = []
-        for row, b in enumerate(live):
+        for b in live:
             # 2. the turn's tokens as sampled, then the environment's answer on the turn's last token
-            n = int(samples.mask[row].sum())
-            tokens = samples.response[row, :n].tolist()
-            logprobs = samples.logprobs[row, :n].tolist()
-            observation, reward, done, *rest = envs[b].step(samples.texts[row], bool(samples.ended[row]))
+            n = int(samples.mask[b].sum())
+            tokens = samples.response[b, :n].tolist()
+            logprobs = samples.logprobs[b, :n].tolist()
+            observation, reward, done, *rest = envs[b].step(samples.texts[b], bool(samples.ended[b]))
             for key, value in (rest[0] if rest else {}).items():
                 info.setdefault(key, [float("nan")] * B)[b] = float(value)
             after[b] += [(token, MODEL, logprob, 0.0) for token, logprob in zip(tokens, logprobs)]
             after[b][-1] = (*after[b][-1][:3], float(reward))
             histories[b] += tokens
             turns[b] += 1
-            ended[b, turn] = bool(samples.ended[row])
-            turn_texts[b].append(samples.texts[row])
+            ended[b, turn] = bool(samples.ended[b])
+            turn_texts[b].append(samples.texts[b])
             if done or turn == max_turns - 1:
                 continue
             # 3. the observation, encoded once, when it and a whole turn fit the context

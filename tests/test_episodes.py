@@ -5,6 +5,7 @@ finish early are left alone, truncation at the context, turn rewards on each tur
 environment's user errors (common.load_env) and eval.py --env end to end."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -192,6 +193,64 @@ def test_truncated_when_the_next_observation_and_a_turn_do_not_fit(tok):
     assert 1 < episodes.turns[0] < 10 and len(part["mask"]) + 2 + 10 + 8 > 48
     assert episodes.returns[0] == pytest.approx(0.1 * int(episodes.turns[0]))
     assert episodes.attention_mask[1].sum() == 48 and episodes.mask[1].sum() == 0
+
+
+# -----------------------------------------------------------------------------
+# the compiled decode over turns (generate's compiled=True, inductor's CPU backend; docs/design.md §7)
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler"
+)
+LONG_TEXTS = ["a prompt of more than sixteen bytes:", "?", "twenty bytes or so:", "ok"]  # another width bucket
+
+
+@pytest.fixture(scope="module")
+def compiled_rollouts(tok):
+    """Two 3-turn rollouts (greedy over TEXTS, then sampled at temperature 1 over LONG_TEXTS), eager and through the
+    compiled decode from the same generator state; returns ({compiled: [greedy, sampled]}, dynamo's unique graphs
+    after the compiled rollouts)."""
+    from torch._dynamo.utils import counters
+
+    model = wide_model(tok)
+    rollouts = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        greedy = run_episodes(
+            model, tok, *prompts(tok, TEXTS), [Countdown(row) for row in ROWS], 3, 6, temperature=0.0, compiled=compiled
+        )
+        generator = torch.Generator().manual_seed(3)
+        envs = [Countdown(row) for row in ROWS]
+        kw = dict(temperature=1.0, generator=generator, compiled=compiled)
+        sampled = run_episodes(model, tok, *prompts(tok, LONG_TEXTS), envs, 3, 6, **kw)
+        rollouts[compiled] = [greedy, sampled]
+    return rollouts, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_compiled_episodes_compile_the_decode_step_once(compiled_rollouts):
+    """Six turns over two rollouts whose live rows shrink (episodes end at turns 1, 2 and 3), whose histories grow and
+    whose prompts pad to different widths: the decode step is one graph (one per turn before the caches kept the
+    batch's shape and the context's length: 3 in the first rollout)."""
+    rollouts, graphs = compiled_rollouts
+    for episodes in rollouts[True]:
+        assert episodes.turns.tolist() == [3, 1, 2, 3]
+    assert rollouts[True][0].prompt_width <= 32 < rollouts[True][1].prompt_width  # prompts in two buckets of 16
+    assert graphs == 1
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_compiled_episodes_equal_eager_ones(compiled_rollouts):
+    """Greedy and sampled from the same generator state: the compiled decode's episodes are the eager decode's token
+    for token (masks, rewards, texts), their log-probs to float64 rounding."""
+    rollouts, _ = compiled_rollouts
+    for eager, compiled in zip(rollouts[False], rollouts[True]):
+        for name in ("sequences", "attention_mask", "mask", "rewards", "turns", "ended"):
+            assert torch.equal(getattr(eager, name), getattr(compiled, name)), name
+        assert torch.allclose(eager.logprobs, compiled.logprobs, atol=1e-10, rtol=0)
+        assert eager.turn_texts == compiled.turn_texts and eager.observations == compiled.observations
 
 
 ENV_FILE = """
