@@ -23,6 +23,7 @@ from conftest import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import hf
 import rollout
 import train_grpo
 import train_ppo
@@ -182,6 +183,41 @@ def test_grpo_and_ppo_train_over_episodes(tmp_path, task_dir, tiny_ckpts, env_fi
         for tag in EPISODE_TAGS:
             assert len(scalars[tag]) == 2 and all(math.isfinite(value) for value in scalars[tag]), (out, tag)
         assert scalars["episode/turns"] == [3.0, 3.0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [dict(lora_rank=4), dict(dtype="bfloat16", tis_cap=2.0), dict(compile="on")],
+    ids=["lora", "bf16", "compile"],
+)
+def test_grpo_and_ppo_over_episodes_under_lora_bf16_and_compile(tmp_path, task_dir, tiny_ckpts, env_file, extra):
+    """--lora-rank, the bf16 sampler and --compile on, each with --env --max-turns 3: both stages train over three-turn
+    episodes, the sampler's log-probs checked against the trainer's on the model's tokens (fp32: within 1e-4; bf16:
+    TIS weights near 1), weights finite; compiled, each call signature compiles once and the decode step is one graph
+    over every rollout's turns (the single-turn compile test's count: a graph per frame, plus the decode's)."""
+    from torch._dynamo.utils import counters
+
+    flags = dict(task_dir=task_dir, sft_ckpt=tiny_ckpts[0], rm_ckpt="none", env=f"{env_file}:Echo", max_turns=3)
+    flags |= dict(warmup_steps=1, log_every=1) | TINY | dict(max_steps=3) | extra
+    torch._dynamo.reset()
+    counters.clear()
+    grpo_out, ppo_out = str(tmp_path / "grpo"), str(tmp_path / "ppo")
+    train_grpo.main(train_grpo.Args(out_dir=grpo_out, group_size=2, **flags))
+    train_ppo.main(train_ppo.Args(out_dir=ppo_out, critic_warmup_steps=0, **flags))
+    for out in (grpo_out, ppo_out):
+        scalars = read_scalars(out)
+        assert scalars["episode/turns"] == [3.0] * 3, out
+        assert all(math.isfinite(value) for value in scalars["policy/loss"]), out
+        if "dtype" in extra:
+            assert all(0.5 < value <= 2.0 for value in scalars["policy/tis_weight_mean"]), out
+        else:
+            assert max(scalars["rollout/logprob_err"]) < 1e-4, out
+        model = hf.model_from_checkpoint(f"{out}/ckpt.pt")  # a LoRA checkpoint's adapters merged into its base
+        assert all(torch.isfinite(weight).all() for weight in model.state_dict().values())
+    if "compile" in extra:
+        print(dict(counters["frames"]), dict(counters["stats"]))
+        assert counters["stats"]["unique_graphs"] == counters["frames"]["total"] + 1
 
 
 @pytest.mark.parametrize(
