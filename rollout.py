@@ -365,10 +365,11 @@ def generate_episodes(engine: Engine, rows: list) -> Responses:
 
 
 def episode_text(turns: list[str], observations: list[str]) -> str:
-    """An episode as the logs show it: each model turn, and each observation after [env]."""
+    """An episode as the logs show it: each model turn as sampled, and each observation quoted after [env] (its repr:
+    where the environment's text ends and the model's next turn begins)."""
     parts = [turns[0]] if turns else []
     for observation, turn in zip(observations, turns[1:]):
-        parts += [f"[env] {observation}", turn]
+        parts += [f"[env] {observation!r}", turn]
     return " ".join(parts)
 
 

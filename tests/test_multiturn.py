@@ -3,6 +3,7 @@ experience's two masks, the observations reaching the next model token, the epis
 SIGKILL and resume, and 2 gloo ranks against 1."""
 
 import io
+import json
 import math
 import re
 import sys
@@ -142,10 +143,11 @@ def test_an_observation_reaches_the_next_model_tokens_log_prob():
 # both stages over episodes
 
 
-def test_grpo_and_ppo_train_over_episodes(tmp_path, task_dir, tiny_ckpts, env_file, monkeypatch):
+def test_grpo_and_ppo_train_over_episodes(tmp_path, task_dir, tiny_ckpts, env_file, monkeypatch, capsys):
     """--env --max-turns 3 with a toy environment: the experience holds attention_mask (model and observation tokens,
     a prefix of ones) and the loss mask (the model's tokens), the observations as encoded, each turn's reward on its
-    last model token summing to the score; both stages log the episode tags, finite."""
+    last model token summing to the score; both stages log the episode tags, finite; the sample tables (samples.jsonl,
+    the console) show whole episodes, each observation quoted after [env]."""
     captured = []
     real_update = train_grpo.grpo_update
 
@@ -183,6 +185,17 @@ def test_grpo_and_ppo_train_over_episodes(tmp_path, task_dir, tiny_ckpts, env_fi
         for tag in EPISODE_TAGS:
             assert len(scalars[tag]) == 2 and all(math.isfinite(value) for value in scalars[tag]), (out, tag)
         assert scalars["episode/turns"] == [3.0, 3.0]
+        records = [json.loads(line) for line in open(f"{out}/samples.jsonl")]
+        assert records and all(record["response"].count("[env] ' ok.'") == 2 for record in records), out
+    shown = [line for line in capsys.readouterr().out.splitlines() if "[env]" in line]
+    assert len(shown) >= 2 and all(line.count("[env] ' ok.'") == 2 for line in shown)
+
+
+def test_an_episode_reads_as_its_turns_and_quoted_observations():
+    """Turns as sampled, each observation's repr after [env]: its spaces and line breaks shown, its end marked."""
+    episode = rollout.episode_text(["guess 10", "guess 15", " 13"], ["Higher.", "Lower.\n"])
+    assert episode == "guess 10 [env] 'Higher.' guess 15 [env] 'Lower.\\n'  13"
+    assert rollout.episode_text(["only"], []) == "only" and rollout.episode_text([], []) == ""
 
 
 @pytest.mark.slow
@@ -257,7 +270,7 @@ def test_multiturn_grpo_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts,
     full, killed = (torch.load(tmp_path / p / "ckpt.pt", weights_only=False) for p in ("full", "killed"))
     assert full["data_state"] == killed["data_state"]
     lines = open(tmp_path / "killed" / "samples.jsonl").read().splitlines()
-    assert len(lines) == len(set(lines)) == 6 * 8 and "[env]" in lines[0]
+    assert len(lines) == len(set(lines)) == 6 * 8 and "[env] ' ok.'" in lines[0]
     assert lines == open(tmp_path / "full" / "samples.jsonl").read().splitlines()
 
 
