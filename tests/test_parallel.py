@@ -333,6 +333,45 @@ def test_vineppo_under_fsdp_with_states_that_differ_between_ranks(tmp_path, task
     assert len(states) == 2 and any(count % 2 == 1 for count in states), states
 
 
+# an episode of 1 to 3 turns by its prompt's length: each rank's episodes end at their own turns
+RAGGED_ENV = """
+class Ragged:
+    def __init__(self, row):
+        self.turns, self.turn = 1 + len(row["prompt"]) % 3, 0
+
+    def step(self, response, ended):
+        self.turn += 1
+        done = self.turn == self.turns
+        return (None if done else " again"), len(response) / 10, done
+"""
+
+
+@pytest.mark.slow
+def test_multiturn_grpo_and_ppo_under_fsdp_equal_ddp(tmp_path, task_dir, tiny_ckpts):
+    """GRPO and PPO over episodes of 1 to 3 turns on 2 ranks: under --fsdp the whole episode loop runs inside one
+    gather of the policy (no collective a turn), so ranks whose episodes end at different turns finish together, and
+    the weights equal 2 DDP ranks' (atol 1e-5: the gradient's reduction order)."""
+    (tmp_path / "ragged_env.py").write_text(RAGGED_ENV)
+    sft, _ = tiny_ckpts
+    rl = (
+        f"--task-dir {task_dir} --sft-ckpt {sft} --rm-ckpt none --env {tmp_path}/ragged_env.py:Ragged --max-turns 3 "
+        "--max-steps 2 --rollout-batch-size 8 --num-minibatches 2 --micro-batch-size 2 --ptx-batch-size 4 "
+        "--max-new-tokens 6 --warmup-steps 1 --log-every 1"
+    )
+    stages = {"grpo": "train_grpo.py --estimator grpo --group-size 2", "ppo": "train_ppo.py --critic-warmup-steps 1"}
+    for stage, script in stages.items():
+        for wrap in ("", "--fsdp"):
+            succeeds_within(f"{TORCHRUN} {script} {rl} {wrap} --out-dir {tmp_path}/{stage}{wrap}", 300)
+        turns = read_scalars(str(tmp_path / f"{stage}--fsdp"))["episode/turns"]
+        assert any(1 < value < 3 for value in turns), turns  # episodes of several lengths
+        trained = weights(tmp_path / stage / "ckpt.pt")
+        assert not torch.equal(trained["lm_head.weight"], weights(sft)["lm_head.weight"])  # the policy moved
+        assert_close(trained, weights(tmp_path / f"{stage}--fsdp" / "ckpt.pt"), 1e-5)
+        if stage == "ppo":
+            critic = weights(tmp_path / stage / "ckpt.pt", "critic")
+            assert_close(critic, weights(tmp_path / f"{stage}--fsdp" / "ckpt.pt", "critic"), 1e-5)
+
+
 # -----------------------------------------------------------------------------
 # the GPU code path on CPU: bf16 autocast, the compiled training forward
 
