@@ -11,6 +11,8 @@
 #   make rlvr            the verifiable-reward task (--task arith): SFT, then GRPO, DAPO, GSPO, CISPO, RLOO and
 #                        PPO-max on the verifier's reward, pass@1/4/16/64 on 128 held-out problems (10 min on 2 cores
 #                        before GSPO and CISPO; resumes; out/rlvr/results.json)
+#   make multiturn       the multi-turn task (--task guess, a guessing game): SFT, then PPO-max, GRPO and RLOO over
+#                        4-turn episodes, each against the optimum (8 min on 2 cores; resumes; out/multiturn/results.json)
 #   make real            RLHF on a real pretrained model: SmolLM2-135M-Instruct (out/smollm2, from a PyPI package), an RM
 #                        on its own samples labelled by VADER, PPO-max on the RM and on VADER, eval (42 min on 2
 #                        cores in fp32; 29 with DTYPE=bfloat16 where the CPU has bf16 matmuls; resumes; out/real/)
@@ -42,7 +44,7 @@ EVAL_FLAGS :=
 endif
 COMMON := --task-dir $(DATA)
 
-.PHONY: demo test test-fast venv real-venv clean ablation frontier online rlvr real real-rlvr smollm2 wheels
+.PHONY: demo test test-fast venv real-venv clean ablation frontier online rlvr multiturn real real-rlvr smollm2 wheels
 
 venv: $(VENV)/.installed
 real-venv: $(VENV)/.installed-real
@@ -88,6 +90,9 @@ frontier: venv
 
 rlvr: venv
 	$(PY) experiments/rlvr.py --task-dir $(DATA) --out-dir $(OUT)/rlvr
+
+multiturn: venv
+	$(PY) experiments/multiturn.py --task-dir $(DATA) --out-dir $(OUT)/multiturn
 
 # out/smollm2: the model as a Hugging Face folder, once
 smollm2: real-venv
