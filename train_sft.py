@@ -43,7 +43,8 @@ class Args(common.CommonArgs):
     # --- data and model
     data: Optional[str] = None
     """SFT JSONL, a record a line: {"prompt", "response"} strings, TRL's {"prompt", "completion"} (strings, or
-    messages: the completion's turns learned), or {"messages": [...]} (every assistant turn learned) (None: the
+    messages: the completion's turns learned), {"messages": [...]} (every assistant turn learned), or an episode
+    {"prompt", "turns": [{"role": "assistant" | "env", "text"}, ...]} (the assistant's turns learned) (None: the
     built-in task)"""
     eval_data: Optional[str] = None
     """held-out SFT JSONL for val/loss (None: the built-in task's split, or the last 5% of --data)"""
