@@ -373,3 +373,22 @@ def test_optimum_columns_beside_a_policys_kl():
     assert columns["success_tilted"] == pytest.approx(guess.tilted_optimum(columns["beta_tilted"])[0])
     assert columns["beta_tilted"] == pytest.approx(0.3, rel=0.01)  # design.md §3: beta 0.3 is 0.550 at 0.087 nats
     assert guess.optimum_columns(None)["success_tilted"] is None
+
+
+@pytest.mark.parametrize("script", ["train_rm.py", "train_dpo.py"])
+def test_the_preference_stages_refuse_the_task_in_one_line(script, tmp_path, capsys, monkeypatch):
+    from conftest import exits_2_with_one_line
+
+    # the task is refused before the --init is read
+    argv = [
+        "--task",
+        "guess",
+        "--task-dir",
+        str(tmp_path),
+        "--init",
+        str(tmp_path / "sft.pt"),
+        "--out-dir",
+        str(tmp_path / "o"),
+    ]
+    err = exits_2_with_one_line(script, argv, capsys, monkeypatch)
+    assert "--task guess has no pairs file" in err and "give --data" in err
