@@ -380,15 +380,6 @@ def test_the_preference_stages_refuse_the_task_in_one_line(script, tmp_path, cap
     from conftest import exits_2_with_one_line
 
     # the task is refused before the --init is read
-    argv = [
-        "--task",
-        "guess",
-        "--task-dir",
-        str(tmp_path),
-        "--init",
-        str(tmp_path / "sft.pt"),
-        "--out-dir",
-        str(tmp_path / "o"),
-    ]
+    argv = f"--task guess --task-dir {tmp_path} --init {tmp_path / 'sft.pt'} --out-dir {tmp_path / 'o'}".split()
     err = exits_2_with_one_line(script, argv, capsys, monkeypatch)
     assert "--task guess has no pairs file" in err and "give --data" in err
