@@ -20,8 +20,9 @@ error covers the choice of prompts and the sampling noise together.
   Beirami et al. 2024, https://arxiv.org/abs/2401.01879), marked `≤` in the table and `kl_bound: true` in the JSON.
 - --env FILE.py:NAME --max-turns N: each prompt row is an episode against the environment NAME(row), the model's
   turns and the environment's observations in one sequence; the mean return, success (the info key `success`),
-  turns, truncated_frac and every info key (`episode/<key>`), with kl, response_len and perplexity over the model's
-  tokens only, each clustered by prompt as above.
+  turns, truncated_frac, tokens_per_turn and every info key (`episode/<key>`), with kl, response_len and perplexity
+  over the model's tokens only, each clustered by prompt as above. --task guess (or a policy trained on it) plays the
+  task's own environment with its turn sizes, and puts the optimum's values beside each policy (guess.optimum_columns).
 - --pairs: accuracy, margin and the Bayes ceiling are weighted means over pairs, clustered by record (the pairs of a
   K-wise record share their responses).
 
