@@ -6,8 +6,7 @@
 # no network, no venv. tyro and its pure-Python dependencies travel as wheels in .whl/ beside the repo: run
 # `make wheels` on a machine with network first (wheels are zip files; they go on PYTHONPATH as they are).
 #
-#   bash bench/gpu_check.sh              # all: fast, then rl (at most 540 s of section timeouts; 60 s are kept for
-#                                        # the multi-turn issue's run)
+#   bash bench/gpu_check.sh              # all: fast, rl, then multiturn (at most 600 s of section timeouts)
 #   bash bench/gpu_check.sh fast         # at most 300 s: versions; compiled against eager greedy decoding, token for
 #                                        # token (fp32, then bf16); eager against compiled decode (tokens/s, HBM
 #                                        # bandwidth) at GPT-2-small and Llama-1B shapes; the PPO update's MFU and
@@ -15,6 +14,8 @@
 #   bash bench/gpu_check.sh rl           # at most 240 s: bench/rl_check.py, the critic-free stage (GRPO, GSPO, CISPO,
 #                                        # distillation, VinePPO, dynamic sampling) in bf16 and compiled, GRPO in fp32
 #                                        # against the 1e-4 log-prob bound, a SIGKILL and --resume held bit-equal
+#   bash bench/gpu_check.sh multiturn    # at most 60 s: experiments/multiturn.py --tiny, the guessing game's SFT, then
+#                                        # PPO-max, GRPO and RLOO over its episodes, compiled, and eval.py's episodes
 #   bash bench/gpu_check.sh long         # pipeline + scale + bench (about 10 minutes on one H200)
 #   bash bench/gpu_check.sh pipeline     # SFT, RM, DPO, PPO and eval at GPT-2-small width, tokens/s and MFU per stage
 #   bash bench/gpu_check.sh scale        # on the pipeline's checkpoints: PPO with LoRA, then bf16 FSDP2 on
@@ -130,9 +131,26 @@ if [ "$WHAT" = all ] || [ "$WHAT" = rl ]; then
   echo "gpu_check rl: $((SECONDS - t0)) s"
 fi
 
-# TODO(multi-turn issue): its run joins `all` here as its own section within the 60 s that `all` keeps, e.g.
-#   if [ "$WHAT" = all ] || [ "$WHAT" = multiturn ]; then check multiturn 60 $PY train_grpo.py ...; table multiturn; fi
-# (or as a row of bench/rl_check.py's RL_RUNS, if it fits rl's 240 s)
+if [ "$WHAT" = all ] || [ "$WHAT" = multiturn ]; then
+  t0=$SECONDS
+  # the multi-turn chain at tiny sizes (experiments/multiturn.py --tiny): SFT on the guessing game's episodes, then
+  # PPO-max, GRPO and RLOO over its environment side by side (--compile auto and the stages' dtype: the episode
+  # decode's context-long static cache compiled once for every turn), eval.py's episodes against the optimum; then
+  # every policy's row read back, its success and KL finite
+  rm -rf "$OUT/multiturn"
+  check multiturn 55 $PY experiments/multiturn.py --tiny --jobs 3 --out-dir "$OUT/multiturn" --task-dir "$OUT/data"
+  check multiturn-results 5 $PY - "$OUT/multiturn/results.json" <<'PY'
+import json, math, sys
+results = json.load(open(sys.argv[1]))
+rows = {name: results[name] for name in ("sft", "ppo", "grpo", "rloo")}
+bad = [name for name, row in rows.items() if not all(math.isfinite(row[key]) for key in ("success", "kl", "turns"))]
+assert not bad, f"not finite: {bad}"
+print(" | ".join(f"{name} success {row['success']:.3f} kl {row['kl']:.2f}" for name, row in rows.items()))
+PY
+  table multiturn
+  echo "gpu_check multiturn: $((SECONDS - t0)) s"
+fi
+
 if [ "$FAILED" != 0 ]; then
   echo "gpu_check: a check failed (the tables above; logs in $OUT/logs)"
   exit 1

@@ -68,8 +68,6 @@ RL_RUNS = [
     ("dynamic", "--estimator grpo --dynamic-sampling --max-sample-rounds 3 --compile off", 20),
     ("fp32", "--estimator grpo --dtype float32", 30),
 ]
-# TODO(multi-turn issue): its run joins RL_RUNS here once train_grpo.py takes an environment, e.g.
-# ("multiturn", "--env <the issue's built-in environment> --max-turns 3", 40), with its own check in run_stage
 KILL_AT_STEP = 2
 
 
