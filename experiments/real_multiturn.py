@@ -41,8 +41,8 @@ class Args:
     """guesses a game allows (eval's and GRPO's --max-turns)"""
     eval_prompts: int = 128
     """held-out games of the evaluation"""
-    episodes: int = 192
-    """games GRPO plays"""
+    episodes: int = 80
+    """games GRPO plays (16 an iteration: 5 iterations, docs/results.md)"""
     group_size: int = 4
     """GRPO's games per secret"""
     rollout_batch_size: int = 16
