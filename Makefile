@@ -19,8 +19,8 @@
 #   make real-rlvr       RLVR on SmolLM2: the arith problems as chat questions, GRPO on a verifier of the answer's last
 #                        integer, pass@1 and pass@8 on 64 held-out problems (out/real_rlvr/results.json)
 #   make real-multiturn  multi-turn RL on SmolLM2: the guessing game in chat (1..10, 4 guesses, "Higher."/"Lower." as
-#                        the next user turn), success on 128 held-out games, 5 GRPO steps, again (26 min on 2 cores
-#                        shared with other jobs; resumes; out/real_multiturn/results.json)
+#                        the next user turn), success on 128 held-out games, 5 GRPO steps, again (9 min on 2 cores;
+#                        26 shared with other jobs; resumes; out/real_multiturn/results.json)
 #   make online          iterated RLHF: rounds of PPO, on-policy pairs labelled by the task's simulated human and a
 #                        new reward model (needs `make demo`; 15 min on 2 cores; resumes; out/online/results.json)
 PYTHON ?= python3
