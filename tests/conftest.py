@@ -344,8 +344,13 @@ def kill_and_resume(cmd: str, out_dir: str, min_step: int) -> None:
 
 
 def assert_same_weights(a: str, b: str, key: str = "model") -> None:
+    """Two checkpoints at the same step with the same trained weights: a LoRA checkpoint's adapters and heads (it
+    keeps no merged copy), over the same base."""
     sa, sb = (torch.load(p, weights_only=False) for p in (a, b))
     assert sa["step"] == sb["step"]
+    if key not in sa:
+        assert sa["base"][key] == sb["base"][key]
+        key = f"{key}_lora"
     for k in sa[key]:
         assert torch.allclose(sa[key][k], sb[key][k], atol=1e-5, rtol=0), k
 
