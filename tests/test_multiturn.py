@@ -201,11 +201,11 @@ def test_an_episode_reads_as_its_turns_and_quoted_observations():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
-    [dict(lora_rank=4), dict(dtype="bfloat16", tis_cap=2.0), dict(compile="on")],
-    ids=["lora", "bf16", "compile"],
+    [dict(lora_rank=4, dtype="bfloat16", tis_cap=2.0), dict(compile="on")],
+    ids=["lora_bf16", "compile"],
 )
 def test_grpo_and_ppo_over_episodes_under_lora_bf16_and_compile(tmp_path, task_dir, tiny_ckpts, env_file, extra):
-    """--lora-rank, the bf16 sampler and --compile on, each with --env --max-turns 3: both stages train over three-turn
+    """--lora-rank with the bf16 sampler, and --compile on, with --env --max-turns 3: both stages train over three-turn
     episodes, the sampler's log-probs checked against the trainer's on the model's tokens (fp32: within 1e-4; bf16:
     TIS weights near 1), weights finite; compiled, each call signature compiles once and the decode step is one graph
     over every rollout's turns (the single-turn compile test's count: a graph per frame, plus the decode's)."""
