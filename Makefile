@@ -1,8 +1,8 @@
 # Two commands set everything up on a fresh machine: `make demo` and `make test` (both idempotent).
 #   make demo            the whole pipeline on the built-in task (SFT, RM, DPO, PPO, eval), default sizes (out/)
-#   make demo TINY=1     the same chain with tiny sizes in about a minute (outputs under out/tiny/)
+#   make demo TINY=1     the same chain with tiny sizes in under a minute (43 s; outputs under out/tiny/)
 #   make test            ruff format --check, ruff check (pinned in requirements.txt), then the test suite
-#   make test-fast       ruff check and the fast tier of the suite (about 2 minutes on 2 cores)
+#   make test-fast       ruff check and the fast tier of the suite (84 s on 2 cores; requirements.txt only)
 #   make ablation        PPO-max vs vanilla vs minus-one-trick, 2 seeds, and a --kl-coef sweep (about 1.5 h;
 #                        needs out/sft and out/rm from `make demo`; resumes; table in out/ablation/ablation.md)
 #   make frontier        gold vs KL for PPO-max, GRPO, Dr. GRPO, RLOO, REINFORCE++, REBEL, DAPO, GSPO, CISPO, the gold-
@@ -19,8 +19,8 @@
 #   make real-rlvr       RLVR on SmolLM2: the arith problems as chat questions, GRPO on a verifier of the answer's last
 #                        integer, pass@1 and pass@8 on 64 held-out problems (out/real_rlvr/results.json)
 #   make real-multiturn  multi-turn RL on SmolLM2: the guessing game in chat (1..10, 4 guesses, "Higher."/"Lower." as
-#                        the next user turn), success on 128 held-out games, 5 GRPO steps, again (9 min on 2 cores;
-#                        26 shared with other jobs; resumes; out/real_multiturn/results.json)
+#                        the next user turn), success on 128 held-out games, 5 GRPO steps, again (556 s on 2 quiet
+#                        cores; resumes; out/real_multiturn/results.json)
 #   make online          iterated RLHF: rounds of PPO, on-policy pairs labelled by the task's simulated human and a
 #                        new reward model (needs `make demo`; 15 min on 2 cores; resumes; out/online/results.json)
 PYTHON ?= python3
