@@ -315,22 +315,32 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
     }
 
 
-@torch.no_grad()
-def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rms=()) -> dict:
-    """One response per prompt and seed, seed-major, each seed its own fresh generator. Returns per-sample lists:
-    prompt, response (text without EOS), tokens (with EOS), ended, logprob_sum, n, kl (to ref, 0 without), score
-    (the RMs' aggregate, NaN without), member_scores, prompt_index (the cluster), seed."""
-    samples = {}
+def over_seeds(items: list, args: Args, device, batch_fn) -> dict:
+    """batch_fn(batch of items, generator) -> per-item lists, over every seed and --batch-size batch: seed-major,
+    each seed its own fresh generator; the lists joined, with prompt_index (the cluster) and seed."""
+    joined = {}
     for seed in range(args.seed, args.seed + args.seeds):
         generator = torch.Generator(device=device).manual_seed(seed)
-        for start in range(0, len(prompts), args.batch_size):
-            batch_prompts = prompts[start : start + args.batch_size]
-            batch = sample_batch(model, tok, batch_prompts, args, device, generator, ref, rms)
-            batch["prompt_index"] = list(range(start, start + len(batch_prompts)))
-            batch["seed"] = [seed] * len(batch_prompts)
+        for start in range(0, len(items), args.batch_size):
+            batch_items = items[start : start + args.batch_size]
+            batch = batch_fn(batch_items, generator)
+            batch["prompt_index"] = list(range(start, start + len(batch_items)))
+            batch["seed"] = [seed] * len(batch_items)
             for key, values in batch.items():
-                samples.setdefault(key, []).extend(values)
-    return samples
+                joined.setdefault(key, []).extend(values)
+    return joined
+
+
+@torch.no_grad()
+def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rms=()) -> dict:
+    """One response per prompt and seed (over_seeds). Returns per-sample lists: prompt, response (text without EOS),
+    tokens (with EOS), ended, logprob_sum, n, kl (to ref, 0 without), score (the RMs' aggregate, NaN without),
+    member_scores, prompt_index (the cluster), seed."""
+
+    def batch_fn(batch_prompts: list, generator) -> dict:
+        return sample_batch(model, tok, batch_prompts, args, device, generator, ref, rms)
+
+    return over_seeds(prompts, args, device, batch_fn)
 
 
 @torch.no_grad()
@@ -368,7 +378,6 @@ def episode_batch(model, tok, rows: list, make_env, args: Args, device, generato
             policy_logprobs = logprobs_from_logits(policy_logits, response)
     ref_logprobs = logprobs_from_logits(ref_logits, response)
     kl = ((policy_logprobs - ref_logprobs) * mask).sum(1)
-    last_turn = (episodes.turns - 1).clamp(min=0)[:, None]
     info = [
         {key: float(values[b]) for key, values in episodes.info.items() if not math.isnan(values[b])}
         for b in range(len(rows))
@@ -380,7 +389,7 @@ def episode_batch(model, tok, rows: list, make_env, args: Args, device, generato
         "return": episodes.returns.tolist(),
         "turns": episodes.turns.tolist(),
         "truncated": episodes.truncated.float().tolist(),
-        "ended": (episodes.ended.gather(1, last_turn).squeeze(1) & (episodes.turns > 0)).tolist(),
+        "ended": episodes.last_turn_ended().tolist(),
         "n": mask.sum(1).tolist(),
         "observation_tokens": (attention - mask).sum(1).tolist(),
         "logprob_sum": (sampler_logprobs * mask).sum(1).tolist(),
@@ -391,21 +400,14 @@ def episode_batch(model, tok, rows: list, make_env, args: Args, device, generato
 
 @torch.no_grad()
 def sample_episodes(model, tok, rows: list, make_env, args: Args, device, ref) -> dict:
-    """One episode per prompt row and seed, seed-major, each seed its own fresh generator. Returns per-episode lists:
-    prompt, turn_texts, observations, return, turns, truncated, ended (its last turn), n (model tokens),
-    observation_tokens, logprob_sum, kl (to ref, over the model's tokens), info (the environment's last values),
-    prompt_index (the cluster), seed."""
-    episodes = {}
-    for seed in range(args.seed, args.seed + args.seeds):
-        generator = torch.Generator(device=device).manual_seed(seed)
-        for start in range(0, len(rows), args.batch_size):
-            batch_rows = rows[start : start + args.batch_size]
-            batch = episode_batch(model, tok, batch_rows, make_env, args, device, generator, ref)
-            batch["prompt_index"] = list(range(start, start + len(batch_rows)))
-            batch["seed"] = [seed] * len(batch_rows)
-            for key, values in batch.items():
-                episodes.setdefault(key, []).extend(values)
-    return episodes
+    """One episode per prompt row and seed (over_seeds). Returns per-episode lists: prompt, turn_texts, observations,
+    return, turns, truncated, ended (its last turn), n (model tokens), observation_tokens, logprob_sum, kl (to ref,
+    over the model's tokens), info (the environment's last values), prompt_index (the cluster), seed."""
+
+    def batch_fn(batch_rows: list, generator) -> dict:
+        return episode_batch(model, tok, batch_rows, make_env, args, device, generator, ref)
+
+    return over_seeds(rows, args, device, batch_fn)
 
 
 def episode_metrics(episodes: dict) -> dict:

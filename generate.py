@@ -410,6 +410,11 @@ class Episodes:
     observations: list  # per episode, each appended observation's text
     prompt_width: int  # the prompt's columns in the sequence tensors
 
+    def last_turn_ended(self) -> Tensor:
+        """(B,) bool: the episode's last turn ended with the end-of-turn token (False for an episode of no turn)."""
+        last_turn = (self.turns - 1).clamp(min=0)[:, None]
+        return self.ended.gather(1, last_turn).squeeze(1) & (self.turns > 0)
+
 
 MODEL, OBSERVATION = 1, 2  # what a token after the prompt is
 

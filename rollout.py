@@ -353,8 +353,7 @@ def generate_episodes(engine: Engine, rows: list) -> Responses:
         tensor[:, P:] for tensor in (episodes.sequences, episodes.attention_mask, episodes.mask)
     )
     last = (row_extent(mask) - 1).clamp(min=0)  # (B,) the episode's last model token
-    last_turn = (episodes.turns - 1).clamp(min=0)[:, None]
-    ended = episodes.ended.gather(1, last_turn).squeeze(1) & (episodes.turns > 0)  # the last turn ended with EOS
+    ended = episodes.last_turn_ended()
     texts = [
         episode_text(turns, observations) for turns, observations in zip(episodes.turn_texts, episodes.observations)
     ]
