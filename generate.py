@@ -431,7 +431,9 @@ def run_episodes(
     compiled, ...)."""
     B = query.size(0)
     block_size = model.config.block_size
-    histories = [query[b][query_mask[b].bool()].tolist() for b in range(B)]
+    cache_len = block_size if max_turns > 1 else None  # one turn: the decode's own width, as a single response's
+    query_rows, query_mask_rows = query.tolist(), query_mask.tolist()  # one host read each, however many rows
+    histories = [[token for token, real in zip(*row) if real] for row in zip(query_rows, query_mask_rows)]
     after = [[] for _ in range(B)]  # (token, kind, logprob, reward) of each token after the prompt
     turns = [0] * B
     ended = torch.zeros(B, max_turns, dtype=torch.bool)
@@ -439,32 +441,37 @@ def run_episodes(
     info, turn_texts, observations = {}, [[] for _ in range(B)], [[] for _ in range(B)]
     live = [b for b in range(B) if not truncated[b]]
     logprob_dtype = torch.float32  # the sampler's (float64 for a float64 model)
+    decoded_width = 1  # the widest turn's decode (its response tensor's columns)
     for turn in range(max_turns):
         if not live:
             break
         # 1. every live row's history through the decode, left-padded again; a finished row keeps its last token and
-        # no budget, so each turn decodes the batch's shape (compiled: one graph, its caches the context long)
+        # no budget, so each turn decodes the batch's shape (compiled: one graph, its caches the context long when
+        # there are several turns)
         rows = [histories[b] if b in live else histories[b][-1:] for b in range(B)]
         width = max(len(row) for row in rows)
         idx = query.new_tensor([[tok.pad_id] * (width - len(row)) + row for row in rows])
         idx_mask = query_mask.new_tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
         budget = torch.tensor([max_new_tokens if b in live else 0 for b in range(B)], device=query.device)
-        samples = sample(model, tok, idx, idx_mask, budget, cache_len=block_size, **kw)
+        samples = sample(model, tok, idx, idx_mask, budget, cache_len=cache_len, **kw)
         logprob_dtype = samples.logprobs.dtype
+        decoded_width = max(decoded_width, samples.response.size(1))
+        # the turn on the host in one read a tensor, whatever the batch (a read a row would grow with it)
+        lengths, turn_ended = samples.mask.sum(1).long().tolist(), samples.ended.tolist()
+        response_rows, logprob_rows = samples.response.tolist(), samples.logprobs.tolist()
         still_live = []
         for b in live:
             # 2. the turn's tokens as sampled, then the environment's answer on the turn's last token
-            n = int(samples.mask[b].sum())
-            tokens = samples.response[b, :n].tolist()
-            logprobs = samples.logprobs[b, :n].tolist()
-            observation, reward, done, *rest = envs[b].step(samples.texts[b], bool(samples.ended[b]))
+            n = lengths[b]
+            tokens, logprobs = response_rows[b][:n], logprob_rows[b][:n]
+            observation, reward, done, *rest = envs[b].step(samples.texts[b], turn_ended[b])
             for key, value in (rest[0] if rest else {}).items():
                 info.setdefault(key, [float("nan")] * B)[b] = float(value)
             after[b] += [(token, MODEL, logprob, 0.0) for token, logprob in zip(tokens, logprobs)]
             after[b][-1] = (*after[b][-1][:3], float(reward))
             histories[b] += tokens
             turns[b] += 1
-            ended[b, turn] = bool(samples.ended[b])
+            ended[b, turn] = turn_ended[b]
             turn_texts[b].append(samples.texts[b])
             if done or turn == max_turns - 1:
                 continue
@@ -479,7 +486,7 @@ def run_episodes(
             observations[b].append(text)
             still_live.append(b)
         live = still_live
-    tensors = episode_tensors(query, query_mask, after, tok.pad_id, logprob_dtype)
+    tensors = episode_tensors(query, query_mask, after, tok.pad_id, logprob_dtype, decoded_width)
     return Episodes(
         **tensors,
         turns=torch.tensor(turns, device=query.device),
@@ -492,11 +499,14 @@ def run_episodes(
     )
 
 
-def episode_tensors(query: Tensor, query_mask: Tensor, after: list, pad_id: int, dtype: torch.dtype) -> dict:
+def episode_tensors(
+    query: Tensor, query_mask: Tensor, after: list, pad_id: int, dtype: torch.dtype, least_width: int = 1
+) -> dict:
     """Episodes' token tensors from each row's (token, kind, logprob, reward) after its prompt: sequences,
-    attention_mask, mask, logprobs, rewards (B, P + the longest row's tokens after its prompt; log-probs and rewards
-    in dtype), returns (B,)."""
-    B, width = query.size(0), max(1, max(len(row) for row in after))
+    attention_mask, mask, logprobs, rewards (B, P + the longest row's tokens after its prompt, or least_width if more:
+    run_episodes passes its widest decode's, so an episode of one turn is as wide as a single response; log-probs and
+    rewards in dtype), returns (B,)."""
+    B, width = query.size(0), max(least_width, max(len(row) for row in after))
     response = torch.full((B, width), pad_id, dtype=torch.long)
     kinds = torch.zeros(B, width, dtype=torch.long)
     logprobs = torch.zeros(B, width, dtype=torch.float64)
@@ -512,8 +522,8 @@ def episode_tensors(query: Tensor, query_mask: Tensor, after: list, pad_id: int,
     prompt_zeros = torch.zeros_like(query_mask, dtype=dtype)
     return {
         "sequences": torch.cat([query, response.to(device)], 1),
-        "attention_mask": torch.cat([query_mask.float(), (kinds > 0).float().to(device)], 1),
-        "mask": torch.cat([query_mask.new_zeros(query_mask.shape).float(), (kinds == MODEL).float().to(device)], 1),
+        "attention_mask": torch.cat([query_mask.to(dtype), (kinds > 0).to(device, dtype)], 1),
+        "mask": torch.cat([prompt_zeros, (kinds == MODEL).to(device, dtype)], 1),
         "logprobs": torch.cat([prompt_zeros, logprobs.to(device, dtype)], 1),
         "rewards": torch.cat([prompt_zeros, rewards.to(device, dtype)], 1),
         "returns": rewards.sum(1).to(device, dtype),

@@ -3,10 +3,11 @@ iteration, with the flags they read (`RolloutArgs`) and the models they run, by 
 frozen reference, the frozen reward models, PPO's critic and the bf16 sampler; `load_inputs`, `build_models`, `place`),
 and the RL loop's state (`Loop`, `build_loop`):
 
-1. generate: the policy answers each prompt, or continues a partial response (`prefix`; k continuations a row in one
-   call), from the KV-cache decode at the rollout's temperature;
-2. score: each reward model's score on the response's last token, aggregated over an ensemble (--rm-agg), plus
-   --reward-fn; a response without EOS scores as --missing-eos-penalty says;
+1. generate: an episode a prompt (`generate_episodes`): with --env up to --max-turns turns against the environment,
+   otherwise one turn whose environment is --reward-fn (`OneTurn`), from the KV-cache decode at the rollout's
+   temperature; or continuations of partial responses (`prefix`; k continuations a row in one call);
+2. score: each turn's reward on its last model token, plus each reward model's score on the episode's last token,
+   aggregated over an ensemble (--rm-agg); an episode whose last turn has no EOS scores as --missing-eos-penalty says;
 3. log-probs: the policy's and the reference's over the response tokens from the training forward; the policy's
    checked against the sampler's own (TIS weights where they differ by design: a bf16 sampler).
 
@@ -280,7 +281,8 @@ class Engine:
 
 @dataclass
 class Responses:
-    """A rollout's prompts and what the policy answered (generate_responses)."""
+    """A rollout's prompts and what the policy answered: its episodes (generate_episodes), or its continuations of
+    partial responses (continue_responses)."""
 
     query: torch.Tensor  # (B, P) left-padded prompt ids
     query_mask: torch.Tensor  # (B, P)
@@ -289,48 +291,51 @@ class Responses:
     sampled: torch.Tensor  # (B, T) 1.0 on the tokens this call sampled (samples.mask without a prefix)
     attention_mask: torch.Tensor  # (B, T) 1.0 on the response's model and observation tokens (samples.mask without)
     packed: tuple  # (ids, mask) (B, W): each row's prompt and response together (model.left_pack), what is scored
-    episodes: Optional[Episodes] = None  # --env: the episodes the response holds
+    turn_rewards: torch.Tensor  # (B, T) each turn's reward (--env's, or --reward-fn's) on its last model token
+    truncated: torch.Tensor  # (B,) bool: the context cut the episode short (generate.Episodes.truncated)
+    episodes: Optional[Episodes] = None  # what generate_episodes ran (None for continuations)
 
 
-@torch.no_grad()
-def generate_responses(engine: Engine, prompts: list, prefix: Optional[tuple] = None) -> Responses:
-    """Step 1: the policy's (or its bf16 sampler's) responses to this rank's prompts at --temperature, each row
-    stopping at its first EOS. prefix: (ids, mask) (B, Tp) right-padded, a partial response per row to continue with
-    what is left of --max-new-tokens; the response is then the prefix and its continuation as one."""
-    tok, args, models = engine.tok, engine.args, engine.models
-    device = next(models.actor.parameters()).device
-    query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
-    inputs, input_mask, budget = query, query_mask, args.max_new_tokens
-    if prefix is not None:  # the prompt and the prefix as one left-padded prompt, each row with its own budget
-        prefix_ids, prefix_mask = prefix
-        inputs, input_mask = left_pack(torch.cat([query, prefix_ids], 1), torch.cat([query_mask, prefix_mask], 1))
-        budget = continuation_budget(prefix_ids, prefix_mask, args.max_new_tokens, tok.eos_id)
-    compiled = parallel.use_compile(args.compile, device) and not args.fsdp
-    policy = models.actor if models.sampler is None else models.sampler
-    generator = engine.generator
-    amp = torch.autocast(device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
-    with amp, parallel.gathered(policy):  # --fsdp: gathered once, not per token
-        samples = sample(
-            policy, tok, inputs, input_mask, budget, args.temperature, generator=generator, compiled=compiled
-        )
-    sampled = samples.mask
-    if prefix is not None:
-        samples, sampled = join_samples(tok, prefix_ids, prefix_mask, samples)
-    prompt_texts = [prompt_text(tok, prompt) for prompt in prompts]
-    packed = left_pack(torch.cat([query, samples.response], 1), torch.cat([query_mask, samples.mask], 1))
-    return Responses(query, query_mask, prompt_texts, samples, sampled, samples.mask, packed)
+class OneTurn:
+    """A single-turn task as an environment of one turn, so that it runs the rollout --env runs: its step ends the
+    episode with --reward-fn's value on the response (raw: episode_scores weighs it by --reward-fn-coef), or 0 without
+    one (the RMs score the response, episode_scores). A raise or a value that is not a finite number is one UserError
+    (common.checked_reward)."""
+
+    def __init__(self, reward_fn: Optional[Callable], name: str, prompt: str):
+        self.reward_fn = reward_fn
+        self.name = name
+        self.prompt = prompt
+
+    def step(self, response: str, ended: bool) -> tuple[None, float, bool]:
+        if self.reward_fn is None:
+            return None, 0.0, True
+        return None, common.checked_reward(self.name, self.reward_fn, self.prompt, response, ended), True
+
+
+def one_turn_env(engine: Engine, prompt) -> OneTurn:
+    """The one-turn environment of a single-turn task's prompt (a string or a conversation)."""
+    return OneTurn(engine.reward_fn, f"--reward-fn {engine.args.reward_fn}", prompt_text(engine.tok, prompt))
 
 
 @torch.no_grad()
 def generate_episodes(engine: Engine, rows: list) -> Responses:
-    """Step 1 with an environment: an episode a row (its JSONL record), generate.run_episodes at --temperature for up
-    to --max-turns turns. The response is everything after the prompt, the model's and the observations' tokens;
-    samples.mask (the loss mask) covers the model's, attention_mask both."""
+    """Step 1: an episode a row, generate.run_episodes at --temperature: with --env (engine.make_env) a row is its
+    JSONL record and the episode takes up to --max-turns turns; otherwise a row is a prompt (a string or a
+    conversation) and its episode is one turn (OneTurn), each row stopping at its first EOS. The response is
+    everything after the prompt, the model's and the observations' tokens; samples.mask (the loss mask) covers the
+    model's, attention_mask both. A user's environment or reward function that fails raises UserError."""
     tok, args, models = engine.tok, engine.args, engine.models
     device = next(models.actor.parameters()).device
-    prompts = [row["prompt"] for row in rows]
+    if engine.make_env is None:
+        prompts, envs, max_turns = rows, [one_turn_env(engine, row) for row in rows], 1
+    else:
+        prompts, envs, max_turns = (
+            [row["prompt"] for row in rows],
+            [engine.make_env(row) for row in rows],
+            args.max_turns,
+        )
     query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
-    envs = [engine.make_env(row) for row in rows]
     compiled = parallel.use_compile(args.compile, device) and not args.fsdp
     policy = models.actor if models.sampler is None else models.sampler
     amp = torch.autocast(device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
@@ -342,15 +347,15 @@ def generate_episodes(engine: Engine, rows: list) -> Responses:
             query,
             query_mask,
             envs,
-            args.max_turns,
+            max_turns,
             args.max_new_tokens,
             temperature=args.temperature,
             generator=engine.generator,
             compiled=compiled,
         )
     P = episodes.prompt_width
-    response, attention_mask, mask = (
-        tensor[:, P:] for tensor in (episodes.sequences, episodes.attention_mask, episodes.mask)
+    response, attention_mask, mask, rewards = (
+        tensor[:, P:] for tensor in (episodes.sequences, episodes.attention_mask, episodes.mask, episodes.rewards)
     )
     last = (row_extent(mask) - 1).clamp(min=0)  # (B,) the episode's last model token
     ended = episodes.last_turn_ended()
@@ -360,7 +365,53 @@ def generate_episodes(engine: Engine, rows: list) -> Responses:
     samples = Samples(response, mask, episodes.logprobs[:, P:] * mask, last, ended, texts)
     prompt_texts = [prompt_text(tok, prompt) for prompt in prompts]
     packed = left_pack(episodes.sequences, episodes.attention_mask)
-    return Responses(query, query_mask, prompt_texts, samples, mask, attention_mask, packed, episodes)
+    turn_rewards = (rewards * mask).float()  # float32, as the RMs' scores (a float64 model's too)
+    return Responses(
+        query,
+        query_mask,
+        prompt_texts,
+        samples,
+        mask,
+        attention_mask,
+        packed,
+        turn_rewards,
+        episodes.truncated,
+        episodes,
+    )
+
+
+@torch.no_grad()
+def continue_responses(engine: Engine, prompts: list, prefix: tuple) -> Responses:
+    """Step 1 from partial responses (VinePPO's continuations; single-turn tasks only): prefix (ids, mask) (B, Tp)
+    right-padded, a partial response per row, continued with what is left of --max-new-tokens at --temperature, each
+    row stopping at its first EOS; the response is the prefix and its continuation as one, scored by its one-turn
+    environment (OneTurn)."""
+    tok, args, models = engine.tok, engine.args, engine.models
+    device = next(models.actor.parameters()).device
+    query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
+    prefix_ids, prefix_mask = prefix
+    # the prompt and the prefix as one left-padded prompt, each row with its own budget
+    inputs, input_mask = left_pack(torch.cat([query, prefix_ids], 1), torch.cat([query_mask, prefix_mask], 1))
+    budget = continuation_budget(prefix_ids, prefix_mask, args.max_new_tokens, tok.eos_id)
+    compiled = parallel.use_compile(args.compile, device) and not args.fsdp
+    policy = models.actor if models.sampler is None else models.sampler
+    amp = torch.autocast(device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
+    with amp, parallel.gathered(policy):  # --fsdp: gathered once, not per token
+        continued = sample(
+            policy, tok, inputs, input_mask, budget, args.temperature, generator=engine.generator, compiled=compiled
+        )
+    samples, sampled = join_samples(tok, prefix_ids, prefix_mask, continued)
+    ended = samples.ended.tolist()
+    rewards = [one_turn_env(engine, p).step(t, e)[1] for p, t, e in zip(prompts, samples.texts, ended)]
+    rewards = torch.tensor(rewards, device=samples.mask.device)  # float32, as the RMs' scores
+    turn_rewards = torch.zeros(samples.mask.shape, device=rewards.device).scatter(
+        1, samples.last[:, None], rewards[:, None]
+    )
+    turn_rewards = turn_rewards * samples.mask.float()  # 0 where a row has no token
+    prompt_texts = [prompt_text(tok, prompt) for prompt in prompts]
+    packed = left_pack(torch.cat([query, samples.response], 1), torch.cat([query_mask, samples.mask], 1))
+    truncated = torch.zeros_like(samples.ended)
+    return Responses(query, query_mask, prompt_texts, samples, sampled, samples.mask, packed, turn_rewards, truncated)
 
 
 def episode_text(turns: list[str], observations: list[str]) -> str:
@@ -388,25 +439,6 @@ def micro_batches(responses: Responses, micro_batch_size: int):
 
 
 MISSING_EOS_RM_SCORE = -1.0  # an RM's part of the score of a response without EOS (--missing-eos-penalty None)
-
-
-@torch.no_grad()
-def response_scores(engine: Engine, responses: Responses, amp):
-    """Step 2: scores (B,), each RM's at the last real token of the packed row, aggregated by --rm-agg, plus
-    coef * reward_fn(prompt, response, ended); --missing-eos-penalty applied. Returns (scores, parts logged apart:
-    rm_score and reward_fn when there are two, score_std for an ensemble)."""
-    args = engine.args
-    samples = responses.samples
-    scores, score_parts = rm_scores(engine, responses, amp)
-    if engine.reward_fn is not None:
-        fn_scores = reward_fn_scores(engine, responses).to(scores.device)
-        if engine.models.reward_models:
-            score_parts["rm_score"] = scores
-        score_parts["reward_fn"] = fn_scores
-        scores = scores + args.reward_fn_coef * fn_scores
-    if args.missing_eos_penalty is not None:  # given: the whole score of a response without EOS
-        scores = torch.where(samples.ended, scores, torch.full_like(scores, args.missing_eos_penalty))
-    return scores, score_parts
 
 
 def rm_scores(engine: Engine, responses: Responses, amp) -> tuple[torch.Tensor, dict]:
@@ -438,34 +470,31 @@ def rm_scores(engine: Engine, responses: Responses, amp) -> tuple[torch.Tensor, 
 
 @torch.no_grad()
 def episode_scores(engine: Engine, responses: Responses, amp) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Step 2 with an environment: turn_rewards (B, T), each turn's reward on its last model token, plus the RMs'
-    score of the whole episode on its last; a given --missing-eos-penalty replaces the return of an episode whose last
-    turn did not end. Returns (scores (B,): the returns, turn_rewards, parts logged apart: rm_score and env_return
-    with an RM, score_std)."""
-    samples, episodes = responses.samples, responses.episodes
-    turn_rewards = episodes.rewards[:, episodes.prompt_width :].float() * samples.mask
+    """Step 2: turn_rewards (B, T), each turn's reward on its last model token (--reward-fn's weighed by
+    --reward-fn-coef), plus the RMs' score of the whole episode (or response) on its last, aggregated by --rm-agg; a
+    given --missing-eos-penalty replaces the return of an episode whose last turn did not end. Returns (scores (B,):
+    the returns, turn_rewards, parts logged apart: reward_fn, or env_return with an RM, rm_score beside either,
+    score_std for an ensemble)."""
+    args = engine.args
+    samples = responses.samples
+    turn_rewards = responses.turn_rewards
     last = samples.last[:, None]  # (B, 1) the episode's last model token
     score_parts = {}
+    if engine.reward_fn is not None:
+        score_parts["reward_fn"] = turn_rewards.sum(1)
+        turn_rewards = args.reward_fn_coef * turn_rewards
+    elif engine.models.reward_models and engine.make_env is not None:
+        score_parts["env_return"] = turn_rewards.sum(1)
     if engine.models.reward_models:
-        rm_part, score_parts = rm_scores(engine, responses, amp)
-        score_parts |= {"rm_score": rm_part, "env_return": turn_rewards.sum(1)}
+        rm_part, rm_parts = rm_scores(engine, responses, amp)
+        if score_parts:
+            score_parts["rm_score"] = rm_part
+        score_parts |= rm_parts
         turn_rewards = turn_rewards.scatter_add(1, last, rm_part[:, None])
-    penalty = engine.args.missing_eos_penalty
-    if penalty is not None:  # given: the whole return of an episode whose last turn did not end
-        penalized = torch.zeros_like(turn_rewards).scatter(1, last, penalty)
+    if args.missing_eos_penalty is not None:  # given: the whole return of an episode whose last turn did not end
+        penalized = torch.zeros_like(turn_rewards).scatter(1, last, args.missing_eos_penalty)
         turn_rewards = torch.where(samples.ended[:, None], turn_rewards, penalized)
     return turn_rewards.sum(1), turn_rewards, score_parts
-
-
-def reward_fn_scores(engine: Engine, responses: Responses) -> torch.Tensor:
-    """--reward-fn's value for each response (B,). A raise, or a value that is not a finite number, is a UserError
-    naming the function, the prompt and the answer, on this rank alone (rollout raises it on every rank)."""
-    name = f"--reward-fn {engine.args.reward_fn}"
-    texts = zip(responses.prompt_texts, responses.samples.texts, responses.samples.ended.tolist())
-    values = []
-    for prompt, response, ended in texts:  # a conversation: rendered
-        values.append(common.checked_reward(name, engine.reward_fn, prompt, response, ended))
-    return torch.tensor(values)
 
 
 def raise_on_every_rank(error: Optional[UserError], device: torch.device) -> None:
@@ -606,38 +635,33 @@ def tis_metrics(experience: dict, loss_mask, cap: float, device) -> tuple[torch.
 
 @torch.no_grad()
 def rollout(engine: Engine, prompts: list, prefix: Optional[tuple] = None, k: int = 1) -> tuple[dict, dict, list]:
-    """Steps 1-3 on this rank's prompts (a group's G copies consecutive); with --env (engine.make_env) the prompts
-    are their JSONL rows and each is an episode. prefix (ids, mask) (B, Tp): partial responses to continue; k:
-    continuations a row, consecutive. Returns (experience: (B * k, ...) tensors query, query_mask, response,
-    attention_mask (the response's model and observation tokens), mask (the model's: the loss mask), logprobs,
-    ref_logprobs, sampler_logprobs (0 on a prefix), scores, ended, and with --env turn_rewards, truncated; sums for
-    rollout_metrics; records: the responses as dicts for the logs)."""
+    """Steps 1-3 on this rank's prompts (a group's G copies consecutive), each an episode (generate_episodes): with
+    --env (engine.make_env) the prompts are their JSONL rows. prefix (ids, mask) (B, Tp): partial responses to
+    continue; k: continuations a row, consecutive. Returns (experience: (B * k, ...) tensors query, query_mask,
+    response, attention_mask (the response's model and observation tokens), mask (the model's: the loss mask),
+    logprobs, ref_logprobs, sampler_logprobs (0 on a prefix), scores (the returns), turn_rewards (each turn's reward
+    on its last model token, the RMs' score on the episode's), ended, truncated; sums for rollout_metrics; records:
+    the responses as dicts for the logs)."""
     if k > 1:
         prompts = [prompt for prompt in prompts for _ in range(k)]
         prefix = None if prefix is None else tuple(tensor.repeat_interleave(k, 0) for tensor in prefix)
+    rows = prompts
+    if engine.make_env is not None:
+        prompts = [row["prompt"] for row in rows]
     error = None
-    if engine.make_env is None:
-        responses = generate_responses(engine, prompts, prefix)
-    else:
-        try:
-            responses = generate_episodes(engine, prompts)
-        except UserError as raised:  # the user's environment, on this rank: all ranks learn of it first
-            error = raised
-        raise_on_every_rank(error, next(engine.models.actor.parameters()).device)
-        prompts = [row["prompt"] for row in prompts]
+    try:
+        if prefix is None:
+            responses = generate_episodes(engine, rows)
+        else:
+            responses = continue_responses(engine, prompts, prefix)
+    except UserError as raised:  # the user's environment or reward function, on this rank: all ranks learn of it first
+        error = raised
+    raise_on_every_rank(error, next(engine.models.actor.parameters()).device)
     samples = responses.samples
     amp = torch.autocast(samples.mask.device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
     logprobs = policy_and_reference_logprobs(engine, responses, amp)
     logprob_error, mean_error = check_logprobs(samples.logprobs, logprobs["logprobs"], responses.sampled, engine.dtype)
-    turn_rewards = None
-    try:
-        if responses.episodes is None:
-            scores, score_parts = response_scores(engine, responses, amp)
-        else:
-            scores, turn_rewards, score_parts = episode_scores(engine, responses, amp)
-    except UserError as raised:  # the user's reward function, on this rank: all ranks learn of it first
-        error = raised
-    raise_on_every_rank(error, samples.mask.device)
+    scores, turn_rewards, score_parts = episode_scores(engine, responses, amp)
     experience = dict(
         query=responses.query,
         query_mask=responses.query_mask,
@@ -649,15 +673,15 @@ def rollout(engine: Engine, prompts: list, prefix: Optional[tuple] = None, k: in
         scores=scores,
         ended=samples.ended.float(),
         sampler_logprobs=samples.logprobs * samples.mask,
+        turn_rewards=turn_rewards,
+        truncated=responses.truncated.float(),
     )
-    if turn_rewards is not None:
-        experience |= dict(turn_rewards=turn_rewards, truncated=responses.episodes.truncated.float())
     ended = samples.ended.tolist()  # one host sync for the records
     gold = None
-    if engine.gold_fn is not None and responses.episodes is None:
+    if engine.gold_fn is not None:
         gold = [engine.gold_fn(p, t, e) for p, t, e in zip(responses.prompt_texts, samples.texts, ended)]
     sums = rollout_sums(experience, logprobs["entropy"], score_parts, gold)
-    if responses.episodes is not None:
+    if engine.make_env is not None:
         sums |= episode_sums(responses)
     sums |= {"logprob_err": logprob_error, "logprob_err_mean": mean_error}
     records = []

@@ -694,16 +694,14 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
     mask = experience["mask"]
     # 4. scores (the episodes' returns) normalised with running moments over all history and ranks (REINFORCE++'s
     # recipe), then the rewards: the score on the EOS, -beta * k1 per token when the KL goes into the reward
-    score_norm = experience["scores"]
-    turn_rewards = None
-    if "turn_rewards" in experience:  # multi-turn: the last turn's reward on the EOS, the earlier turns' on their own
-        score_norm, turn_rewards = split_turn_rewards(experience["turn_rewards"], mask)
+    # the last turn's reward on the EOS, the earlier turns' (none in an episode of one turn) on their own
+    score_norm, turn_rewards = split_turn_rewards(experience["turn_rewards"], mask)
     if args.reward_norm != "none":
         reward_moments.update(experience["scores"])
         mean, std = reward_moments.mean, reward_moments.std
         score_norm = normalize_scores(score_norm, mean, std, args.reward_norm, args.reward_clip)
-        if turn_rewards is not None:  # the return's normalisation: every turn over the std, the mean on the last
-            turn_rewards = normalize_scores(turn_rewards, 0.0, std, args.reward_norm, args.reward_clip)
+        # the return's normalisation: every turn over the std, the mean off the last only
+        turn_rewards = normalize_scores(turn_rewards, 0.0, std, args.reward_norm, args.reward_clip)
     reward_kl_coef = args.kl_coef if args.kl_penalty == "reward" else 0.0
     rewards = shape_rewards(
         score_norm, experience["logprobs"], experience["ref_logprobs"], mask, reward_kl_coef, turn_rewards
@@ -729,7 +727,7 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
     else:
         raise ValueError(f"--estimator {args.estimator}: a row of RECIPES without a branch in grpo_rollout's step 5")
     experience["advantages"] = advantages
-    return_norm = score_norm if turn_rewards is None else score_norm + turn_rewards.sum(1)  # (B,) normalised returns
+    return_norm = score_norm + turn_rewards.sum(1)  # (B,) normalised returns
     sums |= estimator_sums | {"score_norm": return_norm.sum(), "rlhf_reward": rewards.sum()}
     metrics, totals = rollout.rollout_metrics(sums, mask.device)
     metrics["objective/score_norm"] = totals["score_norm"] / totals["sequences"]

@@ -353,15 +353,13 @@ def ppo_rollout(
     scores = experience["scores"]
     reward_moments.update(scores)
     mean, std = reward_moments.mean, reward_moments.std
-    final_scores, turn_rewards = scores, None
-    if "turn_rewards" in experience:  # multi-turn: the earlier turns' rewards over the std, the mean on the last turn
-        final_scores, turn_rewards = split_turn_rewards(experience["turn_rewards"], mask)
-        turn_rewards = normalize_scores(turn_rewards, 0.0, std, args.reward_norm, args.reward_clip)
+    # the earlier turns' rewards (all 0 in an episode of one turn) over the std, the mean off the last turn's only
+    final_scores, turn_rewards = split_turn_rewards(experience["turn_rewards"], mask)
+    turn_rewards = normalize_scores(turn_rewards, 0.0, std, args.reward_norm, args.reward_clip)
     score_norm = normalize_scores(final_scores, mean, std, args.reward_norm, args.reward_clip)
     logprobs, ref_logprobs = experience["logprobs"], experience["ref_logprobs"]
     rewards, _ = shape_rewards(score_norm, logprobs, ref_logprobs, mask, kl_coef, turn_rewards)
-    if turn_rewards is not None:  # the normalised return
-        score_norm = score_norm + turn_rewards.sum(1)
+    score_norm = score_norm + turn_rewards.sum(1)  # the normalised return
     # 5. advantages by GAE; returns = raw advantages + values, the critic's targets
     advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
     experience |= dict(rewards=rewards, advantages=advantages, values=values, returns=returns)

@@ -65,7 +65,7 @@ def main(args: Args) -> None:
     for name, roles in (("before", models), ("after", bf16)):
         generator = torch.Generator(device=device).manual_seed(args.seed)
         engine = rollout.Engine(roles, tok, settings, args.prompts, generator, dtype)
-        responses = rollout.generate_responses(engine, prompts[: args.prompts])
+        responses = rollout.generate_episodes(engine, prompts[: args.prompts])
         samples = responses.samples
         inputs = (responses.query, responses.query_mask, samples.response, samples.mask)
         with amp:

@@ -380,9 +380,10 @@ def test_single_turn_inputs_compute_what_they_did_bit_for_bit(seed):
 
 @pytest.mark.parametrize("stage", [train_ppo, train_grpo], ids=["ppo", "grpo"])
 def test_the_stages_read_turn_rewards(stage, task_tok, monkeypatch):
-    """An experience with turn_rewards (each turn's reward on its last model token, a row summing to the score): one
-    turn gives what none gives, bit for bit; a score split into two turns (0.25 on the first token) moves 0.25 / std
-    from the EOS to that token, the normalised return stays, GAE runs over the moved rewards, RLOO's advantage stays."""
+    """An experience's turn_rewards (each turn's reward on its last model token, a row summing to the score): the score
+    on the EOS as one turn gives what the rollout's own one-turn episodes give, bit for bit; a score split into two
+    turns (0.25 on the first token) moves 0.25 / std from the EOS to that token, the normalised return stays, GAE
+    runs over the moved rewards, RLOO's advantage stays."""
     tok = task_tok
     actor = boost_eos(tiny_gpt(tok, 0), tok.eos_id)
     ref, rm, critic = tiny_gpt(tok, 3), tiny_gpt(tok, 2, score_head=True), tiny_gpt(tok, 1, score_head=True)
@@ -402,7 +403,7 @@ def test_the_stages_read_turn_rewards(stage, task_tok, monkeypatch):
                 first = torch.where(last[:, 0] > 0, 0.25, 0.0)
                 turn_rewards[:, 0] += first
                 turn_rewards = turn_rewards.scatter_add(1, last, -first[:, None])
-            if turns:
+            if turns:  # 0: the rollout's own
                 experience["turn_rewards"] = turn_rewards
             return experience, sums, records
 

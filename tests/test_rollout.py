@@ -216,7 +216,7 @@ def sampler_off_by(amount: float):
 
 def test_rollout_raises_on_logprob_mismatch(task_tok, monkeypatch):
     actor = tiny_gpt(task_tok, 0)
-    monkeypatch.setattr(rollout, "sample", sampler_off_by(1e-3))
+    monkeypatch.setattr(generate, "sample", sampler_off_by(1e-3))  # run_episodes samples each turn
     with pytest.raises(RuntimeError, match="generation log-probs differ"):
         run_rollout(Models(actor, actor, []), task_tok, ["Review of"] * 4, reward_fn=lambda p, r, e: 0.0)
 
@@ -351,7 +351,7 @@ def _logprob_check_worker(rank: int, port: int, tokenizer_state: dict, queue) ->
     tok = Tokenizer.from_state(tokenizer_state)
     actor = tiny_gpt(tok, 0)
     if rank == 0:
-        rollout.sample = sampler_off_by(1e-3)
+        generate.sample = sampler_off_by(1e-3)  # what run_episodes samples each turn with
     try:
         run_rollout(Models(actor, actor, []), tok, ["Review of"] * 4, reward_fn=lambda prompt, response, ended: 0.0)
         queue.put((rank, "no error"))
@@ -483,11 +483,9 @@ def test_greedy_continuations_batched_equal_one_at_a_time(task_tok):
     assert experience["ended"][ended_row] == 1
     prefix_mask[ended_row] = experience["mask"][ended_row]
     greedy = engine_of(models, tok, temperature=0.0)
-    batched = rollout.generate_responses(greedy, PROMPTS, prefix=(prefix_ids, prefix_mask))
+    batched = rollout.continue_responses(greedy, PROMPTS, (prefix_ids, prefix_mask))
     for row, prompt in enumerate(PROMPTS):
-        alone = rollout.generate_responses(
-            greedy, [prompt], prefix=(prefix_ids[row : row + 1], prefix_mask[row : row + 1])
-        )
+        alone = rollout.continue_responses(greedy, [prompt], (prefix_ids[row : row + 1], prefix_mask[row : row + 1]))
         n = int(alone.samples.mask.sum())
         assert n == int(batched.samples.mask[row].sum()) and alone.samples.texts[0] == batched.samples.texts[row]
         assert torch.equal(alone.samples.response[0, :n], batched.samples.response[row, :n])
