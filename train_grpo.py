@@ -564,7 +564,7 @@ def dppo_kept(logprobs, old_logprobs, advantages, delta_low: float, delta_high: 
 
 
 # the recipe (the module docstring) is the paper's, from its authors' verl example: delta 0.15 on the TV, 0.05 on the
-# binary KL, low = high (prime-rl runs 0.2 / 0.2)
+# binary KL, low = high (left at its default, --cliprange gives 0.2 / 0.2)
 def dppo_loss(
     logprobs, old_logprobs, advantages, mask, cliprange, weights, denom, cliprange_high=None, divergence="tv"
 ):
