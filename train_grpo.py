@@ -11,9 +11,9 @@ of a critic: a step's (a sentence's) advantage is its rewards + V(after it) - V(
 --vine-k continuations sampled from s; REBEL (Gao et al. 2024) no surrogate but a least-squares regression of a
 pair's log-ratio gap onto its reward gap. Then clipped policy-gradient steps: DAPO's clip-higher, dynamic sampling
 and overlong filtering, dual-clip, three loss aggregations, the KL in the loss (k3 or k2) or in the reward (k1), and
-ptx as in PPO-max; --policy-loss swaps PPO's token ratio for GSPO's sequence ratio (Zheng et al. 2025) or CISPO's
-clipped, detached weight (MiniMax 2025). Steps 1-3 (generate, score, log-probs) are rollout.rollout; docs/design.md
-§5b says more.
+ptx as in PPO-max; --policy-loss swaps PPO's token ratio for GSPO's sequence ratio (Zheng et al. 2025), CISPO's
+clipped, detached weight (MiniMax 2025) or DPPO's trust region on the token's probability (Qi et al. 2026). Steps
+1-3 (generate, score, log-probs) are rollout.rollout; docs/design.md §5b says more.
 
 Departures from the papers: sizes and beta are tuned for the built-in task (GRPO's G = 64 and beta = 0.04 are a
 model-scale recipe); each estimator's defaults are RECIPES below.
@@ -28,6 +28,8 @@ python train_grpo.py --estimator vineppo --vine-k 4                   # VinePPO:
 python train_grpo.py --estimator rebel --rebel-eta 1.0                # REBEL: pairs of responses, least squares
 python train_grpo.py --policy-loss gspo --cliprange 3e-4 --cliprange-high 4e-4   # GSPO, the paper's eps
 python train_grpo.py --policy-loss cispo --cliprange 1 --cliprange-high 0.28 --loss-agg token_mean   # CISPO
+python train_grpo.py --policy-loss dppo_tv --cliprange 0.15           # DPPO-Binary-TV, the paper's delta
+python train_grpo.py --policy-loss dppo_kl --cliprange 0.05           # DPPO-Binary-KL, the paper's delta
 python train_grpo.py --estimator distill --ref-ckpt out/ppo/ckpt.pt --rm-ckpt none   # distillation from a teacher
 """
 
@@ -119,9 +121,11 @@ class Args(rollout.RolloutArgs):
     """the KL in the loss: k3 = (r - 1) - log r, r = ref_p / p, or k2 = d^2 / 2 with d = logp - ref_logp (None: k3;
     in the reward only k1 = d, the one whose expected gradient there is the KL's: docs/design.md §5d)"""
     # --- the policy loss
-    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    policy_loss: Literal["ppo", "gspo", "cispo", "dppo_tv", "dppo_kl"] = "ppo"
     """ppo: the clipped token ratio | gspo: the clipped sequence ratio (pi/pi_old)^(1/|y|), --loss-agg seq_mean |
-    cispo: -sg(clipped ratio) * A * logp, every token's gradient kept; the clip is --cliprange/--cliprange-high"""
+    cispo: -sg(clipped ratio) * A * logp, every token's gradient kept; the clip is --cliprange/--cliprange-high |
+    dppo_tv, dppo_kl: -sg(min(ratio, 20)) * A * logp on the tokens whose probability moved less than delta in total
+    variation or binary KL, delta --cliprange/--cliprange-high (the paper's: 0.15 tv, 0.05 kl)"""
     loss_agg: Optional[Literal["token_mean", "seq_mean", "seq_sum_norm", "pair_mean"]] = None
     """the loss over the step's global batch: mean over tokens, mean over sequences of their token mean, or sum over
     tokens / (max_new_tokens * sequences) (Dr. GRPO); rebel's alone: the mean over pairs"""
@@ -221,6 +225,8 @@ def check_args(args: Args) -> None:
         raise UserError(
             f"--dual-clip with --policy-loss {args.policy_loss}: it caps PPO's clipped token loss, ppo only"
         )
+    if args.policy_loss.startswith("dppo") and args.cliprange is None:
+        raise UserError(f"--cliprange None with --policy-loss {args.policy_loss}: its trust region needs a delta > 0")
     if args.policy_loss == "gspo" and args.loss_agg != "seq_mean":
         raise UserError(
             f"--loss-agg {args.loss_agg} with --policy-loss gspo: its loss is a mean over sequences, use seq_mean"
@@ -533,6 +539,54 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, cliprange, weights, den
     return pg_loss, stats
 
 
+# DPPO's cap C on the importance weight min(rho, C), a truncation in place of dual-clip (the paper's §5.4); verl's
+# compute_policy_loss_dppo_tv / _kl read it from clip_ratio_c, 20 when unset: here it is fixed, --dual-clip refused
+DPPO_WEIGHT_CAP = 20.0
+
+
+def dppo_kept(logprobs, old_logprobs, advantages, delta_low: float, delta_high: float, divergence: str):
+    """DPPO's trust region on the sampled token's probability, all (B, T): True where the token keeps its gradient.
+    tv: pi - pi_old <= delta_high where A > 0, >= -delta_low where A <= 0; kl: the binary KL b(pi_old, pi) <=
+    delta_high or pi <= pi_old where A > 0, b <= delta_low or pi >= pi_old where A <= 0."""
+    probs = torch.exp(logprobs)
+    old_probs = torch.exp(old_logprobs)
+    if divergence == "tv":
+        change = probs - old_probs
+        return torch.where(advantages > 0, change <= delta_high, change >= -delta_low)
+    if divergence != "kl":
+        raise ValueError(f"unknown DPPO divergence {divergence!r}")
+    # as verl: 1e-8 on both sides of the second term's ratio, finite when a probability is 1 (the paper's has none)
+    rest = torch.log((1 - old_probs + 1e-8) / (1 - probs + 1e-8))
+    binary_kl = old_probs * (old_logprobs - logprobs) + (1 - old_probs) * rest
+    kept_up = (binary_kl <= delta_high) | (probs <= old_probs)
+    kept_down = (binary_kl <= delta_low) | (probs >= old_probs)
+    return torch.where(advantages > 0, kept_up, kept_down)
+
+
+# the recipe (the module docstring) is the paper's, from its authors' verl example: delta 0.15 on the TV, 0.05 on the
+# binary KL, low = high (left at its default, --cliprange gives 0.2 / 0.2)
+def dppo_loss(
+    logprobs, old_logprobs, advantages, mask, cliprange, weights, denom, cliprange_high=None, divergence="tv"
+):
+    """DPPO (Qi et al. 2026, https://arxiv.org/abs/2602.04879) as verl computes it: l = -A * sg(min(rho, 20)) * logp
+    per token dppo_kept keeps (delta_low = cliprange, delta_high = cliprange_high or cliprange), 0 on the others, all
+    (B, T). Returns (sum(l * weights) / denom, policy_loss's stats; clipfrac: the tokens out of the region)."""
+    real = mask.bool()
+    logprobs = torch.where(real, logprobs, 0.0)  # masked before the exponentials
+    old_logprobs = torch.where(real, old_logprobs, 0.0)
+    log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)  # as verl, before its exponential
+    ratio = torch.exp(log_ratio)
+    delta_high = cliprange if cliprange_high is None else cliprange_high
+    kept = dppo_kept(logprobs.detach(), old_logprobs, advantages, cliprange, delta_high, divergence)
+    is_weight = torch.clamp(ratio, max=DPPO_WEIGHT_CAP).detach()
+    token_losses = -advantages * is_weight * logprobs * kept
+    pg_loss = (token_losses * weights).sum() / denom
+    with torch.no_grad():
+        dropped = real & ~kept
+        stats = ratio_stats(ratio, log_ratio, mask, dropped & (advantages <= 0), dropped & (advantages > 0))
+    return pg_loss, stats
+
+
 def kl_loss(logprobs, ref_logprobs, mask, weights, denom, kl_coef: float, estimator: str) -> torch.Tensor:
     """--kl-penalty loss (GRPO): kl_coef * sum(k * weights) / denom, k (k2 or k3) per token on the current
     log-probs (B, T), differentiable in logprobs."""
@@ -837,6 +891,11 @@ def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
             loss, stats = cispo_loss(
                 logprobs, batch["logprobs"], advantages, mask, args.cliprange, pg_weights, denom, clip_high
             )
+        elif args.policy_loss.startswith("dppo"):  # a truncated weight on the log-prob of the tokens in the region
+            divergence = args.policy_loss.removeprefix("dppo_")
+            loss, stats = dppo_loss(
+                logprobs, batch["logprobs"], advantages, mask, args.cliprange, pg_weights, denom, clip_high, divergence
+            )
         else:
             loss, stats = policy_loss(
                 logprobs, batch["logprobs"], advantages, mask, args.cliprange, pg_weights, denom, clip_high, dual_clip
@@ -1061,6 +1120,9 @@ def main(args: Args) -> None:
         print0(f"vineppo: values from {args.vine_k} continuations at each step's start; a step: {step}")
     if args.estimator == "rebel":
         print0(f"rebel: eta {args.rebel_eta}, no clip (the cliprange above is unused), pairs of consecutive responses")
+    if args.policy_loss.startswith("dppo"):
+        region = "the cliprange above is the trust region's delta"
+        print0(f"{args.policy_loss}: {region}, the weight min(ratio, {DPPO_WEIGHT_CAP:g}), no dual-clip")
     if args.estimator == "distill":
         print0(f"distill: teacher {args.ref_ckpt}; a token's advantage is -{args.kl_coef:g} * (logp - teacher_logp)")
     print0(rollout.rules(args, data))

@@ -58,7 +58,8 @@ METHODS = {
     # REBEL on the learned RM (the KL in the reward, as PPO-max's): on gold it gains the most per episode
     "rebel": Method("grpo", (0.3, 0.1, 0.03), 0.1, ("--estimator", "rebel")),
     # DAPO's recipe (its loss aggregation, clip-higher, dynamic sampling, overlong filtering) and GRPO's advantages
-    # under GSPO's sequence-ratio loss (the paper's eps) and under CISPO's clipped-weight loss
+    # under GSPO's sequence-ratio loss (the paper's eps), under CISPO's clipped-weight loss and under DPPO's trust
+    # region on the token's probability (total variation, the paper's delta 0.15)
     "dapo": Method(
         "grpo",
         (0.3, 0.15, 0.05),
@@ -74,6 +75,7 @@ METHODS = {
         0.15,
         ("--policy-loss", "cispo", "--cliprange", "1", "--cliprange-high", "0.28", "--loss-agg", "token_mean"),
     ),
+    "dppo_tv": Method("grpo", (0.3, 0.15, 0.05), 0.15, ("--policy-loss", "dppo_tv", "--cliprange", "0.15")),
     "ppo_max_oracle": Method("ppo", (0.3, 0.1), None, ORACLE),
     "grpo_oracle": Method("grpo", (0.15, 0.05), None, ORACLE),
     # the Monte-Carlo and the regression updates (train_grpo.py --estimator vineppo | rebel), on gold itself: do they

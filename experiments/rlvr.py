@@ -1,17 +1,17 @@
-"""RL with a verifiable reward on the arith task (make rlvr): SFT on its demonstrations (half of them wrong), then
-GRPO, GRPO with DAPO's recipe, GRPO with GSPO's and with CISPO's loss, RLOO and PPO-max on the verifier's reward
-(arith:reward: 1 right, 0 wrong, -1 when the answer does not parse or has no EOS), then pass@k of every policy on
+"""RL with a verifiable reward on the arith task (make rlvr): SFT on its demonstrations (half of them wrong), then GRPO,
+GRPO with DAPO's recipe, GRPO with GSPO's, CISPO's and DPPO's (TV and KL) losses, RLOO and PPO-max on the verifier's
+reward (arith:reward: 1 right, 0 wrong, -1 when the answer does not parse or has no EOS), then pass@k of every policy on
 held-out problems.
 
 Budget: every RL run stops at --episodes responses sampled (train/episodes; DAPO's dynamic sampling counts its extra
 rounds, so it takes fewer iterations). Each run is the real train_*.py, two at a time (one thread each), then one
-eval.py over all seven policies: --pass-samples responses per problem on --problems held-out problems. Writes
-<out_dir>/results.json, rows sft, grpo, dapo, gspo, cispo, rloo and ppo with pass@k (and _se), kl, response_len and
-the rest of eval.py's columns, plus episodes and, for dapo, zero_std_frac (the share of groups whose rewards all tie,
-dropped by dynamic sampling, averaged over iterations); prints the pass@k table and where the curves of SFT and the
-best RL policy cross. Finished runs are kept: run it again to resume.
+eval.py over all nine policies: --pass-samples responses per problem on --problems held-out problems. Writes
+<out_dir>/results.json, rows sft, grpo, dapo, gspo, cispo, dppo_tv, dppo_kl, rloo and ppo with pass@k (and _se), kl,
+response_len and the rest of eval.py's columns, plus episodes and, for dapo, zero_std_frac (the share of groups whose
+rewards all tie, dropped by dynamic sampling, averaged over iterations); prints the pass@k table and where the curves of
+SFT and the best RL policy cross. Finished runs are kept: run it again to resume.
 
-python experiments/rlvr.py                          # make rlvr: 10 minutes on 2 cores (587 s before gspo and cispo)
+python experiments/rlvr.py                          # make rlvr: 10 minutes on 2 cores before the two dppo rows
 python experiments/rlvr.py --tiny --out-dir /tmp/r  # the chain with tiny sizes (the test)
 """
 
@@ -51,6 +51,18 @@ RUNS = {
         "train_grpo.py",
         ["--estimator", "grpo", "--group-size", "8", "--kl-coef", "0.04", "--policy-loss", "cispo"]
         + ["--cliprange", "1", "--cliprange-high", "0.28", "--loss-agg", "token_mean"],
+    ),
+    # GRPO's settings with DPPO's loss (Qi et al. 2026): a trust region on the sampled token's probability, at the
+    # paper's delta, total variation 0.15 and binary KL 0.05
+    "dppo_tv": (
+        "train_grpo.py",
+        ["--estimator", "grpo", "--group-size", "8", "--kl-coef", "0.04", "--policy-loss", "dppo_tv"]
+        + ["--cliprange", "0.15"],
+    ),
+    "dppo_kl": (
+        "train_grpo.py",
+        ["--estimator", "grpo", "--group-size", "8", "--kl-coef", "0.04", "--policy-loss", "dppo_kl"]
+        + ["--cliprange", "0.05"],
     ),
     "rloo": ("train_grpo.py", ["--estimator", "rloo", "--group-size", "8"]),
     "ppo": ("train_ppo.py", []),

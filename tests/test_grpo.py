@@ -1,11 +1,10 @@
 """train_grpo.py, the critic-free family (GRPO, Dr. GRPO, RLOO, REINFORCE++, DAPO's tricks): the recipes and their
 resolution, every pure function against naive loops on random ragged batches (group advantages, reward-to-go, loss
-aggregation over micro-batches, the clipped loss with clip-higher and dual-clip, GSPO's and CISPO's losses, the KL in
-the loss with k3 and k2,
-padding with extreme log-probs), dynamic sampling's batch, dropped responses that never move the whitening, the first
-minibatch's ratio; the flags no run can mean (a KL estimator where it works against the KL included); smoke runs of
-main() for each estimator (no critic, no KL controller, no collapse detector), train/episodes (dynamic sampling's extra
-rounds included) and kill-and-resume."""
+aggregation over micro-batches, the clipped loss with clip-higher and dual-clip, GSPO's, CISPO's and DPPO's losses, the
+KL in the loss with k3 and k2, padding with extreme log-probs), dynamic sampling's batch, dropped responses that never
+move the whitening, the first minibatch's ratio; the flags no run can mean (a KL estimator where it works against the KL
+included); smoke runs of main() for each estimator (no critic, no KL controller, no collapse detector), train/episodes
+(dynamic sampling's extra rounds included) and kill-and-resume."""
 
 import dataclasses
 import math
@@ -346,6 +345,83 @@ def test_cispo_keeps_the_gradient_of_the_tokens_ppo_clips_away():
     assert (grads["cispo"][dropped] != 0).all()
 
 
+def dppo_inputs(seed: int):
+    """Ragged rows with an environment's span inside some (mask 0 between model tokens), sampled tokens' log-probs
+    (old and new, some moved far: ratios above 20), advantages with zeros, +-1e4 wherever the mask is 0."""
+    lengths, mask, (noise, old_logits, adv, signs, _) = ragged(B=10, T=9, seed=seed)
+    for b, n in enumerate(lengths):
+        if n >= 4 and b % 3:  # an observation of one or two tokens inside the row
+            mask[b, 1 : 2 + b % 2] = 0.0
+    old_logits[:, 0] = -6.0  # rare tokens made likely: ratios of about 300
+    logits = old_logits + noise
+    logits[:, 0] = 1.0
+    outside = 1e4 * torch.sign(signs)
+    old_logprobs = torch.where(mask.bool(), torch.nn.functional.logsigmoid(old_logits), outside)
+    logprobs = torch.where(mask.bool(), torch.nn.functional.logsigmoid(logits), -outside)
+    adv = torch.where(mask.bool(), adv.masked_fill(adv.abs() < 0.2, 0.0), outside)
+    return mask, logprobs, old_logprobs, adv
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "seq_sum_norm"])
+@pytest.mark.parametrize("divergence, delta_low, delta_high", [("tv", 0.1, 0.2), ("kl", 0.05, 0.1)])
+def test_dppo_loss_against_a_per_token_loop(agg, divergence, delta_low, delta_high):
+    """DPPO's loss and gradient written token by token over the model tokens (interior observation spans and padding
+    at +-1e4 move nothing: their gradient is exactly 0): -A * min(rho, 20) * logp where the token stays in the trust
+    region (tv: pi - pi_old against +delta_high for A > 0, -delta_low for A <= 0; kl: the binary KL, a move the
+    advantage does not ask for always kept), aggregated as --loss-agg; clipfrac the tokens out of the region."""
+    mask, lp, old, adv = dppo_inputs(seed=14)
+    B, max_new_tokens = mask.size(0), 9
+    weights, denom = loss_weights(mask, agg, B, mask.sum(), max_new_tokens)
+    logprobs = lp.clone().requires_grad_()
+    loss, stats = train_grpo.dppo_loss(logprobs, old, adv, mask, delta_low, weights, denom, delta_high, divergence)
+    loss.backward()
+    tokens = int(mask.sum())
+    total, low, high, truncated = 0.0, 0, 0, 0
+    grad = torch.zeros_like(lp)
+    for b in range(B):
+        row = mask[b].nonzero().squeeze(1).tolist()
+        for t in row:
+            p_lp, q_lp, a = lp[b, t].item(), old[b, t].item(), adv[b, t].item()
+            p, q = math.exp(p_lp), math.exp(q_lp)
+            if divergence == "tv":
+                kept = p - q <= delta_high if a > 0 else p - q >= -delta_low
+            else:
+                binary_kl = q * (q_lp - p_lp) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+                kept = (binary_kl <= delta_high or p <= q) if a > 0 else (binary_kl <= delta_low or p >= q)
+            weight = min(math.exp(min(max(p_lp - q_lp, -20), 20)), 20.0)
+            share = {"token_mean": 1 / tokens, "seq_mean": 1 / (len(row) * B)}.get(agg, 1 / (max_new_tokens * B))
+            total += -a * weight * p_lp * kept * share
+            grad[b, t] = -a * weight * kept * share
+            low += not kept and a <= 0
+            high += not kept and a > 0
+            truncated += kept and a != 0 and weight == 20.0
+    assert loss.item() == pytest.approx(total, rel=1e-12)
+    assert torch.allclose(logprobs.grad, grad, rtol=1e-12, atol=1e-15)
+    assert (logprobs.grad[mask == 0] == 0).all()
+    assert low > 0 and high > 0 and truncated > 0 and low + high < tokens
+    assert stats["clipfrac_low"].item() == pytest.approx(low / tokens)
+    assert stats["clipfrac_high"].item() == pytest.approx(high / tokens)
+    assert stats["clipfrac"].item() == pytest.approx((low + high) / tokens)
+
+
+@pytest.mark.parametrize("divergence", ["tv", "kl"])
+def test_dppo_on_policy_is_the_policy_gradient(divergence):
+    """At pi = pi_old every token is in the region and its weight is 1: DPPO's gradient is PPO's, clipfrac 0."""
+    lengths, mask, (lp, _, adv, _, _) = ragged(B=6, seed=15)
+    old_logprobs = torch.nn.functional.logsigmoid(lp)
+    grads = {}
+    for name in ("ppo", "dppo"):
+        logprobs = old_logprobs.clone().requires_grad_()
+        if name == "dppo":
+            loss, stats = train_grpo.dppo_loss(logprobs, old_logprobs, adv, mask, 0.05, mask, 9.0, None, divergence)
+        else:
+            loss, stats = policy_loss(logprobs, old_logprobs, adv, mask, 0.05, mask, 9.0)
+        loss.backward()
+        grads[name] = logprobs.grad
+        assert stats["clipfrac"] == 0
+    assert torch.allclose(grads["dppo"], grads["ppo"], atol=1e-15) and (grads["dppo"][mask.bool()] != 0).all()
+
+
 def test_kl_loss_value_and_gradient():
     lengths, mask, (lp, ref, *_) = ragged()
     weights, denom = loss_weights(mask, "seq_mean", len(lengths), mask.sum(), 7)
@@ -512,6 +588,8 @@ def test_tis_weights_of_one_leave_the_update_unchanged():
         (dict(dual_clip=1.0), r"--dual-clip 1\.0: the cap -c\*A needs c > 1"),
         (dict(policy_loss="cispo", dual_clip=3.0), r"--dual-clip with --policy-loss cispo: it caps PPO's clipped"),
         (dict(policy_loss="gspo", dual_clip=3.0), r"--dual-clip with --policy-loss gspo: "),
+        (dict(policy_loss="dppo_tv", dual_clip=3.0), r"--dual-clip with --policy-loss dppo_tv: "),
+        (dict(policy_loss="dppo_kl", cliprange=None), r"--cliprange None with --policy-loss dppo_kl: its trust region"),
         (dict(policy_loss="gspo", estimator="rloo"), r"--loss-agg token_mean with --policy-loss gspo: .*use seq_mean"),
     ],
 )
@@ -621,6 +699,7 @@ PPO_ONLY_TAGS = {
         pytest.param(
             "grpo", dict(policy_loss="cispo", cliprange=1.0, cliprange_high=0.28, loss_agg="token_mean"), id="cispo"
         ),
+        pytest.param("grpo", dict(policy_loss="dppo_tv", cliprange=0.15), id="dppo_tv"),
     ],
 )
 def test_grpo_smoke(tmp_path, task_dir, trained_sft, estimator, flags):
