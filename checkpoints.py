@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import CommonArgs, LRSchedule, Trained, UserError, is_master, print0
+from common import CommonArgs, LRSchedule, Trained, UserError, check_task, is_master, print0
 from lora import lora_layers, merge_lora, merged_state_dict
 from parallel import Dist, is_sharded
 from tokenizer import export_tokenizer
@@ -154,21 +154,36 @@ def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None)
 
 def task_from_checkpoint(args: CommonArgs, path: Optional[str], flag: str) -> CommonArgs:
     """args with the built-in task the checkpoint at path ran on where the command line gives no --task (from
-    Python: --task at its default); a given --task that differs is refused. A path that is not one of our checkpoint
-    files (scratch, hf:, a folder) records no task: args as they are."""
-    if path is None or not os.path.isfile(path):
-        return args
-    saved = load_checkpoint(path, flag=flag, mmap=True).get("args", {}).get("task")
-    if saved is None or saved == args.task:
-        return args
+    Python: --task at its default); a given --task that differs is refused. Its --task-config likewise, but a given
+    one that differs is taken (a harder configuration of the same dataset is a curriculum). A path that is not one
+    of our checkpoint files (scratch, hf:, a folder) records no task: args as they are. Then --task and
+    --task-config are checked (common.check_task)."""
+    saved = {}
+    if path is not None and os.path.isfile(path):
+        saved = load_checkpoint(path, flag=flag, mmap=True).get("args", {})
+    if saved.get("task") is None:  # a checkpoint written from Python may record none
+        saved = {}
     given = getattr(args, "given", None)
-    if ("task" in given) if given is not None else args.task != type(args)().task:
-        raise UserError(f"--task {args.task}: {flag} {path} was trained on --task {saved} (drop --task, or pass one)")
-    print0(f"--task {saved}: the task {flag} {path} was trained on")
-    inherited = replace(args, task=saved)
+    defaults = type(args)()
+    inherited = {}
+    for name in ("task", "task_config"):
+        if name not in saved or saved[name] == getattr(args, name):
+            continue
+        option = "--" + name.replace("_", "-")
+        if (name not in given) if given is not None else getattr(args, name) == getattr(defaults, name):
+            print0(f"{option} {saved[name]}: the one {flag} {path} was trained on")
+            inherited[name] = saved[name]
+        elif name == "task":
+            raise UserError(
+                f"--task {args.task}: {flag} {path} was trained on --task {saved[name]} (drop --task, or pass one)"
+            )
+        else:
+            print0(f"{option} {args.task_config}: not the {saved[name]} {flag} {path} was trained on")
+    resolved = replace(args, **inherited)
     if given is not None:
-        inherited.given = given
-    return inherited
+        resolved.given = given
+    check_task(resolved)
+    return resolved
 
 
 # -----------------------------------------------------------------------------

@@ -43,10 +43,14 @@ class CommonArgs:
     """where ckpt.pt, TensorBoard event files and samples.jsonl go"""
     seed: int = 1337
     """run seed (init, data order, sampling); per-rank sampling seeds are seed*1000+rank"""
-    task: Literal["reviews", "arith", "guess"] = "reviews"
+    task: str = "reviews"
     """the built-in task when no data is given: reviews (task.py, a continuous gold reward), arith (arith.py,
-    addition with a verifier: gold is the accuracy) or guess (guess.py, a multi-turn game: SFT, RL and eval only);
-    keep it the same across stages, a checkpoint records it"""
+    addition with a verifier: gold is the accuracy), guess (guess.py, a multi-turn game: SFT, RL and eval only) or
+    rg:NAME (rg.py, the reasoning-gym dataset NAME in chat, for a pretrained model: SFT, RL and eval only); keep it
+    the same across stages, a checkpoint records it"""
+    task_config: Optional[str] = None
+    """--task rg:NAME: the generator's configuration, a JSON object such as '{"min_terms": 2, "max_terms": 3}' (None:
+    reasoning-gym's defaults); a checkpoint records it, and a later stage takes it unless given"""
     task_seed: int = 1337
     """seed of the built-in task (grammar draws, splits, tokenizer); keep it the same across stages"""
     task_dir: str = "out/data"
@@ -89,6 +93,22 @@ class CommonArgs:
     """peak FLOP/s for perf/mfu (None: a table for known GPUs, a short matmul measurement on CPU)"""
     export_hf: Optional[str] = None
     """at the end, also write the model as a Hugging Face folder here (policy: causal LM; RM: sequence classifier)"""
+
+
+BUILTIN_TASKS = ("reviews", "arith", "guess")  # data.TASKS's names; rg:NAME is a reasoning-gym dataset (rg.py)
+
+
+def check_task(args) -> None:
+    """--task and --task-config as a stage reads them, or a one-line error naming the flag."""
+    if args.task not in BUILTIN_TASKS and not (args.task.startswith("rg:") and len(args.task) > len("rg:")):
+        raise UserError(
+            f"--task {args.task}: expected reviews, arith, guess or rg:NAME (the reasoning-gym dataset NAME, e.g. "
+            "rg:chain_sum)"
+        )
+    if args.task_config is not None and not args.task.startswith("rg:"):
+        raise UserError(
+            f"--task-config configures a reasoning-gym dataset: give --task rg:NAME, not --task {args.task}"
+        )
 
 
 def write_atomic(path: str, text: str) -> None:

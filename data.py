@@ -13,6 +13,7 @@ import torch
 
 import arith
 import guess
+import rg
 import task as reviews
 from common import UserError, load_env, load_reward_fn, write_jsonl
 from generate import observation_ids
@@ -25,14 +26,21 @@ from tokenizer import HH_ASSISTANT, HH_NAMES, Tokenizer, load_tokenizer, same_to
 TASKS = {"reviews": reviews, "arith": arith, "guess": guess}
 
 
+def builtin_task(args):
+    """The built-in task of --task: a module of TASKS, or for rg:NAME the reasoning-gym dataset NAME under
+    --task-config (rg.ReasoningGymTask, the same interface; its files built on first use)."""
+    if args.task.startswith("rg:"):
+        return rg.load(args.task.removeprefix("rg:"), args.task_config, args.task_dir, args.task_seed)
+    return TASKS[args.task]
+
+
 def builtin_files(args, needed: str, instead: str) -> dict[str, str]:
     """The built-in task's files (args.task, task_dir, task_seed), or a one-line error naming the flag to give
-    instead when it has no `needed` file (--task guess has no preference pairs)."""
-    paths = TASKS[args.task].build_task(args.task_dir, args.task_seed)
+    instead when it has no `needed` file (--task guess and rg:NAME have no preference pairs)."""
+    paths = builtin_task(args).build_task(args.task_dir, args.task_seed)
     if needed not in paths:
         raise UserError(
-            f"--task {args.task} has no {needed} file (a multi-turn task: SFT, the RL stages and eval.py run it): "
-            f"give {instead}"
+            f"--task {args.task} has no {needed} file (SFT, the RL stages and eval.py run it): give {instead}"
         )
     return paths
 
@@ -595,12 +603,15 @@ def load_prompts(args, tok: Tokenizer, block_size: int) -> RLData:
     response, no ptx text that fits while --ptx-coef asks for a ptx loss, or another tokenizer than the built-in
     task's, is a one-line error."""
     builtin = args.prompts is None
-    task_module = TASKS[args.task] if builtin else None
+    task_module = builtin_task(args) if builtin else None
     task = task_module.build_task(args.task_dir, args.task_seed) if builtin else None
+    if hasattr(task_module, "check_trainable"):  # rg: a dataset whose own answers score below 1 is refused
+        task_module.check_trainable("RL")
     prompts_path = task["prompts"] if builtin else args.prompts
     rows = read_jsonl(prompts_path, "prompts", "--prompts")
     prompts = [row["prompt"] for row in rows]
-    if builtin and same_tokenizer(tok, load_tokenizer(task["tokenizer"]), prompts):
+    # an rg: task has no tokenizer of its own: it takes the policy's
+    if builtin and "tokenizer" in task and same_tokenizer(tok, load_tokenizer(task["tokenizer"]), prompts):
         raise UserError(
             f"the policy's tokenizer is not the built-in {args.task} task's ({task['tokenizer']}): was it trained on "
             "another --task?"
@@ -639,7 +650,7 @@ def env_spec(args) -> Optional[str]:
     module attribute ENV, e.g. "guess:Game"); None: one response a prompt."""
     if args.env is not None or args.prompts is not None:
         return args.env
-    return getattr(TASKS[args.task], "ENV", None)
+    return getattr(builtin_task(args), "ENV", None)
 
 
 class PromptStream:

@@ -51,8 +51,8 @@ import hf
 import parallel
 from common import UserError, format_sample, write_atomic, write_jsonl
 from data import (
-    TASKS,
     builtin_files,
+    builtin_task,
     drop_tied,
     encode_prefs,
     encode_prompts,
@@ -145,10 +145,14 @@ class Args:
     """prompts per generation batch"""
     seed: int = 1234
     """first sampling seed (the same for every policy)"""
-    task: Literal["reviews", "arith", "guess"] = "reviews"
+    task: str = "reviews"
     """the built-in task whose held-out prompts and gold are used: reviews (task.py), arith (arith.py: gold is the
-    verifier's accuracy, valid_frac the share of answers that parse) or guess (guess.py: episodes against its own
-    environment, beside the optimum's values)"""
+    verifier's accuracy, valid_frac the share of answers that parse), guess (guess.py: episodes against its own
+    environment, beside the optimum's values) or rg:NAME (rg.py: gold is reasoning-gym's mean score, valid_frac the
+    share of answers its extractor parses, pass@k counts scores of 1)"""
+    task_config: Optional[str] = None
+    """--task rg:NAME: the generator's configuration, a JSON object (None: the policy's checkpoint's, else
+    reasoning-gym's defaults)"""
     task_seed: int = 1337
     """seed of the built-in task"""
     task_dir: str = "out/data"
@@ -452,7 +456,7 @@ def episode_results(args: Args, names: list, rows: list, ref, ref_tok, device) -
     if len(fitting) < len(rows):
         print(f"eval: {len(rows) - len(fitting)} of {len(rows)} prompts leave no room in the context of {context}")
     make_env = common.load_env(args.env, fitting[0], args.max_turns)
-    task_module = TASKS[args.task]
+    task_module = builtin_task(args)
     results = {}
     for name, path in zip(names, args.policy):
         model, tok, ckpt = load_model(path, "--policy", device, dtype=dtype)
@@ -495,7 +499,7 @@ def print_episode_table(results: dict) -> None:
 def with_task_env(args: Args) -> Args:
     """args with the built-in task's environment (a module attribute ENV: guess's guess:Game) where neither --env nor
     --prompts is given, and its --max-turns and --max-new-tokens (TURNS, MAX_NEW_TOKENS) where not given."""
-    task_module = TASKS[args.task]
+    task_module = builtin_task(args)
     if args.env is not None or args.prompts is not None or not hasattr(task_module, "ENV"):
         return args
     given = getattr(args, "given", None)
@@ -798,7 +802,7 @@ def check_args(args: Args) -> None:
         raise UserError(
             f"--pass-samples {args.pass_samples}: pass@{max(args.pass_at)} needs at least that many samples"
         )
-    if args.pass_at and not hasattr(TASKS[args.task], "verify") and args.reward_fn is None:
+    if args.pass_at and not hasattr(builtin_task(args), "verify") and args.reward_fn is None:
         raise UserError(f"--pass-at counts right answers: the {args.task} task has no verifier (--task arith has one)")
     if args.write_best and (not args.best_of_n or len(args.best_of_n) != 1 or len(args.policy) != 1):
         raise UserError("--write-best writes one policy's best of N: pass one --policy and one --best-of-n N")
@@ -945,7 +949,7 @@ def rm_metrics(args: Args, task_files: Optional[dict], device) -> dict:
     examples = [encoded[0][id(row)] for row in kept]
     aggregate = aggregate_rm_scores(scores, args.rm_agg, args.rm_uwo_coef)
     train_seconds = round(sum(ckpt.get("seconds", 0.0) for _, _, ckpt in members), 1)
-    task = TASKS[args.task] if args.pairs_data is None else None
+    task = builtin_task(args) if args.pairs_data is None else None
     results = {"rm": pair_metrics(aggregate.tolist(), examples, task) | {"train_seconds": train_seconds}}
     if len(members) > 1:
         for k, (member_scores, (_, _, ckpt)) in enumerate(zip(scores, members), start=1):
@@ -1044,7 +1048,7 @@ def main(args: Args) -> dict:
         raise UserError(f"--prompts: no prompt leaves room for a response in the context of {context}")
     prompts = fitting
     # the gold reward knows the built-in task's prompts: task is its module when every prompt is one
-    task_module = TASKS[args.task]
+    task_module = builtin_task(args)
     task = task_module if all(task_module.is_task_prompt(prompt) for prompt in prompts) else None
     if args.pass_at and task is None and reward_fn is None:
         raise UserError(

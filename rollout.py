@@ -523,6 +523,8 @@ def rules(args: RolloutArgs, data: RLData) -> str:
 
 def ptx_rule(args: RolloutArgs, data: RLData) -> str:
     """Whether the ptx loss is on, and on what text."""
+    if data.ptx_path is None and args.prompts is None and args.task.startswith("rg:"):
+        return f"off: no --ptx-data on --task {args.task} (a reasoning-gym dataset has no text of its own)"
     if data.ptx_path is None:
         where = "--prompts" if args.prompts else f"the {args.task} task, whose demonstrations are wrong on purpose"
         return f"off: no --ptx-data on {where}"

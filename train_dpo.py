@@ -33,9 +33,9 @@ import hf
 import parallel
 from common import UserError, format_sample, print0
 from data import (
-    TASKS,
     Order,
     builtin_files,
+    builtin_task,
     drop_tied,
     encode_kto,
     encode_prefs,
@@ -508,7 +508,7 @@ def main(args: Args) -> None:
     # 1. data, tokenizer, policy and reference (user mistakes surface here, before any process group)
     model, tok, init_hash, data = load(args)
     builtin = args.data is None
-    task = TASKS[args.task] if builtin else None  # gold and validity of the held-out samples
+    task = builtin_task(args) if builtin else None  # gold and validity of the held-out samples
     train, evals, prompts = data.train, data.evals, data.prompts
     parallel.prepare_model(model, args)
     if args.lora_rank > 0:

@@ -48,7 +48,7 @@ import common
 import parallel
 import rollout
 from common import Trained, UserError, exact_div, format_sample, print0
-from data import TASKS
+from data import builtin_task
 from model import entropy_from_logits, lm_loss, masked_mean, row_extent
 
 # each estimator's recipe: what a flag left at None becomes. beta in the loss (k3) and in the reward (k1) are not on
@@ -615,7 +615,7 @@ def ptx_loss(actor, ptx_batch: tuple, ptx_tokens) -> torch.Tensor:
 def vine_step_end(args: Args, tok) -> Optional[int]:
     """The token that ends a VinePPO step: the built-in task's STEP_END (reviews: '.'), or None on arith and on
     --prompts, whose steps are --vine-chunk tokens."""
-    step_end = TASKS[args.task].STEP_END if args.prompts is None else None
+    step_end = builtin_task(args).STEP_END if args.prompts is None else None
     return None if step_end is None else tok.encode(step_end)[0]
 
 

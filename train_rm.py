@@ -26,9 +26,9 @@ import hf
 import parallel
 from common import UserError, print0
 from data import (
-    TASKS,
     Order,
     builtin_files,
+    builtin_task,
     drop_tied,
     encode_prefs,
     pad_right,
@@ -296,8 +296,8 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     """Step 1: the data, tokenizer and model (--init with a score head), checked before any process group; returns
     them and the init's fingerprint (--resume compares it)."""
     builtin = args.data is None
-    task_module = TASKS[args.task]
     task = builtin_files(args, "pairs", "--data") if builtin else None
+    task_module = builtin_task(args) if builtin else None
     train_path = task["pairs"] if builtin else args.data
     eval_path = args.eval_data or (task["pairs_eval"] if builtin else None)
     train_rows, eval_rows = read_train_eval(train_path, eval_path, "pairs")

@@ -22,8 +22,8 @@ import hf
 import parallel
 from common import UserError, format_sample, print0, shown_prompt
 from data import (
-    TASKS,
     Order,
+    builtin_task,
     encode_prompts,
     encode_sft,
     pad_right,
@@ -139,8 +139,12 @@ def load(args: Args) -> tuple[torch.nn.Module, Tokenizer, Optional[str], Data]:
     """Step 1: the data, tokenizer and model, checked before any process group; returns them and the init's
     fingerprint (--resume compares it)."""
     builtin = args.data is None
-    task_module = TASKS[args.task] if builtin else None
+    if builtin and args.task.startswith("rg:") and args.init == "scratch":
+        raise UserError(f"--task {args.task} asks a pretrained chat model (--init hf:out/smollm2), not --init scratch")
+    task_module = builtin_task(args) if builtin else None
     task = task_module.build_task(args.task_dir, args.task_seed) if builtin else None
+    if hasattr(task_module, "check_trainable"):  # rg: a dataset whose own answers score below 1 is refused
+        task_module.check_trainable("SFT")
     train_path = task["sft"] if builtin else args.data
     eval_path = args.eval_data or (task["sft_eval"] if builtin else None)
     train_rows, eval_rows = read_train_eval(train_path, eval_path, "sft")
