@@ -3,12 +3,19 @@
 Each candidate is a dataset at a small configuration (CANDIDATES, --task rg:NAME --task-config JSON). eval.py samples
 --pass-samples answers to each of --prompts held-out questions at --temperature; the row has pass@1 and pass@k with
 their standard errors, the mean score (gold) and the share of answers the extractor parses (valid_frac). A task
-worth RL leaves room both ways: pass@1 between about 0.05 and 0.6. Writes <out_dir>/results.json (one row a task,
-kept as they finish: a rerun skips the tasks it has) and prints the table. CPU-heavy: 64 questions x 8 answers of 32
-tokens take the 135M model minutes a task on 2 cores.
+worth RL leaves room both ways: pass@1 between about 0.05 and 0.6.
+
+SmolLM2-135M-Instruct never writes the <answer> tags under reasoning-gym's system prompt (0 of 16 answers parsed on
+chain_sum and spell_backward), so its own row is 0 whatever it knows. --sft-steps S > 0 screens a second policy a
+task: the model after S steps of LoRA SFT on that task's demonstrations (<answer>ANSWER</answer>, batch 8), long
+enough to learn the format and short of learning the task from 8 S answers; make real-rlvr starts its GRPO there.
+
+Writes <out_dir>/results.json (a row a task and policy, kept as they finish: a rerun skips the rows it has) and prints
+the table. CPU-heavy: 64 questions x 8 answers of 32 tokens take the 135M model minutes a task on 2 cores.
 
 python experiments/rg_screen.py                                         # SmolLM2-135M-Instruct, every candidate
 python experiments/rg_screen.py --tasks chain_sum spell_backward --prompts 16
+python experiments/rg_screen.py --sft-steps 0                           # the instruct model alone
 """
 
 import json
@@ -22,6 +29,7 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import eval as ev  # noqa: E402
+import train_sft  # noqa: E402
 from common import write_atomic  # noqa: E402
 
 # small configurations: short questions and answers a 135M model can read and write in 32 tokens
@@ -61,14 +69,48 @@ class Args:
     """eval.py's --device"""
     batch_size: int = 64
     """eval.py's prompts per generation batch"""
+    sft_steps: int = 24
+    """steps of the format SFT screened beside the model (0: the model alone)"""
+    sft_lr: float = 2e-4
+    """the format SFT's learning rate (LoRA rank 16)"""
 
 
-def screen(args: Args, name: str) -> dict:
-    """eval.py on one candidate: its row, with the configuration and the seconds it took."""
+def format_sft(args: Args, name: str) -> str:
+    """The model after --sft-steps of LoRA SFT on the task's demonstrations (batch 8): its checkpoint, kept."""
+    out_dir = os.path.join(args.out_dir, "sft", name)
+    checkpoint = os.path.join(out_dir, "ckpt.pt")
+    if os.path.exists(checkpoint):
+        return checkpoint
+    sft_args = train_sft.Args(
+        out_dir=out_dir,
+        init=args.model,
+        task=f"rg:{name}",
+        task_config=json.dumps(CANDIDATES[name]),
+        task_dir=os.path.join(args.out_dir, "data"),
+        lora_rank=16,
+        lora_alpha=32.0,
+        lr=args.sft_lr,
+        batch_size=8,
+        micro_batch_size=8,
+        max_steps=args.sft_steps,
+        warmup_steps=2,
+        eval_every=args.sft_steps,
+        num_samples=8,
+        eval_samples=8,
+        max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype,
+        device=args.device,
+    )
+    train_sft.main(sft_args)
+    return checkpoint
+
+
+def screen(args: Args, name: str, policy: str) -> dict:
+    """eval.py on one candidate: the policy's row, with the configuration and the seconds it took."""
     started = time.time()
     config = json.dumps(CANDIDATES[name])
     eval_args = ev.Args(
-        policy=[args.model],
+        policy=[policy],
         ref=args.model,
         rm=["none"],
         names=[name],
@@ -91,10 +133,13 @@ def screen(args: Args, name: str) -> dict:
 
 def table(rows: dict, k: int) -> str:
     """The rows as markdown: pass@1, pass@k, gold and valid_frac with their standard errors."""
-    lines = [f"| task | config | pass@1 | pass@{k} | score | valid_frac | seconds |", "|---|---|---|---|---|---|---|"]
-    for name, row in rows.items():
-        cells = [f"{row[key]:.3f} ± {row[key + '_se']:.3f}" for key in ("pass@1", f"pass@{k}", "gold", "valid_frac")]
-        lines.append(f"| {name} | `{json.dumps(row['config'])}` | " + " | ".join(cells) + f" | {row['seconds']} |")
+    header = f"| task | policy | config | pass@1 | pass@{k} | score | valid_frac | seconds |"
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    for key, row in rows.items():
+        name, _, policy = key.partition("/")
+        cells = [f"{row[stat]:.3f} ± {row[stat + '_se']:.3f}" for stat in ("pass@1", f"pass@{k}", "gold", "valid_frac")]
+        cells = [name, policy or "model", f"`{json.dumps(row['config'])}`", *cells, str(row["seconds"])]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -109,12 +154,19 @@ def main(args: Args) -> dict:
         with open(path) as f:
             rows = json.load(f)
     settings = {"model": args.model, "prompts": args.prompts, "pass_samples": args.pass_samples}
+    sft_settings = settings | {"sft_steps": args.sft_steps, "sft_lr": args.sft_lr}
+    shown = {}
     for name in args.tasks:
-        if name in rows and all(rows[name][key] == value for key, value in settings.items()):
-            continue  # screened before with the same settings
-        rows[name] = screen(args, name) | settings
-        write_atomic(path, json.dumps(rows, indent=2))
-    shown = {name: rows[name] for name in args.tasks}
+        policies = {name: (args.model, settings)}  # a row's key: the task, then /sft<S> for the format SFT's
+        if args.sft_steps > 0:
+            policies[f"{name}/sft{args.sft_steps}"] = (None, sft_settings)
+        for key, (policy, kept) in policies.items():
+            if key in rows and all(rows[key].get(stat) == value for stat, value in kept.items()):
+                shown[key] = rows[key]
+                continue  # screened before with the same settings
+            rows[key] = screen(args, name, policy or format_sft(args, name)) | kept
+            write_atomic(path, json.dumps(rows, indent=2))
+            shown[key] = rows[key]
     print(table(shown, args.pass_samples))
     return shown
 

@@ -266,8 +266,9 @@ def test_sft_grpo_and_eval_on_a_dataset(tmp_path, small_sizes, tiny_smollm2):
 
 @pytest.mark.slow
 def test_the_screening_command_writes_a_row_a_task_and_skips_them_on_a_rerun(tmp_path, small_sizes, tiny_smollm2):
-    """experiments/rg_screen.py on a two-layer model: two candidates, two questions each, pass@1 and pass@2 in
-    [0, 1] with pass@1 <= pass@2, the configuration in the row; a rerun with the same settings samples nothing."""
+    """experiments/rg_screen.py on a two-layer model: two candidates, two questions each, the model and its format
+    SFT, pass@1 and pass@2 in [0, 1] with pass@1 <= pass@2, the configuration in the row; a rerun with the same
+    settings samples nothing."""
     needs_reasoning_gym()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
     import rg_screen
@@ -280,10 +281,13 @@ def test_the_screening_command_writes_a_row_a_task_and_skips_them_on_a_rerun(tmp
         pass_samples=2,
         max_new_tokens=4,
         device="cpu",
+        sft_steps=2,
     )
     rows = rg_screen.main(args)
-    assert list(rows) == ["chain_sum", "spell_backward"]
-    for name, row in rows.items():
+    assert list(rows) == ["chain_sum", "chain_sum/sft2", "spell_backward", "spell_backward/sft2"]
+    assert os.path.exists(os.path.join(tmp_path, "sft", "chain_sum", "ckpt.pt"))
+    for key, row in rows.items():
+        name = key.partition("/")[0]
         assert row["config"] == rg_screen.CANDIDATES[name] and row["num_samples"] == 2
         assert 0.0 <= row["pass@1"] <= row["pass@2"] <= 1.0 and 0.0 <= row["valid_frac"] <= 1.0
     with open(os.path.join(tmp_path, "results.json")) as f:
