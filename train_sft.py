@@ -231,7 +231,8 @@ def main(args: Args) -> None:
         my_prompts = prompts[d.rank : n_samples : d.world_size]
         # the same draws at every evaluation: its samples depend on the model only, never on a stop and a resume
         generator = torch.Generator(device=d.device).manual_seed(args.seed * 1000 + d.rank)
-        samples = sample_responses(raw_model, tok, my_prompts, args.temperature, args.max_new_tokens, generator)
+        with amp:  # --dtype bfloat16: a LoRA run's frozen base is stored in bf16
+            samples = sample_responses(raw_model, tok, my_prompts, args.temperature, args.max_new_tokens, generator)
         if builtin:
             sums["valid"] = sum(task_module.is_valid(response, ended) for _, response, ended in samples)
         totals = parallel.all_reduce_dict(sums, d.device)

@@ -271,38 +271,24 @@ def test_make_reals_side_by_side_runs_get_their_threads_and_a_failure_names_its_
     assert open(good).read() == "1\n"  # waited for, though the other had failed
 
 
-def test_the_real_rlvr_verifier_reads_the_last_integer_of_an_ended_answer():
-    """experiments/real_rlvr.py's reward: 1.0 when the response ended and its last integer is the sum the rendered
-    chat prompt asks for; an unended, wrong or numberless answer gets 0.0."""
-    sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    import real_rlvr
-
-    prompt = "<|im_start|>user\nWhat is 48 + 7? Answer with the number only.<|im_end|>\n<|im_start|>assistant\n"
-    assert real_rlvr.question("48+7=")[0]["content"] in prompt
-    assert real_rlvr.reward(prompt, "48 + 7 = 55", True) == 1.0
-    assert real_rlvr.reward(prompt, "The answer is 1,055", True) == 0.0
-    assert real_rlvr.reward(prompt, "55", False) == 0.0
-    assert real_rlvr.reward(prompt, "fifty-five", True) == 0.0
-    assert real_rlvr.reward(prompt, "55 or 54", True) == 0.0
-
-
 @pytest.mark.slow
 def test_make_real_rlvr_runs_on_smollm2s_weights(tmp_path, smollm2_two_layers):
-    """experiments/real_rlvr.py --tiny --dtype bfloat16 on SmolLM2's real tokenizer and its first two layers: GRPO on
-    the verifier in bf16, then pass@1 and pass@2 of both policies from eval.py."""
+    """experiments/real_rlvr.py --tiny --dtype bfloat16 on SmolLM2's real tokenizer and its first two layers, one
+    reasoning-gym task: the format SFT, GRPO on the scorer in bf16, then pass@1 and pass@2 of both policies from
+    eval.py, with the parse rate."""
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (requirements-real.txt)")
     out = str(tmp_path / "real_rlvr")
     command = [sys.executable, os.path.join(ROOT, "experiments", "real_rlvr.py"), "--tiny", "--out-dir", out]
-    command += ["--dtype", "bfloat16"]
+    command += ["--dtype", "bfloat16", "--tasks", "chain_sum"]
     done = subprocess.run(command + ["--model-dir", smollm2_two_layers], env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.load(open(os.path.join(out, "results.json")))
-    for name in ("instruct", "grpo"):
-        assert 0 <= results[name]["pass@1"] <= results[name]["pass@2"] <= 1
-    assert results["grpo"]["train_seconds"] > 0
-    assert (
-        results["_meta"]["dtype"] == "bfloat16"
-        and "torch.bfloat16" in open(os.path.join(out, "grpo", "stdout.txt")).read()
-    )
+    for name in ("sft", "grpo"):
+        row = results["chain_sum"][name]
+        assert 0 <= row["pass@1"] <= row["pass@2"] <= 1 and 0 <= row["valid_frac"] <= 1
+    assert results["chain_sum"]["grpo"]["train_seconds"] > 0
+    grpo_log = open(os.path.join(out, "chain_sum", "grpo", "stdout.txt")).read()
+    assert results["_meta"]["dtype"] == "bfloat16" and "torch.bfloat16" in grpo_log
 
 
 def test_the_rm_probes_features_read_each_response_alone_whatever_the_padding(smollm2_two_layers):
