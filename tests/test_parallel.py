@@ -215,6 +215,14 @@ def assert_close(a: dict, b: dict, atol: float) -> None:
         assert torch.allclose(a[name], b[name], atol=atol, rtol=0), name
 
 
+def loads_in_one_process(path) -> None:
+    """A checkpoint of a sharded run holds full weights: it loads in this process, finite, any LoRA merged."""
+    ckpt = torch.load(path, weights_only=False)
+    model = hf.model_from_checkpoint(ckpt)
+    assert all(torch.isfinite(p).all() for p in model.parameters()), path
+    assert not any("lora_" in name for name in hf.merged_weights(ckpt)), path  # merged
+
+
 @pytest.mark.slow
 def test_sft_fsdp_equals_one_process_and_resumes_after_sigkill(tmp_path, task_dir):
     base = f"train_sft.py --task-dir {task_dir} {SFT_FLAGS} --max-steps 30"
@@ -256,8 +264,8 @@ def test_sft_fsdp_equals_one_process_and_resumes_after_sigkill(tmp_path, task_di
 def test_every_stage_runs_sharded(tmp_path, task_dir, tiny_ckpts, extra):
     """RM, DPO and PPO (with a critic) under --fsdp on 2 ranks, full precision, and with LoRA under bf16 mixed
     precision (FSDP2's MixedPrecisionPolicy); each checkpoint loads in one process. The full-precision run also
-    resumes PPO from its sharded optimizer states, refuses a checkpoint copied without them, and runs train_grpo.py
-    (critic-free)."""
+    resumes PPO from its sharded optimizer states and refuses a checkpoint copied without them. train_grpo.py
+    (critic-free) under --fsdp: the VinePPO and the multi-turn tests below, whose checkpoints load the same way."""
     sft, rm = tiny_ckpts
     pairs = "--batch-size 8 --micro-batch-size 2 --max-steps 3 --eval-every 3 --eval-pairs 8 --log-every 1"
     succeeds(
@@ -288,15 +296,8 @@ def test_every_stage_runs_sharded(tmp_path, task_dir, tiny_ckpts, extra):
         assert (
             result.returncode != 0 and "the sharded optimizer state beside the checkpoint, is missing" in result.stderr
         )
-    stages = ["rm", "dpo", "gae"]
-    if not extra:  # critic-free under --fsdp: once, at full precision
-        succeeds(f"{TORCHRUN} train_grpo.py {rl} --out-dir {tmp_path}/grpo --estimator grpo --group-size 2")
-        stages.append("grpo")
-    for stage in stages:
-        ckpt = torch.load(tmp_path / stage / "ckpt.pt", weights_only=False)
-        model = hf.model_from_checkpoint(ckpt)
-        assert all(torch.isfinite(p).all() for p in model.parameters()), stage
-        assert not any("lora_" in name for name in hf.merged_weights(ckpt)), stage  # merged
+    for stage in ("rm", "dpo", "gae"):
+        loads_in_one_process(tmp_path / stage / "ckpt.pt")
 
 
 def succeeds_within(cmd: str, seconds: float) -> None:
@@ -331,6 +332,7 @@ def test_vineppo_under_fsdp_with_states_that_differ_between_ranks(tmp_path, task
     succeeds_within(cmd, 120)
     states = [responses / 2 for responses in read_scalars(str(tmp_path / "vine"))["rollout/vine_responses"]]
     assert len(states) == 2 and any(count % 2 == 1 for count in states), states
+    loads_in_one_process(tmp_path / "vine" / "ckpt.pt")  # single-turn train_grpo.py under --fsdp, an RM scoring
 
 
 # an episode of 1 to 3 turns by its prompt's length: each rank's episodes end at their own turns
@@ -350,7 +352,8 @@ class Ragged:
 def test_multiturn_grpo_and_ppo_under_fsdp_equal_ddp(tmp_path, task_dir, tiny_ckpts):
     """GRPO and PPO over episodes of 1 to 3 turns on 2 ranks: under --fsdp the whole episode loop runs inside one
     gather of the policy (no collective a turn), so ranks whose episodes end at different turns finish together, and
-    the weights equal 2 DDP ranks' (atol 1e-5: the gradient's reduction order)."""
+    the weights equal 2 DDP ranks' (atol 1e-5: the gradient's reduction order); each sharded checkpoint loads in one
+    process."""
     (tmp_path / "ragged_env.py").write_text(RAGGED_ENV)
     sft, _ = tiny_ckpts
     rl = (
@@ -367,6 +370,7 @@ def test_multiturn_grpo_and_ppo_under_fsdp_equal_ddp(tmp_path, task_dir, tiny_ck
         trained = weights(tmp_path / stage / "ckpt.pt")
         assert not torch.equal(trained["lm_head.weight"], weights(sft)["lm_head.weight"])  # the policy moved
         assert_close(trained, weights(tmp_path / f"{stage}--fsdp" / "ckpt.pt"), 1e-5)
+        loads_in_one_process(tmp_path / f"{stage}--fsdp" / "ckpt.pt")
         if stage == "ppo":
             critic = weights(tmp_path / stage / "ckpt.pt", "critic")
             assert_close(critic, weights(tmp_path / f"{stage}--fsdp" / "ckpt.pt", "critic"), 1e-5)
