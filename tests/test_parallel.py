@@ -65,28 +65,7 @@ def test_all_reduce_dict_one_process():
     assert parallel.all_reduce_dict(sums, torch.device("cpu")) == {"loss": 1.5, "tokens": 7.0, "accuracy": 0.25}
 
 
-def _all_reduce_dict_worker(rank: int, port: int, queue) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    sums = {"b": torch.tensor(float(rank + 1)), "a": 10.0 * (rank + 1)}
-    queue.put(parallel.all_reduce_dict(sums, torch.device("cpu")))
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_all_reduce_dict_two_gloo_ranks():
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_all_reduce_dict_worker, args=(rank, port, queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get() for _ in procs]
-    for p in procs:
-        p.join(60)
-    assert results == [{"b": 3.0, "a": 30.0}] * 2
-    assert all(list(result) == ["b", "a"] for result in results)  # the caller's key order
+# over 2 gloo ranks: in the ranks of test_two_gloo_ranks_equal_one_big_batch below (one spawn for both)
 
 
 # -----------------------------------------------------------------------------
@@ -101,12 +80,25 @@ CRITIC_FREE = {
 }
 
 
-def _two_rank_worker(rank: int, port: int, q, wrap: str) -> None:
+def _two_rank_worker(rank: int, port: int, q) -> None:
     import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    sums = {"b": torch.tensor(float(rank + 1)), "a": 10.0 * (rank + 1)}
+    reduced = parallel.all_reduce_dict(sums, torch.device("cpu"))
+    updates = {wrap: updates_on_this_rank(rank, wrap) for wrap in ("ddp", "fsdp")}
+    buf = io.BytesIO()  # plain bytes: tensors through a queue would need the worker alive to be received
+    torch.save((reduced, updates), buf)
+    q.put(buf.getvalue())
+    dist.destroy_process_group()
+
+
+def updates_on_this_rank(rank: int, wrap: str) -> tuple:
+    """This rank's reward moments and its updates on its half of the experience, the models wrapped in DDP or FSDP2:
+    (moments, PPO-max's stats, its actor's and critic's full weights, {critic-free name: (stats, full weights)})."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     d = parallel.Dist(rank, rank, 2, torch.device("cpu"), True)
 
     def wrapped(model):  # DDP replicates (as the stages do), FSDP2 shards (blocks, then the root) as --fsdp does
@@ -136,28 +128,28 @@ def _two_rank_worker(rank: int, port: int, q, wrap: str) -> None:
         free_actor, _, free_exp = fake_experience()
         free_stats = grpo_update_once(wrapped(free_actor), half(critic_free_experience(free_exp)), 2, **flags)
         free[name] = (free_stats, full_state(free_actor))
-    buf = io.BytesIO()  # plain bytes: tensors through a queue would need the worker alive to be received
-    torch.save((moments.state_dict(), stats, full_state(actor), full_state(critic), free), buf)
-    q.put(buf.getvalue())
-    dist.destroy_process_group()
+    return moments.state_dict(), stats, full_state(actor), full_state(critic), free
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
-def test_two_gloo_ranks_equal_one_big_batch(wrap):
+def test_two_gloo_ranks_equal_one_big_batch():
     """Reward moments merged across 2 ranks equal one big batch; the same global minibatch split over 2 ranks x 2
     micro-batches gives the 1-rank update (weights, losses, clip fractions, grad norms), for PPO-max's ppo_update
     (actor and critic) and for train_grpo's grpo_update (GRPO with the §5b flags on, REINFORCE++, REBEL); under DDP and
-    under FSDP2 (--fsdp)."""
+    under FSDP2 (--fsdp). The same two ranks check all_reduce_dict: the sums, in the caller's key order."""
     port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, q, wrap)) for r in range(2)]
+    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()
-    results = [torch.load(io.BytesIO(q.get()), weights_only=False) for _ in range(2)]  # read before join: big pickles
+    ranks = [torch.load(io.BytesIO(q.get()), weights_only=False) for _ in range(2)]  # read before join: big pickles
     for p in procs:
         p.join(60)
+    reduced = [reduced for reduced, _ in ranks]
+    assert reduced == [{"b": 3.0, "a": 30.0}] * 2
+    assert all(list(result) == ["b", "a"] for result in reduced)  # the caller's key order
+    results = [updates[wrap] for _, updates in ranks for wrap in ("ddp", "fsdp")]
     torch.manual_seed(0)
     big = torch.cat([torch.randn(n, dtype=torch.float64) for n in (7, 3, 12, 1)])
     actor, critic, exp = fake_experience()
