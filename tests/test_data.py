@@ -119,7 +119,8 @@ def test_an_exported_task_tokenizer_is_the_task_tokenizer_to_the_rl_stages(tmp_p
     hf_tok = tokenizer.load_tokenizer(f"hf:{tmp_path / 'hf'}")
     args = train_ppo.Args(task_dir=task_dir, max_new_tokens=8, ptx_coef=0.0)
     assert len(data.load_prompts(args, hf_tok, block_size=64).prompts) > 0
-    arith_tok = tokenizer.load_tokenizer(data.TASKS["arith"].build_task(str(tmp_path / "arith"), 1337)["tokenizer"])
+    arith = data.TASKS["arith"].build_task(str(tmp_path / "arith"), 1337, tiny=True)  # its tokenizer is the full one's
+    arith_tok = tokenizer.load_tokenizer(arith["tokenizer"])
     with pytest.raises(common.UserError, match="not the built-in reviews task's"):
         data.load_prompts(args, arith_tok, block_size=64)
 

@@ -65,28 +65,7 @@ def test_all_reduce_dict_one_process():
     assert parallel.all_reduce_dict(sums, torch.device("cpu")) == {"loss": 1.5, "tokens": 7.0, "accuracy": 0.25}
 
 
-def _all_reduce_dict_worker(rank: int, port: int, queue) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    sums = {"b": torch.tensor(float(rank + 1)), "a": 10.0 * (rank + 1)}
-    queue.put(parallel.all_reduce_dict(sums, torch.device("cpu")))
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_all_reduce_dict_two_gloo_ranks():
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_all_reduce_dict_worker, args=(rank, port, queue)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get() for _ in procs]
-    for p in procs:
-        p.join(60)
-    assert results == [{"b": 3.0, "a": 30.0}] * 2
-    assert all(list(result) == ["b", "a"] for result in results)  # the caller's key order
+# over 2 gloo ranks: in the ranks of test_two_gloo_ranks_equal_one_big_batch below (one spawn for both)
 
 
 # -----------------------------------------------------------------------------
@@ -101,12 +80,25 @@ CRITIC_FREE = {
 }
 
 
-def _two_rank_worker(rank: int, port: int, q, wrap: str) -> None:
+def _two_rank_worker(rank: int, port: int, q) -> None:
     import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    sums = {"b": torch.tensor(float(rank + 1)), "a": 10.0 * (rank + 1)}
+    reduced = parallel.all_reduce_dict(sums, torch.device("cpu"))
+    updates = {wrap: updates_on_this_rank(rank, wrap) for wrap in ("ddp", "fsdp")}
+    buf = io.BytesIO()  # plain bytes: tensors through a queue would need the worker alive to be received
+    torch.save((reduced, updates), buf)
+    q.put(buf.getvalue())
+    dist.destroy_process_group()
+
+
+def updates_on_this_rank(rank: int, wrap: str) -> tuple:
+    """This rank's reward moments and its updates on its half of the experience, the models wrapped in DDP or FSDP2:
+    (moments, PPO-max's stats, its actor's and critic's full weights, {critic-free name: (stats, full weights)})."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     d = parallel.Dist(rank, rank, 2, torch.device("cpu"), True)
 
     def wrapped(model):  # DDP replicates (as the stages do), FSDP2 shards (blocks, then the root) as --fsdp does
@@ -136,28 +128,28 @@ def _two_rank_worker(rank: int, port: int, q, wrap: str) -> None:
         free_actor, _, free_exp = fake_experience()
         free_stats = grpo_update_once(wrapped(free_actor), half(critic_free_experience(free_exp)), 2, **flags)
         free[name] = (free_stats, full_state(free_actor))
-    buf = io.BytesIO()  # plain bytes: tensors through a queue would need the worker alive to be received
-    torch.save((moments.state_dict(), stats, full_state(actor), full_state(critic), free), buf)
-    q.put(buf.getvalue())
-    dist.destroy_process_group()
+    return moments.state_dict(), stats, full_state(actor), full_state(critic), free
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
-def test_two_gloo_ranks_equal_one_big_batch(wrap):
+def test_two_gloo_ranks_equal_one_big_batch():
     """Reward moments merged across 2 ranks equal one big batch; the same global minibatch split over 2 ranks x 2
     micro-batches gives the 1-rank update (weights, losses, clip fractions, grad norms), for PPO-max's ppo_update
     (actor and critic) and for train_grpo's grpo_update (GRPO with the §5b flags on, REINFORCE++, REBEL); under DDP and
-    under FSDP2 (--fsdp)."""
+    under FSDP2 (--fsdp). The same two ranks check all_reduce_dict: the sums, in the caller's key order."""
     port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, q, wrap)) for r in range(2)]
+    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()
-    results = [torch.load(io.BytesIO(q.get()), weights_only=False) for _ in range(2)]  # read before join: big pickles
+    ranks = [torch.load(io.BytesIO(q.get()), weights_only=False) for _ in range(2)]  # read before join: big pickles
     for p in procs:
         p.join(60)
+    reduced = [reduced for reduced, _ in ranks]
+    assert reduced == [{"b": 3.0, "a": 30.0}] * 2
+    assert all(list(result) == ["b", "a"] for result in reduced)  # the caller's key order
+    results = [updates[wrap] for _, updates in ranks for wrap in ("ddp", "fsdp")]
     torch.manual_seed(0)
     big = torch.cat([torch.randn(n, dtype=torch.float64) for n in (7, 3, 12, 1)])
     actor, critic, exp = fake_experience()
@@ -215,11 +207,19 @@ def assert_close(a: dict, b: dict, atol: float) -> None:
         assert torch.allclose(a[name], b[name], atol=atol, rtol=0), name
 
 
+def loads_in_one_process(path) -> None:
+    """A checkpoint of a sharded run holds full weights: it loads in this process, finite, any LoRA merged."""
+    ckpt = torch.load(path, weights_only=False)
+    model = hf.model_from_checkpoint(ckpt)
+    assert all(torch.isfinite(p).all() for p in model.parameters()), path
+    assert not any("lora_" in name for name in hf.merged_weights(ckpt)), path  # merged
+
+
 @pytest.mark.slow
 def test_sft_fsdp_equals_one_process_and_resumes_after_sigkill(tmp_path, task_dir):
     base = f"train_sft.py --task-dir {task_dir} {SFT_FLAGS} --max-steps 30"
     succeeds(f"{sys.executable} {base} --out-dir {tmp_path}/single")
-    succeeds(f"{TORCHRUN} {base} --fsdp --out-dir {tmp_path}/sharded --save-every 1")
+    succeeds(f"{TORCHRUN} {base} --fsdp --out-dir {tmp_path}/sharded")  # saving at the end only: the reference
     single, sharded = weights(tmp_path / "single" / "ckpt.pt"), weights(tmp_path / "sharded" / "ckpt.pt")
     assert_close(single, sharded, atol=1e-4)  # full weights in the checkpoint, whatever the sharding
     # SIGKILL torchrun and both workers mid-run, then --resume: the uninterrupted run's weights
@@ -256,8 +256,8 @@ def test_sft_fsdp_equals_one_process_and_resumes_after_sigkill(tmp_path, task_di
 def test_every_stage_runs_sharded(tmp_path, task_dir, tiny_ckpts, extra):
     """RM, DPO and PPO (with a critic) under --fsdp on 2 ranks, full precision, and with LoRA under bf16 mixed
     precision (FSDP2's MixedPrecisionPolicy); each checkpoint loads in one process. The full-precision run also
-    resumes PPO from its sharded optimizer states, refuses a checkpoint copied without them, and runs train_grpo.py
-    (critic-free)."""
+    resumes PPO from its sharded optimizer states and refuses a checkpoint copied without them. train_grpo.py
+    (critic-free) under --fsdp: the VinePPO and the multi-turn tests below, whose checkpoints load the same way."""
     sft, rm = tiny_ckpts
     pairs = "--batch-size 8 --micro-batch-size 2 --max-steps 3 --eval-every 3 --eval-pairs 8 --log-every 1"
     succeeds(
@@ -288,15 +288,8 @@ def test_every_stage_runs_sharded(tmp_path, task_dir, tiny_ckpts, extra):
         assert (
             result.returncode != 0 and "the sharded optimizer state beside the checkpoint, is missing" in result.stderr
         )
-    stages = ["rm", "dpo", "gae"]
-    if not extra:  # critic-free under --fsdp: once, at full precision
-        succeeds(f"{TORCHRUN} train_grpo.py {rl} --out-dir {tmp_path}/grpo --estimator grpo --group-size 2")
-        stages.append("grpo")
-    for stage in stages:
-        ckpt = torch.load(tmp_path / stage / "ckpt.pt", weights_only=False)
-        model = hf.model_from_checkpoint(ckpt)
-        assert all(torch.isfinite(p).all() for p in model.parameters()), stage
-        assert not any("lora_" in name for name in hf.merged_weights(ckpt)), stage  # merged
+    for stage in ("rm", "dpo", "gae"):
+        loads_in_one_process(tmp_path / stage / "ckpt.pt")
 
 
 def succeeds_within(cmd: str, seconds: float) -> None:
@@ -331,6 +324,7 @@ def test_vineppo_under_fsdp_with_states_that_differ_between_ranks(tmp_path, task
     succeeds_within(cmd, 120)
     states = [responses / 2 for responses in read_scalars(str(tmp_path / "vine"))["rollout/vine_responses"]]
     assert len(states) == 2 and any(count % 2 == 1 for count in states), states
+    loads_in_one_process(tmp_path / "vine" / "ckpt.pt")  # single-turn train_grpo.py under --fsdp, an RM scoring
 
 
 # an episode of 1 to 3 turns by its prompt's length: each rank's episodes end at their own turns
@@ -350,7 +344,8 @@ class Ragged:
 def test_multiturn_grpo_and_ppo_under_fsdp_equal_ddp(tmp_path, task_dir, tiny_ckpts):
     """GRPO and PPO over episodes of 1 to 3 turns on 2 ranks: under --fsdp the whole episode loop runs inside one
     gather of the policy (no collective a turn), so ranks whose episodes end at different turns finish together, and
-    the weights equal 2 DDP ranks' (atol 1e-5: the gradient's reduction order)."""
+    the weights equal 2 DDP ranks' (atol 1e-5: the gradient's reduction order); each sharded checkpoint loads in one
+    process."""
     (tmp_path / "ragged_env.py").write_text(RAGGED_ENV)
     sft, _ = tiny_ckpts
     rl = (
@@ -367,6 +362,7 @@ def test_multiturn_grpo_and_ppo_under_fsdp_equal_ddp(tmp_path, task_dir, tiny_ck
         trained = weights(tmp_path / stage / "ckpt.pt")
         assert not torch.equal(trained["lm_head.weight"], weights(sft)["lm_head.weight"])  # the policy moved
         assert_close(trained, weights(tmp_path / f"{stage}--fsdp" / "ckpt.pt"), 1e-5)
+        loads_in_one_process(tmp_path / f"{stage}--fsdp" / "ckpt.pt")
         if stage == "ppo":
             critic = weights(tmp_path / stage / "ckpt.pt", "critic")
             assert_close(critic, weights(tmp_path / f"{stage}--fsdp" / "ckpt.pt", "critic"), 1e-5)

@@ -36,19 +36,9 @@ def gguf_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer(tmp_path_factory) -> str:
-    """SmolLM2's own tokenizer files, read from the package's GGUF."""
-    from transformers import AutoTokenizer
-
-    path = gguf_path()
-    out = str(tmp_path_factory.mktemp("smollm2_tokenizer"))
-    AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=GGUF).save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def smollm2_two_layers(tmp_path_factory) -> str:
-    """SmolLM2-135M-Instruct's real weights and tokenizer, through hf.py gguf, with its first two of 30 layers."""
+    """SmolLM2-135M-Instruct's real weights and tokenizer, through hf.py gguf, with its first two of 30 layers (the
+    tokenizer files are the GGUF's own, as hf.write_from_gguf wrote them)."""
     from transformers import AutoModelForCausalLM
 
     path = gguf_path()
@@ -91,8 +81,8 @@ def test_a_chat_tokenizer_that_pads_with_its_end_of_turn_or_has_no_pad(tmp_path,
     assert ids[-2:] == [9, 3] and mask[-2:] == [1, 1] and sum(mask) == 2
 
 
-def test_smollm2s_tokenizer_stops_a_reply_at_im_end(smollm2_tokenizer):
-    tok = load_tokenizer(f"hf:{smollm2_tokenizer}")
+def test_smollm2s_tokenizer_stops_a_reply_at_im_end(smollm2_two_layers):
+    tok = load_tokenizer(f"hf:{smollm2_two_layers}")
     im_end = tok.backend.convert_tokens_to_ids("<|im_end|>")
     assert tok.backend.pad_token_id == im_end  # the case that refused it
     assert tok.chat and tok.eos_id == im_end == 2 and tok.pad_id == tok.vocab_size == 49152 and tok.bos_id is None
