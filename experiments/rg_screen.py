@@ -16,6 +16,7 @@ the table. CPU-heavy: 64 questions x 8 answers of 32 tokens take the 135M model 
 python experiments/rg_screen.py                                         # SmolLM2-135M-Instruct, every candidate
 python experiments/rg_screen.py --tasks chain_sum spell_backward --prompts 16
 python experiments/rg_screen.py --sft-steps 0                           # the instruct model alone
+python experiments/rg_screen.py --no-model-rows                         # the format SFT's rows alone
 """
 
 import json
@@ -73,6 +74,8 @@ class Args:
     """steps of the format SFT screened beside the model (0: the model alone)"""
     sft_lr: float = 2e-4
     """the format SFT's learning rate (LoRA rank 16)"""
+    model_rows: bool = True
+    """screen the model itself too (--no-model-rows: the format SFT's rows alone, where the model parses nothing)"""
 
 
 def format_sft(args: Args, name: str) -> str:
@@ -157,7 +160,7 @@ def main(args: Args) -> dict:
     sft_settings = settings | {"sft_steps": args.sft_steps, "sft_lr": args.sft_lr}
     shown = {}
     for name in args.tasks:
-        policies = {name: (args.model, settings)}  # a row's key: the task, then /sft<S> for the format SFT's
+        policies = {name: (args.model, settings)} if args.model_rows else {}  # a row a task, /sft<S> the SFT's
         if args.sft_steps > 0:
             policies[f"{name}/sft{args.sft_steps}"] = (None, sft_settings)
         for key, (policy, kept) in policies.items():
