@@ -77,6 +77,11 @@ class Args(common.CommonArgs):
     """global grad-norm clip (0: off)"""
     lm_coef: float = 0.5
     """weight of the next-token loss on the chosen response (0: pure Bradley-Terry)"""
+    head_fit: bool = False
+    """fit the score head on the frozen model's features before training (a Bradley-Terry logistic regression on the
+    training pairs): the head starts where a linear probe ends, not at random"""
+    head_fit_penalty: float = 0.01
+    """L2 penalty of --head-fit's regression, on standardised features"""
     # --- evaluation
     eval_every: int = 100
     """steps between evaluations (and at the end; 0: only at the end)"""
@@ -134,6 +139,55 @@ def collate(examples: list, pad_id: int):
 
 
 @torch.no_grad()
+def head_features(model, seqs: list[list[int]], pad_id: int, batch_size: int, device, dtype) -> torch.Tensor:
+    """(N, C) the score head's input (the trunk's last hidden state) at each sequence's last token, as score_sequences
+    reads the score there: a hook on the head keeps its input."""
+    device = torch.device(device)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    kept, features = [], None
+    hook = model.score_head.register_forward_hook(lambda module, inputs, output: kept.append(inputs[0]))
+    try:
+        for start in range(0, len(seqs), batch_size):
+            rows = order[start : start + batch_size]
+            ids = pad_right([seqs[i] for i in rows], pad_id)[0]  # right padding: causal attention never sees it
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                model(ids.to(device), logits=False)
+            hidden = kept.pop()  # (B, T, C)
+            last = torch.tensor([len(seqs[i]) - 1 for i in rows], device=device)
+            if features is None:
+                features = torch.zeros(len(seqs), hidden.size(-1))
+            features[rows] = hidden[torch.arange(len(rows), device=device), last].float().cpu()
+    finally:
+        hook.remove()
+    return features
+
+
+def fit_score_head(features: torch.Tensor, pairs: list, penalty: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Bradley-Terry logistic regression on frozen features (N, C), as a score head: w minimising
+    Σ weight · softplus(-(z_better - z_worse) · w) / Σ weight + penalty · |w|² on the standardised features z, by
+    L-BFGS, then folded back onto the raw features (weight w / std, bias -(w / std) · mean, so head(h) = z · w).
+    pairs: (better, worse, weight) rows of features. Returns (weight (C,), bias ())."""
+    features = features.double()
+    mean, std = features.mean(0), features.std(0) + 1e-6
+    z = (features - mean) / std  # (N, C)
+    better, worse, weights = (torch.tensor(column, dtype=torch.double) for column in zip(*pairs))
+    gaps = z[better.long()] - z[worse.long()]  # (P, C)
+    weights = weights / weights.sum()
+    w = torch.zeros(z.size(1), dtype=torch.double, requires_grad=True)
+    optimizer = torch.optim.LBFGS([w], max_iter=500, tolerance_grad=1e-10, line_search_fn="strong_wolfe")
+
+    def closure():
+        optimizer.zero_grad()
+        loss = (weights * F.softplus(-gaps @ w)).sum() + penalty * w.square().sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    weight = w.detach() / std
+    return weight, -(weight * mean).sum()
+
+
+@torch.no_grad()
 def fold_score_offset(model, offset: float) -> None:
     """Subtract offset from every score the model gives by folding it into the scalar head's bias."""
     model.score_head.bias -= offset
@@ -170,18 +224,31 @@ def flops_per_token(model, examples: list, lm_coef: float) -> int:
     return flops
 
 
-def score_on_every_rank(model, seqs: list, d: parallel.Dist, pad_id: int, dtype: torch.dtype) -> torch.Tensor:
-    """Scores (N,) of token sequences on every rank; rank r scores seqs[r::world_size] and the parts are gathered."""
+def score_on_every_rank(
+    model, seqs: list, d: parallel.Dist, pad_id: int, dtype: torch.dtype, read=score_sequences
+) -> torch.Tensor:
+    """Scores (N,) of token sequences on every rank (read=head_features: the head's inputs (N, C)); rank r reads
+    seqs[r::world_size] and the parts are gathered."""
     with parallel.gathered(model):  # rank slices differ in length: no per-forward collectives
-        mine = score_sequences(model, seqs[d.rank :: d.world_size], pad_id, 64, d.device, dtype)
+        mine = read(model, seqs[d.rank :: d.world_size], pad_id, 64, d.device, dtype)
     if not d.ddp:
         return mine
     parts = [None] * d.world_size
     dist.all_gather_object(parts, mine)
-    scores = torch.zeros(len(seqs))
+    scores = torch.zeros(len(seqs), *mine.shape[1:])
     for rank, part in enumerate(parts):
         scores[rank :: d.world_size] = part
     return scores
+
+
+def flat_pairs(examples: list) -> tuple[list[list[int]], list[tuple[int, int, float]]]:
+    """Encoded records (data.encode_prefs) -> every sequence in one list, and every (better, worse, weight) pair as
+    rows of it."""
+    seqs, pairs = [], []
+    for example_seqs, _, example_pairs, _, _ in examples:
+        pairs += [(len(seqs) + better, len(seqs) + worse, weight) for better, worse, weight in example_pairs]
+        seqs += example_seqs
+    return seqs, pairs
 
 
 def read_calibration(args: Args, task: Optional[dict], train_rows: list[dict]) -> list[dict]:
@@ -343,6 +410,8 @@ def main(args: Args) -> None:
     # --resume: the run's own flags, a changed one refused
     args = checkpoints.task_from_checkpoint(args, args.init, "--init")  # --task: the init's unless given
     args = checkpoints.resume_args(args, "rm")
+    if args.head_fit and args.fsdp:
+        raise UserError("--head-fit writes the score head whole: not with --fsdp")
     checkpoints.prepare_out_dir(args.out_dir, args.resume, args.overwrite)
     common.seed_everything(args.seed)  # before the model: the fresh score head's init
     # 1. data, tokenizer and model (user mistakes surface here, before any process group)
@@ -366,6 +435,18 @@ def main(args: Args) -> None:
     )
     parallel.prepare_model(model, args)
     parallel.place_model(model, args, d, dtype)
+    if args.head_fit and not args.resume:  # a resumed run's head is in its checkpoint
+        # the head starts where a linear probe of the frozen features ends (LoRA's adapters start at zero)
+        seqs, pairs = flat_pairs(train)
+        features = score_on_every_rank(model.eval(), seqs, d, tok.pad_id, dtype, read=head_features)
+        head_weight, head_bias = fit_score_head(features, pairs, args.head_fit_penalty)
+        with torch.no_grad():
+            model.score_head.weight.copy_(head_weight[None])
+            model.score_head.bias.copy_(head_bias)
+        better, worse, weights = (torch.tensor(column) for column in zip(*pairs))
+        gaps = (features[better] - features[worse]).double() @ head_weight  # (P,)
+        fit_accuracy = weighted_accuracy(gaps, weights.double())
+        print0(f"head fit: {len(seqs)} responses, {len(pairs)} pairs | train accuracy {fit_accuracy:.4f}")
     optimizer = model.configure_optimizers(args.weight_decay, args.lr, (0.9, 0.95), d.device.type)
     schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps, min_lr_ratio=0.0)
     trained = common.Trained("model", model, optimizer, schedule, args.grad_clip)

@@ -13,6 +13,7 @@ python experiments/rm_probe.py --features words
 """
 
 import json
+import math
 import os
 import random
 import sys
@@ -133,9 +134,11 @@ def main(args: Args) -> None:
         for _ in range(draws):
             subset = [pair for pair in train_pairs if fraction >= 1 or rng.random() < fraction]
             scores.append(accuracy(eval_features, eval_pairs, fit(train_features, subset, args.penalty)))
+        held_out = sum(scores) / draws
+        standard_error = math.sqrt(held_out * (1 - held_out) / len(eval_pairs))  # binomial, pairs as independent
         print(
             f"rm_probe ({args.features}, {train_features.size(1)} features): {fraction:.2f} of the pairs "
-            f"(~{round(fraction * len(train_pairs))}): held-out accuracy {sum(scores) / draws:.3f} "
+            f"(~{round(fraction * len(train_pairs))}): held-out accuracy {held_out:.3f} ± {standard_error:.3f} "
             f"on {len(eval_pairs)} pairs"
         )
 

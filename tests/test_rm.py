@@ -120,6 +120,45 @@ def test_sequence_scores_ignore_padding():
     assert right.tolist() == pytest.approx(single, abs=1e-5)
 
 
+def test_head_features_are_the_heads_input():
+    """Ragged sequences batched with right padding: the features, read through the head, are score_sequences's
+    scores, and each one is its sequence's own (alone, unpadded)."""
+    torch.manual_seed(0)
+    V, pad = 50, 51  # pad outside the embedding, like the task tokenizer
+    model = GPT(GPTConfig(vocab_size=V, n_layer=2, n_head=2, n_embd=32, block_size=64, score_head=True)).eval()
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, V, (n,), generator=g).tolist() for n in (9, 2, 14, 5, 1)]
+    features = train_rm.head_features(model, seqs, pad, 2, "cpu", torch.float32)  # (N, C)
+    scores = score_sequences(model, seqs, pad, 2, "cpu", torch.float32)
+    with torch.no_grad():
+        through_head = model.score_head(features).squeeze(-1)
+    assert features.shape == (5, 32) and through_head.tolist() == pytest.approx(scores.tolist(), abs=1e-5)
+    alone = torch.cat([train_rm.head_features(model, [seq], pad, 1, "cpu", torch.float32) for seq in seqs])
+    torch.testing.assert_close(features, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_fit_score_head_is_the_penalised_optimum():
+    """Features at scales from 1e-2 to 1e4 and offsets to ±1e4, weighted pairs: the folded head scores z · w on the
+    standardised features, and w zeroes the gradient of the naive penalised loss (convex: its minimum)."""
+    g = torch.Generator().manual_seed(0)
+    N, C, penalty = 40, 4, 0.05
+    scale, offset = torch.tensor([1e-2, 1.0, 1e4, 3.0]), torch.tensor([0.0, 1e4, -1e4, 5.0])
+    features = (torch.randn(N, C, generator=g) * scale + offset).double()
+    pairs = []
+    for _ in range(60):
+        better, worse = torch.randperm(N, generator=g)[:2].tolist()
+        pairs.append((better, worse, torch.rand(1, generator=g).item() + 0.1))
+    head_weight, head_bias = train_rm.fit_score_head(features, pairs, penalty)
+    mean, std = features.mean(0), features.std(0) + 1e-6
+    z = (features - mean) / std
+    w = (head_weight * std).requires_grad_()
+    assert (features @ head_weight + head_bias).tolist() == pytest.approx((z @ w).tolist(), abs=1e-6)
+    total = sum(weight for *_, weight in pairs)
+    loss = sum(weight * -F.logsigmoid((z[better] - z[worse]) @ w) for better, worse, weight in pairs) / total
+    (gradient,) = torch.autograd.grad(loss + penalty * (w**2).sum(), w)
+    assert gradient.abs().max().item() < 1e-5 and w.abs().max().item() > 0.1
+
+
 def test_ranking_pairs_and_kwise_batch(tok):
     assert data.ranking_pairs([0, 1]) == [(0, 1, 1.0)]
     assert data.ranking_pairs([1, 0]) == [(1, 0, 1.0)]
@@ -308,6 +347,28 @@ def test_rm_kwise_user_data(tmp_path, sft_ckpt):
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
     assert len(samples) == 4  # held out: the last 5 % (2 records), a 3-way ranking (3 pairs) and a pair
     assert {(s["chosen"], s["rejected"]) for s in samples} <= {(" yes", " no"), (" yes", " maybe"), (" maybe", " no")}
+
+
+def test_rm_head_fit_starts_from_the_probe(tmp_path, sft_ckpt, tok, capsys, monkeypatch):
+    """--head-fit at lr 0: the checkpoint's head is fit_score_head on the trunk's features (bias less the calibration
+    offset); under --fsdp it is one line and exit 2."""
+    rows = [{"prompt": f"Q{i}:", "responses": [" no", " yes", " maybe"], "ranking": [1, 2, 0]} for i in range(20)]
+    rows += [{"prompt": f"R{i}:", "chosen": " good", "rejected": " bad"} for i in range(20)]
+    path = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    out = str(tmp_path / "rm")
+    flags = {**TINY, "max_steps": 1, "warmup_steps": 0, "eval_every": 0}
+    train_rm.main(train_rm.Args(out_dir=out, data=path, init=sft_ckpt, head_fit=True, lr=0.0, **flags))
+    assert "head fit: " in capsys.readouterr().out
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    model = GPT.from_checkpoint(ckpt).eval()
+    train, _ = data.encode_prefs(tok, rows[:38], model.config.block_size)  # 5 % held out
+    seqs, pairs = train_rm.flat_pairs(train)
+    features = train_rm.head_features(model, seqs, tok.pad_id, 64, "cpu", torch.float32)
+    head_weight, head_bias = train_rm.fit_score_head(features, pairs, 0.01)
+    assert model.score_head.weight[0].tolist() == pytest.approx(head_weight.tolist(), abs=1e-4)
+    assert model.score_head.bias.item() + ckpt["score_offset"] == pytest.approx(head_bias.item(), abs=1e-4)
+    argv = ["--data", path, "--init", sft_ckpt, "--head-fit", "--fsdp", "--out-dir", f"{tmp_path}/o"]
+    assert "--head-fit" in exits_2_with_one_line("train_rm.py", argv, capsys, monkeypatch)
 
 
 @pytest.mark.slow
