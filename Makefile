@@ -9,8 +9,8 @@
 #                        the gold-reward oracle (VinePPO's and REBEL's too), DPO, KTO and best-of-N (62 runs, about 2 h
 #                        on 2 cores before DPPO's 4; needs `make demo`; resumes; out/frontier/frontier.md and .png)
 #   make rlvr            the verifiable-reward task (--task arith): SFT, then GRPO, DAPO, GSPO, CISPO, DPPO (TV, KL),
-#                        RLOO and PPO-max on the verifier's reward, pass@1/4/16/64 on 128 held-out problems (10 min on
-#                        2 cores before GSPO, CISPO and DPPO; resumes; out/rlvr/results.json)
+#                        RLOO and PPO-max on the verifier's reward, pass@1/4/16/64 on 128 held-out problems (12.5 min
+#                        on 2 quiet cores; resumes; out/rlvr/results.json)
 #   make multiturn       the multi-turn task (--task guess, a guessing game): SFT, then PPO-max, GRPO and RLOO over
 #                        4-turn episodes, each against the optimum (8 min on 2 cores; resumes; out/multiturn/results.json)
 #   make real            RLHF on a real pretrained model: SmolLM2-135M-Instruct (out/smollm2, from a PyPI package), an RM

@@ -11,7 +11,7 @@ response_len and the rest of eval.py's columns, plus episodes and, for dapo, zer
 rewards all tie, dropped by dynamic sampling, averaged over iterations); prints the pass@k table and where the curves of
 SFT and the best RL policy cross. Finished runs are kept: run it again to resume.
 
-python experiments/rlvr.py                          # make rlvr: 10 minutes on 2 cores before the two dppo rows
+python experiments/rlvr.py                          # make rlvr: 12.5 minutes on 2 quiet cores
 python experiments/rlvr.py --tiny --out-dir /tmp/r  # the chain with tiny sizes (the test)
 """
 
