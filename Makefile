@@ -49,7 +49,7 @@ endif
 COMMON := --task-dir $(DATA)
 
 .PHONY: demo test test-fast venv real-venv clean ablation frontier online rlvr multiturn real real-rlvr real-multiturn \
-	smollm2 wheels
+	real-rlvr-losses real-rlvr-feedback smollm2 wheels
 
 venv: $(VENV)/.installed
 real-venv: $(VENV)/.installed-real
@@ -108,6 +108,15 @@ real: real-venv
 
 real-rlvr: real-venv
 	$(PY) experiments/real_rlvr.py --model-dir $(OUT)/smollm2 --out-dir $(OUT)/real_rlvr --dtype $(DTYPE)
+
+# the same task files, format SFT and GRPO run: the other losses at equal episodes, and the feedback game
+real-rlvr-losses: real-venv
+	$(PY) experiments/real_rlvr.py --model-dir $(OUT)/smollm2 --out-dir $(OUT)/real_rlvr --dtype $(DTYPE) \
+		--tasks chain_sum --losses grpo dppo_tv dppo_kl cispo gspo dapo
+
+real-rlvr-feedback: real-venv
+	$(PY) experiments/real_rlvr.py --model-dir $(OUT)/smollm2 --out-dir $(OUT)/real_rlvr --dtype $(DTYPE) \
+		--tasks chain_sum --feedback-turns 3
 
 real-multiturn: real-venv
 	$(PY) experiments/real_multiturn.py --model-dir $(OUT)/smollm2 --out-dir $(OUT)/real_multiturn --dtype $(DTYPE)

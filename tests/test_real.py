@@ -265,11 +265,12 @@ def test_make_reals_side_by_side_runs_get_their_threads_and_a_failure_names_its_
 def test_make_real_rlvr_runs_on_smollm2s_weights(tmp_path, smollm2_two_layers):
     """experiments/real_rlvr.py --tiny --dtype bfloat16 on SmolLM2's real tokenizer and its first two layers, one
     reasoning-gym task: the format SFT, GRPO on the scorer in bf16, then pass@1 and pass@2 of both policies from
-    eval.py, with the parse rate."""
+    eval.py, with the parse rate; with --feedback-turns 2, GRPO in the feedback game and each policy's first-try and
+    any-try success in it."""
     pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (requirements-real.txt)")
     out = str(tmp_path / "real_rlvr")
     command = [sys.executable, os.path.join(ROOT, "experiments", "real_rlvr.py"), "--tiny", "--out-dir", out]
-    command += ["--dtype", "bfloat16", "--tasks", "chain_sum"]
+    command += ["--dtype", "bfloat16", "--tasks", "chain_sum", "--feedback-turns", "2"]
     done = subprocess.run(command + ["--model-dir", smollm2_two_layers], env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.load(open(os.path.join(out, "results.json")))
@@ -277,6 +278,9 @@ def test_make_real_rlvr_runs_on_smollm2s_weights(tmp_path, smollm2_two_layers):
         row = results["chain_sum"][name]
         assert 0 <= row["pass@1"] <= row["pass@2"] <= 1 and 0 <= row["valid_frac"] <= 1
     assert results["chain_sum"]["grpo"]["train_seconds"] > 0
+    for name in ("sft/feedback", "grpo/feedback", "grpo_feedback/feedback"):
+        row = results["chain_sum"][name]
+        assert 0 <= row["episode/first_try"] <= row["episode/solved"] <= 1 and 1 <= row["episode/attempts"] <= 2
     grpo_log = open(os.path.join(out, "chain_sum", "grpo", "stdout.txt")).read()
     assert results["_meta"]["dtype"] == "bfloat16" and "torch.bfloat16" in grpo_log
 
