@@ -16,9 +16,13 @@
 #   make real            RLHF on a real pretrained model: SmolLM2-135M-Instruct (out/smollm2, from a PyPI package), an RM
 #                        on its own samples labelled by VADER, PPO-max on the RM and on VADER, eval (42 min on 2
 #                        cores in fp32; 29 with DTYPE=bfloat16 where the CPU has bf16 matmuls; resumes; out/real/)
-#   make real-rlvr       RLVR on SmolLM2 on two reasoning-gym tasks (chain_sum, letter_counting): a format SFT,
-#                        GRPO on the task's own scorer, pass@1 and pass@8 on 64 held-out questions each
+#   make real-rlvr       RLVR on SmolLM2 on two reasoning-gym tasks (chain_sum, countdown): a format SFT, GRPO on
+#                        the task's own scorer, pass@1 and pass@8 on 64 held-out questions each
 #                        (out/real_rlvr/results.json)
+#   make real-rlvr-losses    after make real-rlvr: DAPO's recipe, GSPO, CISPO, DPPO (TV, KL) beside its GRPO on
+#                        chain_sum, at equal episodes (into out/real_rlvr/results.json)
+#   make real-rlvr-feedback  after make real-rlvr: GRPO on chain_sum in a feedback game (up to 3 attempts, the
+#                        scorer's verdict after a wrong one); first-try and any-try success of SFT, GRPO and it
 #   make real-multiturn  multi-turn RL on SmolLM2: the guessing game in chat (1..10, 4 guesses, "Higher."/"Lower." as
 #                        the next user turn), success on 128 held-out games, 5 GRPO steps, again (556 s on 2 quiet
 #                        cores; resumes; out/real_multiturn/results.json)
