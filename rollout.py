@@ -21,7 +21,6 @@ from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoints
 import common
@@ -188,17 +187,14 @@ class Models:
             self.sampler.load_state_dict(merged_state_dict(self.actor))
 
 
-def training_forwards(models: Models, trained: list[common.Trained], setting: str, fsdp: bool, d) -> Models:
+def training_forwards(models: Models, trained: list[common.Trained], setting: str, d) -> Models:
     """Each trained role's `forward`, what its losses call, set in place: its module compiled under --compile
-    (Models.compiled) and, under torchrun without --fsdp, DDP-wrapped (FSDP2 needs no wrapper; DDP's gradients are
-    views into its all-reduce buckets). Returns the roles compiled, not wrapped: the rollout's no-grad passes run
-    them, so the sampler's log-probs are checked against the very forward the update differentiates."""
+    (Models.compiled), DDP-wrapped under torchrun (parallel.wrap_ddp). Returns the roles compiled, not wrapped: the
+    rollout's no-grad passes run them, so the sampler's log-probs are checked against the very forward the update
+    differentiates."""
     compiled = models.compiled(setting, d.device)
     for entry, module in zip(trained, compiled.trained()):
-        entry.forward = module
-        if d.ddp and not fsdp:
-            device_ids = [d.local_rank] if d.device.type == "cuda" else None
-            entry.forward = DDP(module, device_ids=device_ids, gradient_as_bucket_view=True)
+        entry.forward = parallel.wrap_ddp(module, d)
     return compiled
 
 

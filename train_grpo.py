@@ -908,8 +908,7 @@ def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
             entropy = (entropy_from_logits(logits) * weights).sum() / denom
             sums["entropy_bonus"] = entropy.detach()
             loss = loss - args.entropy_coef * entropy
-    # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
-    (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
+    parallel.backward_global(loss)
     tokens = mask.sum()
     sums["tokens"] = tokens
     for key in ("approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_mean"):
@@ -926,7 +925,7 @@ def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
     policy loss's comes after it)."""
     with parallel.grad_sync(actor, False), amp:
         loss = ptx_loss(actor, ptx_batch, ptx_tokens)
-    (args.ptx_coef * loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
+    parallel.backward_global(args.ptx_coef * loss)
     return {"ptx_loss": loss.detach()}
 
 
@@ -1152,7 +1151,7 @@ def main(args: Args) -> None:
         models.refresh_sampler()  # the resumed actor into its bf16 copy, before it samples
     # actor.model holds the parameters and the checkpoint; actor.forward is what the losses call (compiled on CUDA,
     # DDP-wrapped under torchrun); the rollout runs the roles compiled
-    compiled = rollout.training_forwards(models, [actor], args.compile, args.fsdp, d)
+    compiled = rollout.training_forwards(models, [actor], args.compile, d)
     engine = rollout.Engine(
         compiled, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn, data.make_env
     )

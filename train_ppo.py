@@ -396,8 +396,7 @@ def actor_backward(actor, batch: dict, args: Args, token_count, sync: bool, amp)
             entropy = (entropy_from_logits(logits) * mask).sum() / token_count
             sums["entropy_bonus"] = entropy.detach()
             loss = loss - args.entropy_coef * entropy
-    # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
-    (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
+    parallel.backward_global(loss)
     tokens = mask.sum()
     sums["tokens"] = tokens
     for key in ("approx_kl", "clipfrac", "ratio_mean"):
@@ -410,7 +409,7 @@ def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
     policy loss's comes after it)."""
     with parallel.grad_sync(actor, False), amp:
         loss = ptx_loss(actor, ptx_batch, ptx_tokens)
-    (args.ptx_coef * loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
+    parallel.backward_global(args.ptx_coef * loss)
     return {"ptx_loss": loss.detach()}
 
 
@@ -423,7 +422,7 @@ def critic_backward(critic, batch: dict, args: Args, token_count, sync: bool, am
         vf_loss, vf_stats = ppo_value_loss(
             new_values, batch["values"], batch["returns"], mask, args.cliprange_value, denom=token_count
         )
-    (vf_loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
+    parallel.backward_global(vf_loss)
     tokens = mask.sum()
     return {"vf_loss": vf_loss.detach(), "vf_clipfrac": vf_stats["clipfrac"] * tokens, "tokens": tokens}
 
@@ -631,7 +630,7 @@ def main(args: Args) -> None:
         models.refresh_sampler()  # the resumed actor into its bf16 copy, before it samples
     # actor.model and critic.model hold the parameters and the checkpoint; actor.forward and critic.forward are what
     # the losses call (compiled on CUDA, DDP-wrapped under torchrun); the rollout runs the roles compiled
-    compiled = rollout.training_forwards(models, [actor, critic], args.compile, args.fsdp, d)
+    compiled = rollout.training_forwards(models, [actor, critic], args.compile, d)
     engine = rollout.Engine(
         compiled, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn, data.make_env
     )
