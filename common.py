@@ -418,7 +418,11 @@ class Trained:
     optimizer: torch.optim.Optimizer
     schedule: Optional["LRSchedule"] = None  # the learning rate per step (saved and resumed with the model)
     grad_clip: float = 0.0  # global grad-norm clip (0: off)
-    forward: Optional[torch.nn.Module] = None  # the training forward when it is not `model`: compiled, DDP-wrapped
+    forward: Optional[torch.nn.Module] = None  # what the losses call: `model` itself, or it compiled and DDP-wrapped
+
+    def __post_init__(self):
+        if self.forward is None:
+            self.forward = self.model
 
     @property
     def optimizer_key(self) -> str:

@@ -250,11 +250,22 @@ def wrap_model(model: torch.nn.Module, d: Dist, compile: str) -> torch.nn.Module
     the raw module."""
     if use_compile(compile, d.device):
         model = compile_forward(model)
-    if d.ddp and not is_sharded(getattr(model, "_orig_mod", model)):  # FSDP2 needs no wrapper
-        # the gradients as views into DDP's all-reduce buckets: no second copy of every gradient
+    return wrap_ddp(model, d)
+
+
+def wrap_ddp(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
+    """A training forward under torchrun, DDP-wrapped (FSDP2 needs no wrapper), with the gradients as views into DDP's
+    all-reduce buckets: no second copy of every gradient. Alone, the forward itself."""
+    if d.ddp and not is_sharded(getattr(model, "_orig_mod", model)):
         device_ids = [d.local_rank] if d.device.type == "cuda" else None
         model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
     return model
+
+
+def backward_global(loss: torch.Tensor) -> None:
+    """The backward of a loss over the global batch (a sum over every rank's rows divided by a global count): DDP
+    averages gradients over ranks, so the loss is scaled by the world size first."""
+    (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
 
 
 def grad_sync(model: torch.nn.Module, sync: bool):

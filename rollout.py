@@ -187,6 +187,17 @@ class Models:
             self.sampler.load_state_dict(merged_state_dict(self.actor))
 
 
+def training_forwards(models: Models, trained: list[common.Trained], setting: str, d) -> Models:
+    """Each trained role's `forward`, what its losses call, set in place: its module compiled under --compile
+    (Models.compiled), DDP-wrapped under torchrun (parallel.wrap_ddp). Returns the roles compiled, not wrapped: the
+    rollout's no-grad passes run them, so the sampler's log-probs are checked against the very forward the update
+    differentiates."""
+    compiled = models.compiled(setting, d.device)
+    for entry, module in zip(trained, compiled.trained()):
+        entry.forward = parallel.wrap_ddp(module, d)
+    return compiled
+
+
 def policy_checkpoint(spec: str, flag: str) -> dict:
     """A policy's init as a checkpoint dict: our .pt file, or a pretrained model (hf:<name-or-path>, gpt2, ...) as
     an sft checkpoint with no training state."""
@@ -786,16 +797,19 @@ def policy_logprobs(actor, batch: dict, temperature: float):
     return logits, logprobs_from_logits(logits, batch["response"])
 
 
-def first_micro_batch(logprobs, old_logprobs, mask, sums: dict) -> dict:
-    """An update's first micro-batch: ratio_err (max |ratio - 1| over mask), approx_kl and clipfrac (from the policy
-    loss's sums), which must read 0, 0, 0 to float precision (the policy has not moved since it sampled)."""
-    ratio_error = ((logprobs - old_logprobs).exp().sub(1).abs() * mask).max()
+def ratio_diagnostics(logprobs, old_logprobs, mask, sums: dict) -> dict:
+    """A micro-batch's ratio_err (max |ratio - 1| over mask), approx_kl and clipfrac (from the policy loss's sums), on
+    device (nan without tokens): on an update's first micro-batch they must read 0, 0, 0 to float precision (the
+    policy has not moved since it sampled)."""
+    ratio_error = ((logprobs.detach() - old_logprobs).exp().sub(1).abs() * mask).max()
     tokens = sums["tokens"]
-    return {
-        "ratio_err": ratio_error.item(),
-        "approx_kl": (sums["approx_kl"] / tokens).item(),
-        "clipfrac": (sums["clipfrac"] / tokens).item(),
-    }
+    return {"ratio_err": ratio_error, "approx_kl": sums["approx_kl"] / tokens, "clipfrac": sums["clipfrac"] / tokens}
+
+
+def read_diagnostics(diagnostics: dict) -> dict:
+    """ratio_diagnostics read on the host (one read): {} when absent or without tokens (nan)."""
+    values = dict(zip(diagnostics, torch.stack(list(diagnostics.values())).tolist())) if diagnostics else {}
+    return values if all(math.isfinite(value) for value in values.values()) else {}
 
 
 @torch.no_grad()
@@ -821,7 +835,7 @@ def update_kl(actor, experience: dict, micro_batch_size: int, temperature: float
 class Loop:
     """An RL stage's loop state, saved with its checkpoint: the iteration, optimizer steps, episodes, the generator
     of every draw, the prompt and ptx streams (ptx None: no ptx loss), the NaN guard, the inputs' hashes (checked by
-    --resume); `first` (this process's first update's diagnostics) is not saved."""
+    --resume); first_micro_batch (this process's first update's ratio_diagnostics) is not saved."""
 
     generator: torch.Generator
     prompt_stream: Optional[PromptStream] = None
@@ -831,7 +845,7 @@ class Loop:
     step: int = 0
     updates: int = 0
     episodes: int = 0
-    first: dict = field(default_factory=dict)
+    first_micro_batch: dict = field(default_factory=dict)
 
     def data_state(self) -> dict:
         """The checkpoint's data_state: the prompt and ptx orders, the optimizer steps, episodes and skipped steps."""

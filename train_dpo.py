@@ -24,7 +24,6 @@ from functools import partial
 from typing import Callable, Literal, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoints
@@ -381,8 +380,7 @@ def pair_backward(policy, ref, batch: list, args: Args, denoms: tuple, sync: boo
         best_logprobs = policy_logprobs[best] * (targets_mask[best].sum(1) if average else 1)
         nll_loss = -best_logprobs.sum() / nll_denom
         loss = loss + args.nll_coef * nll_loss
-        # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
-        (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
+        parallel.backward_global(loss)
     return {"train/loss": loss.detach(), "train/nll_loss": nll_loss.detach()} | stats
 
 
@@ -414,8 +412,7 @@ def kto_backward(policy, ref, batch: list, args: Args, denoms: tuple, z0: torch.
         loss, stats = kto_loss(policy_logprobs, ref_logprobs, desirable, z0, args.beta, *weights, example_denoms)
         nll_loss = -policy_logprobs[desirable].sum() / nll_denom
         loss = loss + args.nll_coef * nll_loss
-        # DDP averages over ranks (pair_backward)
-        (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
+        parallel.backward_global(loss)
     return {"train/loss": loss.detach(), "train/nll_loss": nll_loss.detach()} | stats
 
 

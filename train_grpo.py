@@ -37,11 +37,10 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Callable, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoints
 import common
@@ -699,11 +698,13 @@ def rebel_loss(logprobs, old_logprobs, gaps, mask, eta: float, denom):
 # one iteration: rollout (steps 1-5), DAPO's dynamic sampling, update (step 6)
 
 
-def vineppo_advantages(engine: rollout.Engine, prompts: list, experience: dict, moments: RunningMoments) -> tuple:
+def vineppo_advantages(
+    engine: rollout.Engine, args: Args, prompts: list, experience: dict, moments: RunningMoments
+) -> tuple:
     """VinePPO: the value of the state before each step of each response (the prompt alone before the first) is the
     mean return of --vine-k continuations the policy samples from it (continuation_returns: scores normalised with
     the run's moments, which they do not update), and each step's tokens take its advantage (vine_advantages)."""
-    args, tok = engine.args, engine.tok
+    tok = engine.tok
     t_start = time.time()
     response, mask = experience["response"], experience["mask"]
     steps = vine_steps(response, mask, vine_step_end(args, tok), args.vine_chunk)
@@ -739,11 +740,12 @@ def vineppo_advantages(engine: rollout.Engine, prompts: list, experience: dict, 
 
 
 @torch.no_grad()
-def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningMoments) -> tuple[dict, dict, list]:
+def grpo_rollout(
+    engine: rollout.Engine, args: Args, prompts: list, reward_moments: RunningMoments
+) -> tuple[dict, dict, list]:
     """Steps 1-5 on this rank's prompts (a group's G copies consecutive): rollout.rollout (1-3), the scores
     normalised (reward_moments updated in place), the KL in the rewards if there, and the estimator's advantages.
     Returns (experience, metrics: global means, records: the responses as dicts)."""
-    args = engine.args
     experience, sums, records = rollout.rollout(engine, prompts)
     mask = experience["mask"]
     # 4. scores (the episodes' returns) normalised with running moments over all history and ranks (REINFORCE++'s
@@ -773,7 +775,7 @@ def grpo_rollout(engine: rollout.Engine, prompts: list, reward_moments: RunningM
             score_norm, logprobs, ref_logprobs, mask, args.group_size, reward_kl_coef, args.gamma, turn_rewards
         )
     elif args.estimator == "vineppo":  # Monte-Carlo values from continuations sampled at each step's start
-        advantages, estimator_sums = vineppo_advantages(engine, prompts, experience, reward_moments)
+        advantages, estimator_sums = vineppo_advantages(engine, args, prompts, experience, reward_moments)
     elif args.estimator == "rebel":  # the regression's target on every token: the reward gap to the pair's partner
         advantages = pair_gaps(sequence_rewards)[:, None] * mask
     elif args.estimator == "distill":  # the teacher's per-token reverse KL, each token its own
@@ -849,25 +851,22 @@ def keep_informative_groups(rounds: list[dict], group_size: int, rows: int, pad_
     return experience
 
 
-def dynamic_sampling(first: dict, draw: Callable, args, prompts_per_rank: int, pad_id: int) -> tuple[dict, dict]:
-    """DAPO's dynamic sampling after the iteration's first rollout round: draw() (the next round: experience, metrics,
-    records) until every rank has prompts_per_rank informative groups or --max-sample-rounds rounds are spent;
-    returns the experience keep_informative_groups builds and rollout/zero_std_frac (of the first round),
-    rollout/sample_rounds."""
-    device = first["mask"].device
-    rounds = [first]
-    group_flags = informative_groups(first["scores"], args.group_size)
-    counts = parallel.all_reduce_dict({"groups": len(group_flags), "zero_std": (~group_flags).sum()}, device)
-    metrics = {"rollout/zero_std_frac": counts["zero_std"] / counts["groups"]}
-    while len(rounds) < args.max_sample_rounds:
-        informative = sum(informative_groups(part["scores"], args.group_size).sum() for part in rounds)
-        short = parallel.all_reduce_dict({"ranks_short": float(informative < prompts_per_rank)}, device)
-        if short["ranks_short"] == 0:
-            break
-        rounds.append(draw()[0])
-    metrics["rollout/sample_rounds"] = len(rounds)
-    rows = first["mask"].size(0)
-    return keep_informative_groups(rounds, args.group_size, rows, pad_id), metrics
+def needs_more_rounds(rounds: list[dict], args, prompts_per_rank: int) -> bool:
+    """DAPO's dynamic sampling: another rollout round is due while some rank has fewer than prompts_per_rank
+    informative groups over the iteration's rounds and --max-sample-rounds are not spent (one all-reduce)."""
+    if len(rounds) >= args.max_sample_rounds:
+        return False
+    informative = sum(informative_groups(part["scores"], args.group_size).sum() for part in rounds)
+    short = parallel.all_reduce_dict({"ranks_short": float(informative < prompts_per_rank)}, rounds[0]["mask"].device)
+    return short["ranks_short"] > 0
+
+
+def zero_std_frac(experience: dict, group_size: int) -> float:
+    """The share of groups whose scores are all equal, over every rank (one all-reduce)."""
+    group_flags = informative_groups(experience["scores"], group_size)
+    counts = {"groups": len(group_flags), "zero_std": (~group_flags).sum()}
+    counts = parallel.all_reduce_dict(counts, experience["mask"].device)
+    return counts["zero_std"] / counts["groups"]
 
 
 def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
@@ -909,8 +908,7 @@ def actor_backward(actor, batch: dict, args: Args, denom, sync: bool, amp):
             entropy = (entropy_from_logits(logits) * weights).sum() / denom
             sums["entropy_bonus"] = entropy.detach()
             loss = loss - args.entropy_coef * entropy
-    # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
-    (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
+    parallel.backward_global(loss)
     tokens = mask.sum()
     sums["tokens"] = tokens
     for key in ("approx_kl", "clipfrac", "clipfrac_low", "clipfrac_high", "ratio_mean"):
@@ -927,15 +925,23 @@ def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
     policy loss's comes after it)."""
     with parallel.grad_sync(actor, False), amp:
         loss = ptx_loss(actor, ptx_batch, ptx_tokens)
-    (args.ptx_coef * loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
+    parallel.backward_global(args.ptx_coef * loss)
     return {"ptx_loss": loss.detach()}
 
 
-def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop) -> tuple[dict, dict]:
-    """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one guarded optimizer
-    step per minibatch (none when no policy-loss token is left). Returns (metrics: global means over the steps
-    taken, plus policy/update_kl; diagnostics: updates, skipped, and while loop.first is empty the first
-    micro-batch's ratio_err, approx_kl, clipfrac)."""
+def grpo_update(
+    actor: Trained,
+    experience: dict,
+    args: Args,
+    step: int,
+    generator: torch.Generator,
+    guard: common.StepGuard,
+    ptx_stream,
+) -> tuple[dict, dict]:
+    """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches (shuffled by
+    generator), one guarded optimizer step per minibatch (none when no policy-loss token is left), with ptx_stream's
+    text under the ptx loss (None: none). Returns (metrics: global means over the steps taken, plus policy/update_kl;
+    diagnostics: updates, skipped, first_micro_batch: the first micro-batch's ratio_diagnostics, on device)."""
     mask = experience["mask"]
     device = mask.device
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")
@@ -943,8 +949,7 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
     grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
     dtype = parallel.resolve_dtype(args.dtype, device)
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    actor_forward = actor.model if actor.forward is None else actor.forward
-    use_ptx = loop.ptx_stream is not None
+    use_ptx = ptx_stream is not None
     # the policy loss's tokens: --mask-truncated drops the responses without EOS, --dynamic-sampling the groups that
     # only fill the batch; whitening statistics come from these tokens too: a dropped response never moves the update
     loss_mask = mask
@@ -960,19 +965,19 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
         mean, variance = parallel.global_moments(batch["advantages"], loss_mask, device)
         batch["advantages"] = whiten(batch["advantages"], mean, variance)
     totals = defaultdict(float)  # this rank's sums over the steps taken
-    first = {}
+    first_micro_batch = {}
     updates = 0
-    skipped_before = loop.guard.skipped
+    skipped_before = guard.skipped
     lengths = row_extent(
         experience["attention_mask"]
     ).tolist()  # one host sync: each micro-batch trims its right padding
     for _ in range(args.ppo_epochs):
         if args.estimator == "rebel":  # whole groups permuted: a pair never splits (micro-batches hold whole groups)
             group_size = args.group_size
-            groups = torch.randperm(mask.size(0) // group_size, generator=loop.generator, device=loop.generator.device)
+            groups = torch.randperm(mask.size(0) // group_size, generator=generator, device=generator.device)
             permutation = (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).flatten()
         else:
-            permutation = torch.randperm(mask.size(0), generator=loop.generator, device=loop.generator.device)
+            permutation = torch.randperm(mask.size(0), generator=generator, device=generator.device)
         widths = parallel.micro_batch_widths(lengths, permutation.tolist(), micro_batch_size)
         permutation = permutation.to(device)
         # every step's global counts of kept tokens and sequences (loss denominators): one all-reduce an epoch, read
@@ -985,7 +990,7 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
         for minibatch in range(args.num_minibatches):
             minibatch_rows_taken = slice(minibatch * minibatch_rows, (minibatch + 1) * minibatch_rows)
             minibatch_batch = parallel.take_rows(batch, permutation[minibatch_rows_taken])
-            ptx_batches = [loop.ptx_stream.next() for _ in range(grad_accum_steps)] if use_ptx else []
+            ptx_batches = [ptx_stream.next() for _ in range(grad_accum_steps)] if use_ptx else []
             loss_tokens, loss_sequences = counts[0][minibatch], counts[1][minibatch]
             if loss_tokens == 0:  # every response dropped: no step, explicitly rather than a NaN
                 continue
@@ -1008,25 +1013,32 @@ def grpo_update(actor: Trained, experience: dict, args: Args, loop: rollout.Loop
                 micro_batch = parallel.take_rows(minibatch_batch, rows, widths[minibatch * grad_accum_steps + micro])
                 sync = micro == grad_accum_steps - 1
                 if use_ptx:
-                    ptx_sums = ptx_backward(actor_forward, ptx_batches[micro], args, ptx_token_count, amp)
+                    ptx_sums = ptx_backward(actor.forward, ptx_batches[micro], args, ptx_token_count, amp)
                     for key, value in ptx_sums.items():
                         step_sums[key] += value
-                sums, logprobs = actor_backward(actor_forward, micro_batch, args, denom, sync, amp)
+                sums, logprobs = actor_backward(actor.forward, micro_batch, args, denom, sync, amp)
                 for key, value in sums.items():
                     step_sums[key] += value
-                if not loop.first and not first and sums["tokens"] > 0:  # must be ratio 1, approx_kl 0, clipfrac 0
-                    first = rollout.first_micro_batch(logprobs, micro_batch["logprobs"], micro_batch["loss_mask"], sums)
-            if common.guarded_step([actor], loop.guard, loop.step):
+                if not first_micro_batch:  # must read ratio 1, approx_kl 0, clipfrac 0
+                    first_micro_batch = rollout.ratio_diagnostics(
+                        logprobs, micro_batch["logprobs"], micro_batch["loss_mask"], sums
+                    )
+            if common.guarded_step([actor], guard, step):
                 for key, value in step_sums.items():
                     totals[key] += value
                 updates += 1
             else:  # name the bad quantity (the loss sums are this rank's)
                 losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums.items())
-                print0(f"step {loop.step}: the actor's sums when its grad norm was not finite: {losses}")
-    metrics |= loop.guard.read()
+                print0(f"step {step}: the actor's sums when its grad norm was not finite: {losses}")
+    metrics |= guard.read()
     metrics |= update_metrics(totals, updates, device)
-    metrics["policy/update_kl"] = rollout.update_kl(actor_forward, experience, micro_batch_size, args.temperature, amp)
-    return metrics, {"updates": updates, "skipped": loop.guard.skipped - skipped_before, "first": first}
+    metrics["policy/update_kl"] = rollout.update_kl(actor.forward, experience, micro_batch_size, args.temperature, amp)
+    diagnostics = {
+        "updates": updates,
+        "skipped": guard.skipped - skipped_before,
+        "first_micro_batch": first_micro_batch,
+    }
+    return metrics, diagnostics
 
 
 def update_metrics(totals: dict, updates: int, device) -> dict:
@@ -1137,20 +1149,14 @@ def main(args: Args) -> None:
         ckpt = loop.resume(run)
         reward_moments.load_state_dict(ckpt["reward_moments"])
         models.refresh_sampler()  # the resumed actor into its bf16 copy, before it samples
-    # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
-    forward = models.compiled(args.compile, d.device)
-    actor.forward = forward.actor
-    if d.ddp and not args.fsdp:  # FSDP2 needs no wrapper; DDP's gradients are views into its all-reduce buckets
-        device_ids = [d.local_rank] if d.device.type == "cuda" else None
-        actor.forward = DDP(forward.actor, device_ids=device_ids, gradient_as_bucket_view=True)
+    # actor.model holds the parameters and the checkpoint; actor.forward is what the losses call (compiled on CUDA,
+    # DDP-wrapped under torchrun); the rollout runs the roles compiled
+    compiled = rollout.training_forwards(models, [actor], args.compile, d)
     engine = rollout.Engine(
-        forward, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn, data.make_env
+        compiled, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn, data.make_env
     )
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops, dtype)
-
-    def draw() -> tuple[dict, dict, list]:  # one rollout round on this rank's share of the next prompts
-        return grpo_rollout(engine, loop.prompt_stream.next(), reward_moments)
 
     # the loop: steps 1-5 (grpo_rollout, dynamic sampling), 6 (grpo_update), 7 (log, samples, checkpoint)
     start_step = loop.step
@@ -1161,19 +1167,26 @@ def main(args: Args) -> None:
     last = loop.step >= max_steps or (args.max_steps is None and loop.episodes >= args.total_episodes)
     while not last:
         t_rollout = time.time()
-        experience, metrics, records = draw()
+        experience, metrics, records = grpo_rollout(engine, args, loop.prompt_stream.next(), reward_moments)
+        rounds = [experience]
         if args.dynamic_sampling:  # DAPO: fresh groups until enough are informative on every rank (the metrics and
             # records are the first round's: what the policy does)
-            experience, sampling_metrics = dynamic_sampling(experience, draw, args, sizes.prompts_per_rank, tok.pad_id)
-            metrics |= sampling_metrics
+            metrics["rollout/zero_std_frac"] = zero_std_frac(experience, args.group_size)
+            while needs_more_rounds(rounds, args, sizes.prompts_per_rank):
+                rounds.append(grpo_rollout(engine, args, loop.prompt_stream.next(), reward_moments)[0])
+            metrics["rollout/sample_rounds"] = len(rounds)
+            experience = keep_informative_groups(rounds, args.group_size, experience["mask"].size(0), tok.pad_id)
         t_update = time.time()
         lr = common.step_lr(actor, loop.step)
-        updated, diagnostics = grpo_update(actor, experience, args, loop)
-        loop.first = loop.first or diagnostics["first"]
+        updated, diagnostics = grpo_update(
+            actor, experience, args, loop.step, loop.generator, loop.guard, loop.ptx_stream
+        )
+        if not loop.first_micro_batch:  # this process's first update whose first micro-batch has tokens (a host read)
+            loop.first_micro_batch = rollout.read_diagnostics(diagnostics["first_micro_batch"])
         models.refresh_sampler()  # the updated actor into its bf16 copy, in place
         loop.step += 1
         loop.updates += diagnostics["updates"]
-        loop.episodes += args.rollout_batch_size * int(metrics.get("rollout/sample_rounds", 1))
+        loop.episodes += args.rollout_batch_size * len(rounds)
         stopping = stop.requested(d.device)
         last = loop.step >= max_steps or (args.max_steps is None and loop.episodes >= args.total_episodes)
         t_end = time.time()
@@ -1208,8 +1221,8 @@ def main(args: Args) -> None:
         text = format_sample(record["prompt"], record["response"], record["ended"])
         print0(f"  {text}  (score {record['score']:.2f})")
     if args.export_hf and d.master:
-        checkpoints.export_hf(models.actor, tok, args.export_hf)
-    first_line = ", ".join(f"{key} {value:.1e}" for key, value in loop.first.items())
+        checkpoints.export_hf(actor.model, tok, args.export_hf)
+    first_line = ", ".join(f"{key} {value:.1e}" for key, value in loop.first_micro_batch.items())
     print0(f"grpo done in {time.time() - t_start:.0f}s: {run.path} | first minibatch of the first update: {first_line}")
     logger.close()
     parallel.cleanup_dist()

@@ -23,7 +23,6 @@ from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoints
 import common
@@ -339,15 +338,14 @@ def critic_values(critic, experience: dict, micro_batch_size: int, temperature: 
 
 @torch.no_grad()
 def ppo_rollout(
-    engine: rollout.Engine, critic, prompts: list, kl_coef: float, reward_moments: RunningMoments
+    engine: rollout.Engine, args: Args, prompts: list, kl_coef: float, reward_moments: RunningMoments
 ) -> tuple[dict, dict, list]:
     """Steps 1-5 on this rank's prompts: rollout.rollout (1-3), the critic's values, the rewards (reward_moments
     updated in place) and GAE. Returns (experience, metrics: global means, records: the responses as dicts)."""
-    args = engine.args
     experience, sums, records = rollout.rollout(engine, prompts)
     mask = experience["mask"]
     amp = torch.autocast(mask.device.type, dtype=engine.dtype, enabled=engine.dtype != torch.float32)
-    values = critic_values(critic, experience, engine.micro_batch_size, args.temperature, amp)
+    values = critic_values(engine.models.critic, experience, engine.micro_batch_size, args.temperature, amp)
     # 4. rewards: running moments of the returns over all history and ranks, normalise, clip (PPO-max §3.2); -beta * k1
     # per token
     scores = experience["scores"]
@@ -398,8 +396,7 @@ def actor_backward(actor, batch: dict, args: Args, token_count, sync: bool, amp)
             entropy = (entropy_from_logits(logits) * mask).sum() / token_count
             sums["entropy_bonus"] = entropy.detach()
             loss = loss - args.entropy_coef * entropy
-    # DDP averages gradients over ranks; the losses are global sums, so each backward scales by the world size
-    (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
+    parallel.backward_global(loss)
     tokens = mask.sum()
     sums["tokens"] = tokens
     for key in ("approx_kl", "clipfrac", "ratio_mean"):
@@ -412,7 +409,7 @@ def ptx_backward(actor, ptx_batch: tuple, args: Args, ptx_tokens, amp) -> dict:
     policy loss's comes after it)."""
     with parallel.grad_sync(actor, False), amp:
         loss = ptx_loss(actor, ptx_batch, ptx_tokens)
-    (args.ptx_coef * loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
+    parallel.backward_global(args.ptx_coef * loss)
     return {"ptx_loss": loss.detach()}
 
 
@@ -425,16 +422,26 @@ def critic_backward(critic, batch: dict, args: Args, token_count, sync: bool, am
         vf_loss, vf_stats = ppo_value_loss(
             new_values, batch["values"], batch["returns"], mask, args.cliprange_value, denom=token_count
         )
-    (vf_loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
+    parallel.backward_global(vf_loss)
     tokens = mask.sum()
     return {"vf_loss": vf_loss.detach(), "vf_clipfrac": vf_stats["clipfrac"] * tokens, "tokens": tokens}
 
 
-def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, loop: rollout.Loop):
-    """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches, one guarded optimizer
-    step per minibatch for the critic and, after its warm-up, the actor. Returns (metrics: global means over the
-    steps each model took, plus policy/update_kl; diagnostics: updates, skipped, and while loop.first is empty the
-    first micro-batch's ratio_err, approx_kl, clipfrac)."""
+def ppo_update(
+    actor: Trained,
+    critic: Trained,
+    experience: dict,
+    args: Args,
+    step: int,
+    generator: torch.Generator,
+    guard: common.StepGuard,
+    ptx_stream,
+):
+    """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches (shuffled by
+    generator), one guarded optimizer step per minibatch for the critic and, from iteration --critic-warmup-steps on,
+    the actor (with ptx_stream's text under the ptx loss; None: none). Returns (metrics: global means over the steps
+    each model took, plus policy/update_kl; diagnostics: updates, skipped, first_micro_batch: the actor's first
+    micro-batch's ratio_diagnostics, on device)."""
     mask = experience["mask"]
     device = mask.device
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")
@@ -442,10 +449,8 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
     grad_accum_steps = exact_div(minibatch_rows, micro_batch_size, "minibatch rows per rank over --micro-batch-size")
     dtype = parallel.resolve_dtype(args.dtype, device)
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    actor_forward = actor.model if actor.forward is None else actor.forward
-    critic_forward = critic.model if critic.forward is None else critic.forward
-    train_actor = loop.step >= args.critic_warmup_steps  # the critic warm-up: only the critic trains
-    use_ptx = train_actor and loop.ptx_stream is not None
+    train_actor = step >= args.critic_warmup_steps  # the critic warm-up: only the critic trains
+    use_ptx = train_actor and ptx_stream is not None
     # the losses' tokens: the model's; --mask-truncated drops responses without EOS and episodes cut by the context
     loss_mask = mask
     if args.mask_truncated:
@@ -459,14 +464,14 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
         batch["advantages"] = whiten(batch["advantages"], mean, variance)
     totals = {"actor": defaultdict(float), "critic": defaultdict(float)}  # this rank's sums over the steps each took
     steps = {"actor": 0, "critic": 0}  # the steps each model took (the same on every rank)
-    first = {}
+    first_micro_batch = {}
     updates = 0  # optimizer steps every model took
-    skipped_before = loop.guard.skipped
+    skipped_before = guard.skipped
     lengths = row_extent(
         experience["attention_mask"]
     ).tolist()  # one host sync: each micro-batch trims its right padding
     for _ in range(args.ppo_epochs):
-        permutation = torch.randperm(mask.size(0), generator=loop.generator, device=loop.generator.device)
+        permutation = torch.randperm(mask.size(0), generator=generator, device=generator.device)
         widths = parallel.micro_batch_widths(lengths, permutation.tolist(), micro_batch_size)
         permutation = permutation.to(device)
         for minibatch in range(args.num_minibatches):
@@ -476,7 +481,7 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
             if args.adv_whiten == "minibatch":  # PPO-max: global statistics over the whole minibatch
                 mean, variance = parallel.global_moments(minibatch_batch["advantages"], minibatch_mask, device)
                 minibatch_batch["advantages"] = whiten(minibatch_batch["advantages"], mean, variance)
-            ptx_batches = [loop.ptx_stream.next() for _ in range(grad_accum_steps)] if use_ptx else []
+            ptx_batches = [ptx_stream.next() for _ in range(grad_accum_steps)] if use_ptx else []
             # the step's global token counts (loss denominators): one all-reduce per step, left on device
             ptx_tokens = sum((ptx_batch[2].sum() for ptx_batch in ptx_batches), torch.zeros((), device=device))
             token_count, ptx_token_count = parallel.all_reduce_stack([minibatch_mask.sum(), ptx_tokens], device).float()
@@ -488,21 +493,21 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
                 if train_actor:
                     ptx_sums = {}
                     if use_ptx:
-                        ptx_sums = ptx_backward(actor_forward, ptx_batches[micro], args, ptx_token_count, amp)
-                    sums, logprobs = actor_backward(actor_forward, micro_batch, args, token_count, sync, amp)
+                        ptx_sums = ptx_backward(actor.forward, ptx_batches[micro], args, ptx_token_count, amp)
+                    sums, logprobs = actor_backward(actor.forward, micro_batch, args, token_count, sync, amp)
                     for key, value in (ptx_sums | sums).items():
                         step_sums["actor"][key] += value
-                    if not loop.first and not first:  # must read ratio 1, approx_kl 0, clipfrac 0
-                        first = rollout.first_micro_batch(
+                    if not first_micro_batch:  # must read ratio 1, approx_kl 0, clipfrac 0
+                        first_micro_batch = rollout.ratio_diagnostics(
                             logprobs, micro_batch["logprobs"], micro_batch["loss_mask"], sums
                         )
-                sums = critic_backward(critic_forward, micro_batch, args, token_count, sync, amp)
+                sums = critic_backward(critic.forward, micro_batch, args, token_count, sync, amp)
                 for key, value in sums.items():
                     step_sums["critic"][key] += value
             # separate optimizers and clips; each norm is global (after DDP's all-reduce; FSDP2's is a DTensor whose
             # full value is the global norm), so every rank takes the same decision
             trained = {"actor": actor, "critic": critic} if train_actor else {"critic": critic}
-            stepped = common.guarded_step(list(trained.values()), loop.guard, loop.step)
+            stepped = common.guarded_step(list(trained.values()), guard, step)
             for role, entry in trained.items():
                 if entry.name in stepped:
                     for key, value in step_sums[role].items():
@@ -510,12 +515,17 @@ def ppo_update(actor: Trained, critic: Trained, experience: dict, args: Args, lo
                     steps[role] += 1
                 else:  # name the bad quantity (the loss sums are this rank's)
                     losses = ", ".join(f"{key} {value.item():.3g}" for key, value in step_sums[role].items())
-                    print0(f"step {loop.step}: the {role}'s sums when its grad norm was not finite: {losses}")
+                    print0(f"step {step}: the {role}'s sums when its grad norm was not finite: {losses}")
             updates += len(stepped) == len(trained)
-    metrics |= loop.guard.read({"model": "train/grad_norm", "critic": "value/grad_norm"})  # the actor is "model"
+    metrics |= guard.read({"model": "train/grad_norm", "critic": "value/grad_norm"})  # the actor is "model"
     metrics |= update_metrics(totals, steps, device)
-    metrics["policy/update_kl"] = rollout.update_kl(actor_forward, experience, micro_batch_size, args.temperature, amp)
-    return metrics, {"updates": updates, "skipped": loop.guard.skipped - skipped_before, "first": first}
+    metrics["policy/update_kl"] = rollout.update_kl(actor.forward, experience, micro_batch_size, args.temperature, amp)
+    diagnostics = {
+        "updates": updates,
+        "skipped": guard.skipped - skipped_before,
+        "first_micro_batch": first_micro_batch,
+    }
+    return metrics, diagnostics
 
 
 def update_metrics(totals: dict, steps: dict, device) -> dict:
@@ -618,16 +628,11 @@ def main(args: Args) -> None:
         kl_controller.load_state_dict(ckpt["kl_ctl"])
         detector.load_state_dict(ckpt["data_state"]["collapse"])
         models.refresh_sampler()  # the resumed actor into its bf16 copy, before it samples
-    # the training forward (compiled on CUDA) also serves the no-grad rollout passes; DDP wraps it for the update
-    forward = models.compiled(args.compile, d.device)
-    actor.forward = forward.actor
-    critic.forward = forward.critic
-    if d.ddp and not args.fsdp:  # FSDP2 needs no wrapper; DDP's gradients are views into its all-reduce buckets
-        device_ids = [d.local_rank] if d.device.type == "cuda" else None
-        actor.forward = DDP(forward.actor, device_ids=device_ids, gradient_as_bucket_view=True)
-        critic.forward = DDP(forward.critic, device_ids=device_ids, gradient_as_bucket_view=True)
+    # actor.model and critic.model hold the parameters and the checkpoint; actor.forward and critic.forward are what
+    # the losses call (compiled on CUDA, DDP-wrapped under torchrun); the rollout runs the roles compiled
+    compiled = rollout.training_forwards(models, [actor, critic], args.compile, d)
     engine = rollout.Engine(
-        forward, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn, data.make_env
+        compiled, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn, data.make_env
     )
     logger = common.Logger(args.out_dir, d.master, resume_step=loop.step if args.resume else None, console_keys=CONSOLE)
     peak = common.peak_flops(d.device, args.peak_flops, dtype)
@@ -639,14 +644,15 @@ def main(args: Args) -> None:
     while loop.step < max_steps:
         t_rollout = time.time()
         kl_coef = kl_controller.value
-        experience, metrics, records = ppo_rollout(
-            engine, forward.critic, loop.prompt_stream.next(), kl_coef, reward_moments
-        )
+        experience, metrics, records = ppo_rollout(engine, args, loop.prompt_stream.next(), kl_coef, reward_moments)
         kl_controller.update(metrics["objective/kl"], args.rollout_batch_size)
         t_update = time.time()
         lr, critic_lr = common.step_lr(actor, loop.step), common.step_lr(critic, loop.step)
-        updated, diagnostics = ppo_update(actor, critic, experience, args, loop)
-        loop.first = loop.first or diagnostics["first"]
+        updated, diagnostics = ppo_update(
+            actor, critic, experience, args, loop.step, loop.generator, loop.guard, loop.ptx_stream
+        )
+        if not loop.first_micro_batch:  # this process's first update whose first micro-batch has tokens (a host read)
+            loop.first_micro_batch = rollout.read_diagnostics(diagnostics["first_micro_batch"])
         models.refresh_sampler()  # the updated actor into its bf16 copy, in place
         loop.step += 1
         loop.updates += diagnostics["updates"]
@@ -696,8 +702,8 @@ def main(args: Args) -> None:
         text = format_sample(record["prompt"], record["response"], record["ended"])
         print0(f"  {text}  (score {record['score']:.2f})")
     if args.export_hf and d.master:
-        checkpoints.export_hf(models.actor, tok, args.export_hf)
-    first_line = ", ".join(f"{key} {value:.1e}" for key, value in loop.first.items())
+        checkpoints.export_hf(actor.model, tok, args.export_hf)
+    first_line = ", ".join(f"{key} {value:.1e}" for key, value in loop.first_micro_batch.items())
     print0(f"ppo done in {time.time() - t_start:.0f}s: {run.path} | first minibatch of the first update: {first_line}")
     logger.close()
     parallel.cleanup_dist()

@@ -207,8 +207,7 @@ def pair_backward(model, batch: list, args: Args, denoms: tuple, sync: bool, amp
         if args.lm_coef > 0:
             lm_loss_value = lm_loss(logits[:, :-1], ids[:, 1:], lm_mask[:, 1:], lm_denom)
         loss = bt_loss + args.lm_coef * lm_loss_value
-        # DDP averages gradients over ranks: scale up so the result is the sum over the global batch / denom
-        (loss * (dist.get_world_size() if dist.is_initialized() else 1)).backward()
+        parallel.backward_global(loss)
     gaps = scores[chosen] - scores[rejected]
     accuracy = (weights * ((gaps > 0) + 0.5 * (gaps == 0))).sum().detach() / pair_denom
     return {"loss": loss.detach(), "bt_loss": bt_loss.detach(), "lm_loss": lm_loss_value.detach(), "accuracy": accuracy}

@@ -337,19 +337,20 @@ def main(args: Args) -> None:
     if dtype != torch.float32:  # what does not train in bf16, the rollouts from a bf16 copy (as the stages)
         for frozen in (ref, *members):
             parallel.store_low_precision(frozen, dtype)
-    forwards = Models(fwd[policy], fwd[ref], [fwd[member] for member in members]).with_sampler(dtype, fsdp=False)
+    forwards = Models(fwd[policy], fwd[ref], [fwd[member] for member in members], critic=fwd.get(critic))
+    forwards = forwards.with_sampler(dtype, fsdp=False)
     actor = Trained("model", policy, actor_opt, grad_clip=1.0, forward=fwd[policy])
     engine = rollout.Engine(forwards, tok, settings, B, generator, dtype)  # the rollout: one forward a batch
-    settings = dataclasses.replace(settings, micro_batch_size=micro, dtype=args.dtype)  # the update's micro-batches
+    update_settings = dataclasses.replace(settings, micro_batch_size=micro, dtype=args.dtype)  # its micro-batches
     for it in range(args.iters):
         gen_time[0] = 0.0
         sync()
         t0 = time.perf_counter()
         batch_prompts = prompts[it * B : (it + 1) * B]
         if critic_free:
-            exp, _, _ = train_grpo.grpo_rollout(engine, batch_prompts, reward_moments=moments)
+            exp, _, _ = train_grpo.grpo_rollout(engine, settings, batch_prompts, reward_moments=moments)
         else:
-            exp, _, _ = train_ppo.ppo_rollout(engine, fwd[critic], batch_prompts, kl_coef=0.1, reward_moments=moments)
+            exp, _, _ = train_ppo.ppo_rollout(engine, settings, batch_prompts, kl_coef=0.1, reward_moments=moments)
         sync()
         t1 = time.perf_counter()
         assert exp["mask"].shape == (B, R) and bool(exp["mask"].all()), "every response must be exactly R tokens"
@@ -357,10 +358,12 @@ def main(args: Args) -> None:
             recorder.phase = "update"
         loop = rollout.Loop(generator)
         if critic_free:
-            train_grpo.grpo_update(actor, exp, settings, loop)
+            train_grpo.grpo_update(actor, exp, update_settings, loop.step, loop.generator, loop.guard, loop.ptx_stream)
         else:
             critic_entry = Trained("critic", critic, critic_opt, grad_clip=1.0, forward=fwd[critic])
-            train_ppo.ppo_update(actor, critic_entry, exp, settings, loop)
+            train_ppo.ppo_update(
+                actor, critic_entry, exp, update_settings, loop.step, loop.generator, loop.guard, loop.ptx_stream
+            )
         Models(policy, ref, members, forwards.sampler).refresh_sampler()
         sync()
         t2 = time.perf_counter()

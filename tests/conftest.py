@@ -248,8 +248,12 @@ def ppo_update_once(actor, critic, exp, micro_batch_size, **settings) -> dict:
     args = train_ppo.Args(ppo_epochs=1, num_minibatches=1, temperature=1.0, micro_batch_size=micro_batch_size)
     args = replace(args, **settings)
     loop = rollout.Loop(torch.Generator().manual_seed(0), step=args.critic_warmup_steps)
-    metrics, diagnostics = train_ppo.ppo_update(trained("model", actor), trained("critic", critic), exp, args, loop)
-    return metrics | diagnostics
+    actor_entry, critic_entry = trained("model", actor), trained("critic", critic)
+    metrics, diagnostics = train_ppo.ppo_update(
+        actor_entry, critic_entry, exp, args, loop.step, loop.generator, loop.guard, loop.ptx_stream
+    )
+    first_micro_batch = rollout.read_diagnostics(diagnostics["first_micro_batch"])  # on the host
+    return metrics | diagnostics | {"first_micro_batch": first_micro_batch}
 
 
 def grpo_update_once(actor, exp, micro_batch_size, **settings) -> dict:
@@ -262,8 +266,11 @@ def grpo_update_once(actor, exp, micro_batch_size, **settings) -> dict:
     args = train_grpo.Args(ppo_epochs=1, num_minibatches=1, temperature=1.0, micro_batch_size=micro_batch_size)
     args = train_grpo.resolve_args(replace(args, **settings))
     loop = rollout.Loop(torch.Generator().manual_seed(0))
-    metrics, diagnostics = train_grpo.grpo_update(trained("model", actor), exp, args, loop)
-    return metrics | diagnostics
+    metrics, diagnostics = train_grpo.grpo_update(
+        trained("model", actor), exp, args, loop.step, loop.generator, loop.guard, loop.ptx_stream
+    )
+    first_micro_batch = rollout.read_diagnostics(diagnostics["first_micro_batch"])  # on the host
+    return metrics | diagnostics | {"first_micro_batch": first_micro_batch}
 
 
 # -----------------------------------------------------------------------------

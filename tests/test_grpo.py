@@ -539,7 +539,7 @@ def test_rollout_advantages_and_the_first_minibatch(task_tok):
         train_grpo.Args(max_new_tokens=12, temperature=0.9, missing_eos_penalty=-3.0, ppo_epochs=2, num_minibatches=2)
     )
     engine = rollout.Engine(Models(actor, ref, [rm]), tok, args, 4, torch.Generator().manual_seed(0))
-    exp, metrics, _ = train_grpo.grpo_rollout(engine, prompts, reward_moments=RunningMoments())
+    exp, metrics, _ = train_grpo.grpo_rollout(engine, args, prompts, reward_moments=RunningMoments())
     mask = exp["mask"]
     assert metrics["objective/kl"] == 0.0 and 0 < exp["ended"].sum() < len(prompts)
     last = mask.sum(1).long() - 1
@@ -550,8 +550,10 @@ def test_rollout_advantages_and_the_first_minibatch(task_tok):
     assert torch.allclose(exp["advantages"], want[:, None] * mask, atol=1e-6)
     loop = rollout.Loop(torch.Generator().manual_seed(0))
     args = dataclasses.replace(args, micro_batch_size=2)
-    metrics, diagnostics = train_grpo.grpo_update(trained("model", actor, grad_clip=1.0), exp, args, loop)
-    first = diagnostics["first"]
+    metrics, diagnostics = train_grpo.grpo_update(
+        trained("model", actor, grad_clip=1.0), exp, args, loop.step, loop.generator, loop.guard, loop.ptx_stream
+    )
+    first = rollout.read_diagnostics(diagnostics["first_micro_batch"])
     assert first["ratio_err"] <= 1e-5 and abs(first["approx_kl"]) <= 1e-5 and first["clipfrac"] == 0
     assert diagnostics["updates"] == 4 and metrics["policy/approx_kl"] > 0 and metrics["policy/kl_loss"] >= 0
 
@@ -628,7 +630,7 @@ def test_an_estimator_without_a_step_5_is_one_line(task_tok, monkeypatch):
     args = resolve_args(train_grpo.Args(estimator="remax", max_new_tokens=4))
     engine = rollout.Engine(Models(actor, actor, [tiny_gpt(task_tok, 2, score_head=True)]), task_tok, args, 4, None)
     with pytest.raises(ValueError, match=r"--estimator remax: a row of RECIPES without a branch in grpo_rollout") as e:
-        train_grpo.grpo_rollout(engine, ["Review of"] * 2, reward_moments=RunningMoments())
+        train_grpo.grpo_rollout(engine, engine.args, ["Review of"] * 2, reward_moments=RunningMoments())
     assert "\n" not in str(e.value)
 
 
@@ -957,7 +959,7 @@ def test_vineppo_values_with_fixed_continuations_equal_a_loop(task_tok, monkeypa
         "Review of The Old Sea (plot):",
     ]
     experience = dict(response=response, mask=mask, rewards=rewards)
-    advantages, sums = train_grpo.vineppo_advantages(engine, prompts, experience, moments)
+    advantages, sums = train_grpo.vineppo_advantages(engine, engine.args, prompts, experience, moments)
     step_of = [looped_steps(row, dot) for row in rows]
     states = [(b, m, step_of[b].index(m)) for b in range(B) for m in range(max(step_of[b]) + 1)]
     assert len(calls) == len(states) * k // B and all(len(call[0]) <= B for call in calls)
@@ -1004,7 +1006,7 @@ def test_vineppo_on_arith_takes_steps_of_vine_chunk_tokens(task_tok, monkeypatch
         monkeypatch.setattr(rollout, "rollout", fixed_rollout(calls))
         args = resolve_args(train_grpo.Args(task=task, estimator="vineppo", vine_k=1, vine_chunk=1, reward_norm="none"))
         engine = SimpleNamespace(args=args, tok=task_tok, gold_fn=lambda *a: 0.0)
-        train_grpo.vineppo_advantages(engine, ["1+2=", "3+4=", "5+6="], experience, moments)
+        train_grpo.vineppo_advantages(engine, engine.args, ["1+2=", "3+4=", "5+6="], experience, moments)
         assert sum(len(call[0]) for call in calls) == want, task
 
 
@@ -1114,11 +1116,14 @@ def test_rebel_update_keeps_pairs_whole(monkeypatch):
     settings = dict(estimator="rebel", group_size=4, ppo_epochs=3, num_minibatches=2, micro_batch_size=2)
     args = resolve_args(dataclasses.replace(train_grpo.Args(temperature=1.0), **settings))
     loop = rollout.Loop(torch.Generator().manual_seed(0))
-    metrics, diagnostics = train_grpo.grpo_update(trained("model", actor), exp, args, loop)
+    metrics, diagnostics = train_grpo.grpo_update(
+        trained("model", actor), exp, args, loop.step, loop.generator, loop.guard, loop.ptx_stream
+    )
     assert len(seen) == 3 * 2 * 2 and diagnostics["updates"] == 6
     for micro_gaps in seen:
         assert torch.allclose(micro_gaps[0::2], -micro_gaps[1::2])
-    assert diagnostics["first"]["ratio_err"] <= 1e-5 and math.isfinite(metrics["policy/loss"])
+    first = rollout.read_diagnostics(diagnostics["first_micro_batch"])
+    assert first["ratio_err"] <= 1e-5 and math.isfinite(metrics["policy/loss"])
 
 
 @pytest.mark.parametrize(

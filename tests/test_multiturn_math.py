@@ -408,12 +408,13 @@ def test_the_stages_read_turn_rewards(stage, task_tok, monkeypatch):
             return experience, sums, records
 
         monkeypatch.setattr(rollout, "rollout", with_turn_rewards)
-        engine = rollout.Engine(Models(actor, ref, [rm]), tok, args, 4, torch.Generator().manual_seed(0))
+        roles = Models(actor, ref, [rm], critic=critic if stage is train_ppo else None)
+        engine = rollout.Engine(roles, tok, args, 4, torch.Generator().manual_seed(0))
         moments = stage.RunningMoments()
         if stage is train_ppo:
-            experience, metrics, _ = train_ppo.ppo_rollout(engine, critic, ["Review of"] * 8, 0.1, moments)
+            experience, metrics, _ = train_ppo.ppo_rollout(engine, args, ["Review of"] * 8, 0.1, moments)
         else:
-            experience, metrics, _ = train_grpo.grpo_rollout(engine, ["Review of"] * 8, moments)
+            experience, metrics, _ = train_grpo.grpo_rollout(engine, args, ["Review of"] * 8, moments)
         return experience, metrics, moments.std
 
     plain, plain_metrics, std = run(0)

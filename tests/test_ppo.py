@@ -409,8 +409,8 @@ def test_rollout_rewards_on_eos_and_the_first_minibatch(task_tok):
     )
     generator = torch.Generator().manual_seed(0)
     reward_fn = lambda p, r, e: len(r) / 10  # noqa: E731
-    engine = rollout.Engine(Models(actor, ref, [rm]), tok, args, 4, generator, reward_fn=reward_fn)
-    exp, metrics, records = train_ppo.ppo_rollout(engine, critic, prompts, kl_coef=0.1, reward_moments=RunningMoments())
+    engine = rollout.Engine(Models(actor, ref, [rm], critic=critic), tok, args, 4, generator, reward_fn=reward_fn)
+    exp, metrics, records = train_ppo.ppo_rollout(engine, args, prompts, kl_coef=0.1, reward_moments=RunningMoments())
     assert metrics["objective/kl"] == 0.0 and (exp["logprobs"] == exp["ref_logprobs"]).all()
     ended = torch.tensor([record["ended"] for record in records])
     assert 0 < ended.sum() < len(prompts), "want rows with and without EOS"
@@ -427,8 +427,11 @@ def test_rollout_rewards_on_eos_and_the_first_minibatch(task_tok):
     assert torch.allclose(exp["advantages"], want, atol=1e-6)
     loop = rollout.Loop(torch.Generator().manual_seed(0), step=args.critic_warmup_steps)
     actor_entry, critic_entry = trained("model", actor, grad_clip=1.0), trained("critic", critic, grad_clip=1.0)
-    metrics, diagnostics = train_ppo.ppo_update(actor_entry, critic_entry, exp, replace(args, micro_batch_size=2), loop)
-    first = diagnostics["first"]
+    update_args = replace(args, micro_batch_size=2)
+    metrics, diagnostics = train_ppo.ppo_update(
+        actor_entry, critic_entry, exp, update_args, loop.step, loop.generator, loop.guard, loop.ptx_stream
+    )
+    first = rollout.read_diagnostics(diagnostics["first_micro_batch"])
     assert first["ratio_err"] <= 1e-5 and abs(first["approx_kl"]) <= 1e-5 and first["clipfrac"] == 0
     assert diagnostics["updates"] == 4 and metrics["policy/approx_kl"] > 0  # later minibatches moved
 
