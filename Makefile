@@ -120,7 +120,7 @@ real-rlvr-losses: real-venv
 
 real-rlvr-feedback: real-venv
 	$(PY) experiments/real_rlvr.py --model-dir $(OUT)/smollm2 --out-dir $(OUT)/real_rlvr --dtype $(DTYPE) \
-		--tasks chain_sum --feedback-turns 3
+		--tasks chain_sum --feedback-turns 3 --game-prompts 128
 
 real-multiturn: real-venv
 	$(PY) experiments/real_multiturn.py --model-dir $(OUT)/smollm2 --out-dir $(OUT)/real_multiturn --dtype $(DTYPE)
