@@ -151,9 +151,9 @@ def test_grpo_and_ppo_train_over_episodes(tmp_path, task_dir, tiny_ckpts, env_fi
     captured = []
     real_update = train_grpo.grpo_update
 
-    def capturing_update(actor, experience, args, loop):
+    def capturing_update(actor, experience, *state):
         captured.append(experience)
-        return real_update(actor, experience, args, loop)
+        return real_update(actor, experience, *state)
 
     monkeypatch.setattr(train_grpo, "grpo_update", capturing_update)
     flags = dict(task_dir=task_dir, sft_ckpt=tiny_ckpts[0], rm_ckpt="none", env=f"{env_file}:Echo", max_turns=3)
