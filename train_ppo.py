@@ -553,9 +553,10 @@ def update_metrics(totals: dict, steps: dict, device) -> dict:
 # main: the set-up in named builders, then the loop
 
 
-def build_optimizers(args: Args, models: rollout.Models, max_steps: int, device_type: str) -> tuple[Trained, Trained]:
-    """The actor's and the critic's AdamW, LR schedule and grad-norm clip, as Trained entries (the checkpoint keys
-    `model` and `critic`). The actor's schedule starts when it starts moving, after the critic warm-up."""
+def build_optimizers(args: Args, models, max_steps: int, device_type: str) -> tuple[Trained, Trained]:
+    """The actor's and the critic's (models.actor, models.critic) AdamW, LR schedule and grad-norm clip, as Trained
+    entries (the checkpoint keys `model` and `critic`). The actor's schedule starts when it starts moving, after the
+    critic warm-up."""
     betas = (0.9, 0.95)
     actor_optimizer = models.actor.configure_optimizers(args.weight_decay, args.lr, betas, device_type)
     actor_schedule = common.LRSchedule(args.lr, args.warmup_steps, max_steps, delay=args.critic_warmup_steps)
