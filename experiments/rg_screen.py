@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import eval as ev  # noqa: E402
 import train_sft  # noqa: E402
-from common import write_atomic  # noqa: E402
+from common import run_main, write_atomic  # noqa: E402
 
 # small configurations: short questions and answers a 135M model can read and write in 32 tokens
 CANDIDATES = {
@@ -43,7 +43,8 @@ CANDIDATES = {
     "number_sorting": {"min_numbers": 3, "max_numbers": 4, "max_decimals": 0},
     "word_sorting": {"min_words": 3, "max_words": 4},
     "leg_counting": {"min_animals": 1, "max_animals": 2, "max_instances": 3},
-    "base_conversion": {"max_base": 10, "max_value": 64},
+    # from 1: reasoning-gym 0.1.25 writes 0 as an empty number and scores its own answer to it 0
+    "base_conversion": {"max_base": 10, "min_value": 1, "max_value": 64},
     "gsm_symbolic": {},
 }
 
@@ -175,4 +176,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    run_main(main, tyro.cli(Args))  # a task the stages refuse: one line, exit 2
