@@ -113,6 +113,7 @@ class HFCausalLM(nn.Module):
         model_config); a score head asked for but absent starts fresh (an RM from an SFT model), one not asked for is
         dropped."""
         from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
 
         if not isinstance(ckpt, dict):
             ckpt = torch.load(ckpt, map_location=map_location, weights_only=False)  # our own files hold RNG states
@@ -122,7 +123,8 @@ class HFCausalLM(nn.Module):
         score_head = "score_head.weight" in state_dict if score_head is None else score_head
         hf_config = AutoConfig.for_model(**saved_config["hf_config"])
         _no_dropout(hf_config)
-        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        with no_init_weights():  # every weight is loaded below: a random init would cost seconds and draw from the seed
+            hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
         model = cls(hf_model, lm_head, score_head, saved_config.get("hf_name_or_path", ""))
         own = model.state_dict()
         fresh = {k: own[k] for k in own if k.startswith("score_head.") and k not in state_dict}

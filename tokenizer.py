@@ -288,6 +288,25 @@ def _end_of_turn(hf) -> int | None:
     return next((token for token in list(whole)[len(head) :] if token in special), None)
 
 
+HF_BACKENDS = {}  # (name or folder, its files' sizes and times) -> the transformers tokenizer read from it
+
+
+def hf_backend(name_or_path: str):
+    """AutoTokenizer.from_pretrained(name_or_path), read once a process while a folder's files stay as they were: a
+    stage reads the tokenizer of each checkpoint it loads (policy, reference, reward model), half a second each for
+    SmolLM2's. The object is shared, never changed: each Tokenizer around it keeps its own ids."""
+    from transformers import AutoTokenizer
+
+    files = sorted(os.scandir(name_or_path), key=lambda e: e.name) if os.path.isdir(name_or_path) else []
+    key = (name_or_path, tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in files if e.is_file()))
+    if key not in HF_BACKENDS:
+        try:
+            HF_BACKENDS[key] = AutoTokenizer.from_pretrained(name_or_path)
+        except Exception as e:
+            raise UserError(hub_error(name_or_path, "the tokenizer", e)) from None
+    return HF_BACKENDS[key]
+
+
 def load_tokenizer(spec: str, chat: bool | None = None) -> Tokenizer:
     """ "gpt2" (tiktoken r50k_base), "hf:<name-or-path>" (transformers.AutoTokenizer) or a task tokenizer.json path.
     chat: use a Hugging Face tokenizer's chat template (None: when it has one; False: its own EOS, as a checkpoint
@@ -307,12 +326,7 @@ def load_tokenizer(spec: str, chat: bool | None = None) -> Tokenizer:
         problem = hf_source_problem(spec[3:], tokenizer=True)
         if problem:
             raise UserError(problem)
-        from transformers import AutoTokenizer
-
-        try:
-            hf = AutoTokenizer.from_pretrained(spec[3:])
-        except Exception as e:
-            raise UserError(hub_error(spec[3:], "the tokenizer", e)) from None
+        hf = hf_backend(spec[3:])
         if hf.eos_token_id is None:
             raise UserError(f"tokenizer {spec!r} has no eos token")
         vocab_size = len(hf)

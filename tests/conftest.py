@@ -32,11 +32,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 @pytest.fixture(scope="session")
 def task_dir(tmp_path_factory):
-    """The built-in task, built once per test session (it is deterministic and cached)."""
-    from task import build_task
+    """The built-in task at its tiny sizes (task.TINY_SIZES: 1,000 records where the real one has 20,000), built once
+    per session in the folder the stages read the real one from: every stage a test starts reads and encodes the
+    task's files, a second a process at the real sizes."""
+    from task import TASK_VERSION, build_task
 
     d = str(tmp_path_factory.mktemp("data"))
-    build_task(d, 1337)
+    tiny = build_task(d, 1337, tiny=True)
+    os.rename(os.path.dirname(tiny["tokenizer"]), os.path.join(d, f"v{TASK_VERSION}-seed1337"))
     return d
 
 

@@ -514,9 +514,9 @@ def test_dpo_ddp_matches_single_process(tmp_path, task_dir, tiny_ckpts):
         assert torch.allclose(one["model"][key], two["model"][key], atol=1e-5), key
     scalars_one, scalars_two = read_scalars(str(tmp_path / "one")), read_scalars(str(tmp_path / "two"))
     for tag in ("train/loss", "train/grad_norm", "rewards/margin", "rewards/accuracy", "val/loss", "val/accuracy"):
-        assert scalars_two[tag] == pytest.approx(scalars_one[tag], rel=1e-4, abs=1e-6), (
+        assert scalars_two[tag] == pytest.approx(scalars_one[tag], rel=1e-4, abs=1e-5), (
             tag
-        )  # margins: fp32 log-prob sums
+        )  # margins: differences of fp32 log-prob sums, a few 1e-6 apart when the batch splits differently
 
 
 @pytest.mark.slow

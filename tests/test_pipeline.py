@@ -121,12 +121,13 @@ def test_readme_commands(tmp_path, task_dir, offline_gpt2):
 
 
 @pytest.mark.slow
-def test_make_demo_tiny(tmp_path):
-    """`make demo TINY=1` (with this interpreter, outputs in a temp dir) runs and prints samples."""
+def test_make_demo_tiny(tmp_path, task_dir):
+    """`make demo TINY=1` (with this interpreter, outputs in a temp dir, the session's task as its data) runs and
+    prints samples."""
     if shutil.which("make") is None:
         pytest.skip("make not installed")
     r = run(
-        f"make -o .venv/.installed demo TINY=1 PY={sys.executable} OUT={tmp_path}/out DATA={tmp_path}/data",
+        f"make -o .venv/.installed demo TINY=1 PY={sys.executable} OUT={tmp_path}/out DATA={task_dir}",
         timeout=600,
         one_thread=False,
     )

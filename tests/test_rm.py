@@ -289,8 +289,8 @@ def test_an_empty_held_out_split_is_named(tmp_path, tiny_ckpts, capsys, monkeypa
 
 def test_rm_smoke(tmp_path, task_dir, sft_ckpt, tok):
     out, held_out = str(tmp_path / "rm"), tmp_path / "pairs_eval.jsonl"
-    with open(task.build_task(task_dir, 1337)["pairs_eval"]) as f:  # the first 300 held-out pairs
-        held_out.write_text("".join(f.readline() for _ in range(300)))
+    with open(task.build_task(task_dir, 1337)["pairs_eval"]) as f:  # the first 150 held-out pairs
+        held_out.write_text("".join(f.readline() for _ in range(150)))
     train_rm.main(train_rm.Args(out_dir=out, task_dir=task_dir, init=sft_ckpt, eval_data=str(held_out), **TINY))
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
     assert CKPT_KEYS <= set(ckpt) and ckpt["kind"] == "rm" and ckpt["step"] == 6 and ckpt["world_size"] == 1
@@ -313,7 +313,7 @@ def test_rm_smoke(tmp_path, task_dir, sft_ckpt, tok):
     assert "val/score_gap" in histograms
     assert len(scalars["val/accuracy"]) == 2 and len(scalars["train/loss"]) == 3
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
-    assert len(samples) == 300 and {
+    assert len(samples) == 150 and {
         "prompt",
         "chosen",
         "rejected",
