@@ -122,7 +122,7 @@ def resume_args(args: CommonArgs, kind: str, resolve: Optional[Callable] = None)
     if args.overwrite:
         raise UserError("--resume continues the run in --out-dir, --overwrite starts it over: pass one of them")
     path = os.path.join(args.out_dir, "ckpt.pt")
-    given = getattr(args, "given", None)  # the flags a command line gave (common.parse); None when called from Python
+    given = getattr(args, "given", None)  # the flags a command line gave (cli.parse); None when called from Python
     saved = load_checkpoint(path, kind=kind, flag="--resume", mmap=True).get("args", {})
     defaults = type(args)()
     names = [f.name for f in fields(args) if f.name in saved and f.name not in NOT_COMPARED]

@@ -46,6 +46,7 @@ from typing import Literal, Optional
 import torch
 
 import checkpoints
+import cli
 import common
 import hf
 import parallel
@@ -1106,4 +1107,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.parse(Args))
+    common.run_main(main, cli.parse(Args))

@@ -14,6 +14,7 @@ import torch
 import tyro
 
 import checkpoints
+import cli
 import common
 import hf
 import parallel
@@ -95,4 +96,4 @@ def main(args: Args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.parse(Args))
+    common.run_main(main, cli.parse(Args))

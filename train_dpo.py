@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import checkpoints
+import cli
 import common
 import hf
 import parallel
@@ -682,4 +683,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.parse(Args))
+    common.run_main(main, cli.parse(Args))

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoints
+import cli
 import common
 import parallel
 import rollout
@@ -1229,4 +1230,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.parse(Args, RECIPE_DEFAULTS))
+    common.run_main(main, cli.parse(Args, RECIPE_DEFAULTS))

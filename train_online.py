@@ -46,6 +46,7 @@ from typing import Callable, Literal, Optional
 import torch
 
 import checkpoints
+import cli
 import common
 import hf
 from common import UserError, print0, write_atomic, write_jsonl
@@ -493,4 +494,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.parse(Args))
+    common.run_main(main, cli.parse(Args))

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoints
+import cli
 import common
 import parallel
 import rollout
@@ -714,4 +715,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.parse(Args))
+    common.run_main(main, cli.parse(Args))

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoints
+import cli
 import common
 import hf
 import parallel
@@ -573,4 +574,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.parse(Args))
+    common.run_main(main, cli.parse(Args))

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 import checkpoints
+import cli
 import common
 import hf
 import parallel
@@ -314,4 +315,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_main(main, common.parse(Args))
+    common.run_main(main, cli.parse(Args))

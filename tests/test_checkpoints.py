@@ -15,6 +15,7 @@ import torch
 from conftest import TINY_RL, exits_2_with_one_line, read_scalars
 
 import checkpoints
+import cli
 import common
 import eval as ev
 import train_dpo
@@ -136,10 +137,10 @@ def saved_sft_run(tmp_path) -> str:
 
 
 def resume_from_the_command_line(monkeypatch, out: str, *flags: str) -> train_sft.Args:
-    """`python train_sft.py --resume --out-dir out <flags>` as the script parses it (common.parse records the given
+    """`python train_sft.py --resume --out-dir out <flags>` as the script parses it (cli.parse records the given
     flags), through checkpoints.resume_args."""
     monkeypatch.setattr(sys, "argv", ["train_sft.py", "--resume", "--out-dir", out, *flags])
-    return checkpoints.resume_args(common.parse(train_sft.Args), "sft")
+    return checkpoints.resume_args(cli.parse(train_sft.Args), "sft")
 
 
 def test_resume_takes_the_saved_value_of_every_flag_the_command_line_does_not_give(saved_sft_run, monkeypatch, capsys):
@@ -177,7 +178,7 @@ def test_resume_refuses_a_given_flag_that_changes_the_math_even_at_its_default(s
 
 
 def test_resume_refusal_is_one_line_from_the_script(saved_sft_run, monkeypatch, capsys):
-    """The same refusal through train_sft.py's own __main__ (common.parse, then run_main): exit 2, one line naming the
+    """The same refusal through train_sft.py's own __main__ (cli.parse, then run_main): exit 2, one line naming the
     flag, before anything is built (the checkpoint here holds no weights at all)."""
     flags = ["--resume", "--out-dir", saved_sft_run, "--n-embd", "64"]
     err = exits_2_with_one_line("train_sft.py", flags, capsys, monkeypatch)

@@ -20,6 +20,7 @@ import torch
 from conftest import exits_2_with_one_line, offline, run
 
 import checkpoints
+import cli
 import common
 import rollout
 import train_grpo
@@ -341,12 +342,12 @@ def test_an_optional_flag_given_as_none_parses_to_none(monkeypatch):
     list ["none"]), and every flag spelled counts as given (the --resume rule)."""
     argv = ["train_ppo.py", "--cliprange", "none", "--max-steps=none", "--reward-clip", "None", "--rm-ckpt", "none"]
     monkeypatch.setattr(sys, "argv", argv)
-    args = common.parse(train_ppo.Args)
+    args = cli.parse(train_ppo.Args)
     assert (args.cliprange, args.max_steps, args.reward_clip) == (None, None, None)
     assert args.rm_ckpt == ["none"] and args.cliprange_value == 0.2  # untouched flags keep their defaults
     assert args.given == {"cliprange", "max_steps", "reward_clip", "rm_ckpt"}
     monkeypatch.setattr(sys, "argv", ["train_ppo.py", "--cliprange", "0.1", "--export-hf", "none"])
-    args = common.parse(train_ppo.Args)
+    args = cli.parse(train_ppo.Args)
     assert args.cliprange == 0.1 and args.export_hf is None and args.given == {"cliprange", "export_hf"}
 
 
@@ -356,7 +357,7 @@ def test_none_as_a_literal_choice_is_kept(monkeypatch):
     which resolve_args would replace by REINFORCE++'s "norm"."""
     argv = ["train_grpo.py", "--estimator", "reinforce_pp", "--reward-norm", "none", "--adv-whiten", "none"]
     monkeypatch.setattr(sys, "argv", argv)
-    resolved = train_grpo.resolve_args(common.parse(train_grpo.Args))
+    resolved = train_grpo.resolve_args(cli.parse(train_grpo.Args))
     assert (resolved.reward_norm, resolved.adv_whiten) == ("none", "none")
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import checkpoints
-import common
+import cli
 import train_online
 
 TINY_PPO = (
@@ -211,7 +211,7 @@ def test_a_changed_argument_of_a_kept_run_is_refused_unless_overwrite(tmp_path, 
     argv = ["train_online.py", "--out-dir", out, "--pairs-per-round", "6000"]  # given at its default: still a change
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(train_online.UserError, match=r"--pairs-per-round 24 -> 6000: this run was started otherwise"):
-        train_online.saved_args(common.parse(train_online.Args))
+        train_online.saved_args(cli.parse(train_online.Args))
     fresh = train_online.saved_args(train_online.Args(out_dir=out, pairs_per_round=12, overwrite=True))
     assert fresh.pairs_per_round == 12 and sorted(os.listdir(out)) == ["args.json"]
     assert json.load(open(os.path.join(out, "args.json")))["pairs_per_round"] == 12

@@ -63,7 +63,7 @@ def test_every_readme_command_has_tiny_flags_its_stage_parses(monkeypatch):
     only fail in the slow run). The tiny flags really shrink the run (--max-steps, and eval's --num-samples)."""
     import tyro
 
-    import common
+    import cli
     import eval as ev
     import train_dpo
     import train_grpo
@@ -91,7 +91,7 @@ def test_every_readme_command_has_tiny_flags_its_stage_parses(monkeypatch):
             assert args.num_samples <= 16, cmd
         else:
             monkeypatch.setattr(sys, "argv", [script, *argv])
-            args = common.parse(stages[script])
+            args = cli.parse(stages[script])
             assert args.max_steps is not None and args.max_steps <= 4, cmd
     assert "train_grpo.py" in scripts and set(scripts) == set(stages)
 
