@@ -323,7 +323,9 @@ def test_model_from_checkpoint_adapter(llama_dir):
         critic_config=asdict(critic.config),
     )
     idx, mask = left_pad(prompts([4, 8]), PAD)
+    rng = torch.get_rng_state()
     loaded_policy = model_from_checkpoint(ckpt).eval()
+    assert torch.equal(torch.get_rng_state(), rng)  # no random init of weights it loads: a LoRA init follows the seed
     loaded_critic = model_from_checkpoint(ckpt, key="critic").eval()
     assert isinstance(loaded_policy, HFCausalLM) and isinstance(loaded_critic, HFCausalLM)
     assert loaded_policy.score_head is None and loaded_policy.config.lm_head

@@ -114,3 +114,18 @@ def test_distill_from_a_teacher_in_another_folder(tmp_path, llama_dir, user_data
     message = str(error.value)
     assert message.startswith(f"--ref-ckpt hf:{other}: its tokenizer differs from --sft-ckpt hf:{llama_dir}'s: ")
     assert message.endswith("vocabulary size 86 against 83") and "\n" not in message
+
+
+def test_a_folder_is_read_once_until_its_files_change(chat_dir, tmp_path):
+    """A stage loads the tokenizer of each checkpoint it reads (policy, reference, RM): the folder is read once and
+    its transformers tokenizer shared, each Tokenizer keeping its own ids (from_state drops a BOS in its own copy);
+    a folder written anew is read anew."""
+    shutil.copytree(chat_dir, tmp_path / "tok")
+    spec = f"hf:{tmp_path / 'tok'}"
+    first, second = tokenizer.load_tokenizer(spec), tokenizer.load_tokenizer(spec)
+    assert first is not second and first.backend is second.backend
+    no_bos = tokenizer.Tokenizer.from_state({key: value for key, value in first.state().items() if key != "bos_id"})
+    assert no_bos.bos_id is None and "bos_id" in first.state()
+    write_word_tokenizer(str(tmp_path / "tok"), HF_WORDS + ["w83"])
+    rewritten = tokenizer.load_tokenizer(spec)
+    assert rewritten.backend is not first.backend and rewritten.vocab_size == first.vocab_size + 1
