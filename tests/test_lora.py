@@ -4,13 +4,15 @@ Face Llama, and a resume refused after the base folder changed."""
 
 import copy
 import os
+import re
 import shutil
+import sys
 import time
 from dataclasses import replace
 
 import pytest
 import torch
-from conftest import CHAIN_SFT, run_chain
+from conftest import CHAIN_SFT, ROOT, run_chain
 
 import checkpoints
 import common
@@ -307,10 +309,11 @@ def test_hf_lora_policy_and_critic_merge_to_the_bit_and_export(tmp_path, llama_d
 
 
 @pytest.mark.slow
-def test_sft_lora_checkpoint_holds_adapters_and_resumes(tmp_path, task_dir, tiny_ckpts):
+def test_sft_lora_checkpoint_holds_adapters_and_resumes(tmp_path, task_dir, tiny_ckpts, capsys):
     """SFT with --lora-rank, the tied embedding among the targets: `model_lora` the adapters and `base` the --init they
     go on, no full `model` (the loader merges: a later stage loads it as any); the --export-hf folder gives the
-    unmerged model's logits; --resume continues on the base rebuilt from --init."""
+    unmerged model's logits; --resume continues on the base rebuilt from --init. experiments/lora_merge_error.py
+    reads the run: an fp32 merge keeps its update, a bf16 merge loses part of it."""
     args = train_sft.Args(
         out_dir=str(tmp_path / "lora"),
         task_dir=task_dir,
@@ -358,6 +361,15 @@ def test_sft_lora_checkpoint_holds_adapters_and_resumes(tmp_path, task_dir, tiny
     split = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)
     for key in ckpt["model_lora"]:
         assert torch.allclose(ckpt["model_lora"][key], split["model_lora"][key], atol=1e-6), key
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import lora_merge_error
+
+    errors = {}
+    for dtype in ("float32", "bfloat16"):
+        capsys.readouterr()
+        lora_merge_error.main(lora_merge_error.Args(ckpt=str(tmp_path / "lora" / "ckpt.pt"), dtype=dtype))
+        errors[dtype] = float(re.search(r"relative error is ([0-9.]+)", capsys.readouterr().out).group(1))
+    assert errors["float32"] == 0 and errors["bfloat16"] > 0, errors
 
 
 @pytest.mark.slow
