@@ -1,24 +1,34 @@
-"""How much of a LoRA run's update survives a merge into bf16 weights: the bf16 sampler of the RL stages
-(rollout.Models.with_sampler) and eval.py under --dtype bfloat16 use the actor with its adapters merged into its base,
-and a base stored in bf16 (a LoRA run under bf16 keeps its frozen matrices in that dtype) sits on bf16's grid, so an
-update smaller than half the grid's spacing at a weight rounds back to the weight.
+"""How much of a LoRA run's update bf16 keeps. A LoRA run under bf16 stores its frozen base in bf16, so the base sits
+on bf16's grid: merged into it (the RL stages' bf16 sampler, rollout.Models.with_sampler; eval.py's reader,
+hf.merged_weights), an update under half the grid's spacing at a weight rounds back to the weight; unmerged (the
+trainer's forward under autocast), each adapted layer adds the adapter's output to the base's in bf16.
 
-python experiments/lora_merge_error.py --ckpt out/real_rlvr/chain_sum/grpo/ckpt.pt
+python experiments/lora_merge_error.py --ckpt out/real_rlvr/chain_sum/grpo/ckpt.pt \
+    --prompts out/real_rlvr/data/rg-v1-chain_sum-141e5589b4-seed1337/eval_prompts.jsonl
 
 Prints, over every adapted matrix, the relative error of the update after the merge (||merged - W - BA·s|| /
-||BA·s||, 0: nothing lost, 1: all of it) and the share of the matrix's entries the merge leaves unchanged."""
+||BA·s||, 0: nothing lost, 1: all of it) and the share of the entries the merge leaves unchanged. With --prompts, the
+KL to the policy without the adapters (nats a token over --answer, after each prompt) of three forwards: fp32 with
+the adapters unmerged (the policy the adapters hold), bf16 autocast unmerged (the trainer's), bf16 merged (the
+sampler's and eval.py's)."""
 
+import copy
 import os
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from checkpoints import load_checkpoint  # noqa: E402
 from common import run_main  # noqa: E402
+from data import prompt_ids, read_jsonl  # noqa: E402
 from hf import load_init  # noqa: E402
+from lora import add_lora, lora_disabled, merge_lora  # noqa: E402
+from parallel import store_low_precision  # noqa: E402
 
 
 @dataclass
@@ -27,16 +37,15 @@ class Args:
     """a LoRA run's checkpoint (its adapters over a base it names)"""
     dtype: str = "bfloat16"
     """the dtype the merge rounds to"""
+    prompts: Optional[str] = None
+    """a prompts JSONL: measure the KL of each forward to the policy without the adapters on its first 48 prompts"""
+    answer: str = "<answer>17</answer>"
+    """the response the KL is read over, after each prompt"""
 
 
-def main(args: Args) -> None:
-    ckpt = load_checkpoint(args.ckpt, flag="--ckpt")
-    if "model_lora" not in ckpt:
-        raise SystemExit(f"error: --ckpt {args.ckpt}: not a LoRA checkpoint (no model_lora)")
-    record = ckpt["base"]["model"]
-    base = load_init(record["spec"], lm_head=record["lm_head"], score_head=record["score_head"])[0].state_dict()
-    scaling = record["lora_alpha"] / record["lora_rank"]
-    dtype = getattr(torch, args.dtype)
+def merge_error(ckpt: dict, base: dict, dtype: torch.dtype) -> tuple[float, float]:
+    """(the update's relative error after a merge into the base in dtype, the share of entries left unchanged)."""
+    scaling = ckpt["base"]["model"]["lora_alpha"] / ckpt["base"]["model"]["lora_rank"]
     lost, total, unchanged, entries = 0.0, 0.0, 0, 0
     for key, lora_a in ckpt["model_lora"].items():
         if not key.endswith(".lora_a"):
@@ -50,10 +59,56 @@ def main(args: Args) -> None:
         total += update.norm().item() ** 2
         unchanged += (kept == 0).sum().item()
         entries += kept.numel()
+    return (lost / total) ** 0.5, unchanged / entries
+
+
+def answer_logprobs(model, ids: list[int], start: int, autocast: bool) -> torch.Tensor:
+    """(T, V) log-probs of the next token at each answer position (ids[start:] the answer)."""
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        logits = model(torch.tensor([ids]))[0][0, start - 1 : -1]
+    return F.log_softmax(logits.float(), dim=-1)
+
+
+def kl(policy: torch.Tensor, base: torch.Tensor) -> float:
+    """KL(policy || base) a token, from (T, V) log-probs."""
+    return (policy.exp() * (policy - base)).sum(-1).mean().item()
+
+
+def without_adapters(model, ids: list[int], start: int, autocast: bool) -> torch.Tensor:
+    with lora_disabled(model):
+        return answer_logprobs(model, ids, start, autocast)
+
+
+def main(args: Args) -> None:
+    ckpt = load_checkpoint(args.ckpt, flag="--ckpt")
+    if "model_lora" not in ckpt:
+        raise SystemExit(f"error: --ckpt {args.ckpt}: not a LoRA checkpoint (no model_lora)")
+    record = ckpt["base"]["model"]
+    model, tok, _ = load_init(record["spec"], lm_head=record["lm_head"], score_head=record["score_head"])
+    error, unchanged = merge_error(ckpt, model.state_dict(), getattr(torch, args.dtype))
     print(
-        f"{args.ckpt}: {entries:,} adapted entries; after a {args.dtype} merge the update's relative error is "
-        f"{(lost / total) ** 0.5:.3f} and {unchanged / entries:.1%} of the entries are unchanged"
+        f"{args.ckpt}: after a {args.dtype} merge the update's relative error is {error:.3f} and {unchanged:.1%} of "
+        "the adapted entries are unchanged"
     )
+    if args.prompts is None:
+        return
+    add_lora(model, record["lora_rank"], record["lora_alpha"], record["lora_targets"])
+    store_low_precision(model, torch.bfloat16, frozen_only=True)  # the base as the run kept it under bf16
+    model.load_state_dict(ckpt["model_lora"], strict=False)
+    model.eval()
+    exact = copy.deepcopy(model).float()
+    merged = store_low_precision(merge_lora(copy.deepcopy(model)), torch.bfloat16)
+    kls = {"fp32 unmerged": [], "bf16 unmerged (the trainer)": [], "bf16 merged (sampler, eval.py)": []}
+    for row in read_jsonl(args.prompts, "prompts")[:48]:
+        prompt = prompt_ids(tok, row["prompt"])
+        ids = prompt + tok.encode(args.answer) + [tok.eos_id]
+        start = len(prompt)
+        exact_base, base = without_adapters(exact, ids, start, False), without_adapters(model, ids, start, True)
+        kls["fp32 unmerged"].append(kl(answer_logprobs(exact, ids, start, False), exact_base))
+        kls["bf16 unmerged (the trainer)"].append(kl(answer_logprobs(model, ids, start, True), base))
+        kls["bf16 merged (sampler, eval.py)"].append(kl(answer_logprobs(merged, ids, start, True), base))
+    for name, values in kls.items():
+        print(f"  KL to the policy without the adapters, {name}: {sum(values) / len(values):.4f} nats a token")
 
 
 if __name__ == "__main__":
