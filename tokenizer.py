@@ -297,8 +297,13 @@ def hf_backend(name_or_path: str):
     SmolLM2's. The object is shared, never changed: each Tokenizer around it keeps its own ids."""
     from transformers import AutoTokenizer
 
-    files = sorted(os.scandir(name_or_path), key=lambda e: e.name) if os.path.isdir(name_or_path) else []
-    key = (name_or_path, tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in files if e.is_file()))
+    stamps = []  # a folder's files as (name, size, mtime): a file written anew reads anew
+    if os.path.isdir(name_or_path):
+        for entry in sorted(os.scandir(name_or_path), key=lambda entry: entry.name):
+            if entry.is_file():
+                stat = entry.stat()
+                stamps.append((entry.name, stat.st_size, stat.st_mtime_ns))
+    key = (name_or_path, tuple(stamps))
     if key not in HF_BACKENDS:
         try:
             HF_BACKENDS[key] = AutoTokenizer.from_pretrained(name_or_path)

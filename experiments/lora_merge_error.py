@@ -24,10 +24,10 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from checkpoints import load_checkpoint  # noqa: E402
-from common import run_main  # noqa: E402
+from common import UserError, run_main  # noqa: E402
 from data import prompt_ids, read_jsonl  # noqa: E402
 from hf import load_init  # noqa: E402
-from lora import add_lora, lora_disabled, merge_lora  # noqa: E402
+from lora import add_lora, lora_disabled, lora_layers, merge_lora  # noqa: E402
 from parallel import store_low_precision  # noqa: E402
 
 
@@ -38,23 +38,24 @@ class Args:
     dtype: str = "bfloat16"
     """the dtype the merge rounds to"""
     prompts: Optional[str] = None
-    """a prompts JSONL: measure the KL of each forward to the policy without the adapters on its first 48 prompts"""
+    """a prompts JSONL: measure the KL of each forward to the policy without the adapters on its first 48 prompts
+    (the base in --dtype, the forwards fp32 and bf16 autocast)"""
     answer: str = "<answer>17</answer>"
     """the response the KL is read over, after each prompt"""
 
 
-def merge_error(ckpt: dict, base: dict, dtype: torch.dtype) -> tuple[float, float]:
-    """(the update's relative error after a merge into the base in dtype, the share of entries left unchanged)."""
-    scaling = ckpt["base"]["model"]["lora_alpha"] / ckpt["base"]["model"]["lora_rank"]
+def merge_error(model) -> tuple[float, float]:
+    """Over a model's adapters: (the update's relative error after lora's own merge into its base, in the base's
+    dtype; the share of the base's entries the merge leaves unchanged)."""
     lost, total, unchanged, entries = 0.0, 0.0, 0, 0
-    for key, lora_a in ckpt["model_lora"].items():
-        if not key.endswith(".lora_a"):
+    seen = set()  # a tied LM head shares its embedding's weight and adapter: counted once
+    for layer in lora_layers(model):
+        if layer.weight.data_ptr() in seen:
             continue
-        name = key.removesuffix(".lora_a")
-        weight = base[f"{name}.weight"].to(dtype)
-        update = (ckpt["model_lora"][f"{name}.lora_b"].float() @ lora_a.float()) * scaling
-        update = update if update.shape == weight.shape else update.T  # an embedding's adapter is transposed
-        kept = (weight + update.to(dtype)).float() - weight.float()
+        seen.add(layer.weight.data_ptr())
+        with torch.no_grad():
+            update = (layer.lora_b.float() @ layer.lora_a.float()) * layer.scaling
+            kept = layer.merged_weight().float() - layer.weight.float()
         lost += (kept - update).norm().item() ** 2
         total += update.norm().item() ** 2
         unchanged += (kept == 0).sum().item()
@@ -82,20 +83,20 @@ def without_adapters(model, ids: list[int], start: int, autocast: bool) -> torch
 def main(args: Args) -> None:
     ckpt = load_checkpoint(args.ckpt, flag="--ckpt")
     if "model_lora" not in ckpt:
-        raise SystemExit(f"error: --ckpt {args.ckpt}: not a LoRA checkpoint (no model_lora)")
+        raise UserError(f"--ckpt {args.ckpt}: not a LoRA checkpoint (no model_lora)")
     record = ckpt["base"]["model"]
     model, tok, _ = load_init(record["spec"], lm_head=record["lm_head"], score_head=record["score_head"])
-    error, unchanged = merge_error(ckpt, model.state_dict(), getattr(torch, args.dtype))
+    add_lora(model, record["lora_rank"], record["lora_alpha"], record["lora_targets"])
+    store_low_precision(model, getattr(torch, args.dtype), frozen_only=True)  # the base as a run in that dtype keeps it
+    model.load_state_dict(ckpt["model_lora"], strict=False)
+    model.eval()
+    error, unchanged = merge_error(model)
     print(
         f"{args.ckpt}: after a {args.dtype} merge the update's relative error is {error:.3f} and {unchanged:.1%} of "
         "the adapted entries are unchanged"
     )
     if args.prompts is None:
         return
-    add_lora(model, record["lora_rank"], record["lora_alpha"], record["lora_targets"])
-    store_low_precision(model, torch.bfloat16, frozen_only=True)  # the base as the run kept it under bf16
-    model.load_state_dict(ckpt["model_lora"], strict=False)
-    model.eval()
     exact = copy.deepcopy(model).float()
     merged = store_low_precision(merge_lora(copy.deepcopy(model)), torch.bfloat16)
     kls = {"fp32 unmerged": [], "bf16 unmerged (the trainer)": [], "bf16 merged (sampler, eval.py)": []}
