@@ -708,11 +708,13 @@ def kl_optimal_rows(
 
 def load_model(path: str, flag: str, device, want: str = "lm", dtype: torch.dtype = torch.float32):
     """A model from one of our checkpoints (its LM or its scalar head) or, for its LM, a pretrained one (hf:<path>,
-    gpt2, ...), eval mode, stored in dtype under bf16 (parallel.store_low_precision), and the checkpoint (None)."""
+    gpt2, ...), eval mode, stored in dtype under bf16 (parallel.store_low_precision; a LoRA checkpoint's adapters
+    unmerged, as its run's forward had them: hf.model_from_checkpoint), and the checkpoint (None)."""
     if not path.endswith(".pt") and (want != "lm" or path == "scratch"):
         raise UserError(f"{flag} {path}: expected a .pt checkpoint of this repo")
     kinds = checkpoints.POLICY_KINDS if want == "lm" else "rm"  # every policy kind has an LM head
-    model, tok, ckpt = hf.load_init(path, lm_head=want == "lm", score_head=want == "score", flag=flag, kind=kinds)
+    heads = dict(lm_head=want == "lm", score_head=want == "score")
+    model, tok, ckpt = hf.load_init(path, **heads, flag=flag, kind=kinds, merge=dtype == torch.float32)
     if dtype != torch.float32:
         parallel.store_low_precision(model, dtype)
     return model.to(device).eval(), tok, ckpt

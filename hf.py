@@ -334,13 +334,10 @@ class HFCausalLM(nn.Module):
 # the checkpoint loader and the --init grammar
 
 
-def merged_weights(ckpt: dict, key: str = "model") -> dict:
-    """The full state dict of a checkpoint's model `key`: ckpt[key], or for a LoRA checkpoint (adapters only, §4) its
-    base rebuilt from ckpt["base"][key] (recursively when that is a LoRA checkpoint too), checked against its
-    fingerprint, stored in the dtype it trained in, with the adapters and trained heads loaded, merged as
-    lora.merged_state_dict merged it when the run saved: the same tensors, bit for bit, on the same device."""
-    if key in ckpt:
-        return ckpt[key]
+def adapted_model(ckpt: dict, key: str = "model") -> torch.nn.Module:
+    """A LoRA checkpoint's (adapters only, §4) model `key` as its run held it: the base rebuilt from ckpt["base"][key]
+    (recursively when that is a LoRA checkpoint too, merged), checked against its fingerprint, stored in the dtype it
+    trained in, with the adapters and trained heads loaded, on the CPU."""
     base = ckpt["base"][key]
     needed_by = ckpt.get("path", "a LoRA checkpoint")
     check_base(base, needed_by)
@@ -353,7 +350,16 @@ def merged_weights(ckpt: dict, key: str = "model") -> dict:
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     if unexpected or any(name in missing for name in trainable):
         raise UserError(f"{needed_by}: its {key}_lora does not fit its base {base['spec']} (a checkpoint edited?)")
-    return merged_state_dict(model)
+    return model
+
+
+def merged_weights(ckpt: dict, key: str = "model") -> dict:
+    """The full state dict of a checkpoint's model `key`: ckpt[key], or for a LoRA checkpoint its adapted model
+    merged as lora.merged_state_dict merged it when the run saved: the same tensors, bit for bit (in fp32 over a bf16
+    base)."""
+    if key in ckpt:
+        return ckpt[key]
+    return merged_state_dict(adapted_model(ckpt, key))
 
 
 def model_from_checkpoint(
@@ -361,14 +367,26 @@ def model_from_checkpoint(
     key: str = "model",
     lm_head: bool | None = None,
     score_head: bool | None = None,
+    merge: bool = True,
 ) -> GPT | HFCausalLM:
     """Either kind of model from one of our checkpoints (the dict or a path), on the CPU: an HFCausalLM when
     model_config holds hf_config, else a native GPT; weights from ckpt[key] ("critic" for PPO's), merged onto the
     rebuilt base for a LoRA checkpoint (merged_weights). Heads default to the checkpoint's; True adds an absent one
-    (fresh, from the global torch seed), False drops one."""
+    (fresh, from the global torch seed), False drops one. merge False: a LoRA checkpoint's adapters kept unmerged over
+    its base, as its run's forward had them (a reader under bf16: merged into the bf16 base, a small update rounds
+    away; lora.at_least_fp32)."""
     if not isinstance(ckpt, dict):
         path = os.fspath(ckpt)
         ckpt = torch.load(path, map_location="cpu", weights_only=False) | {"path": path}  # our own files: RNG states
+    if not merge and key not in ckpt:
+        adapted = adapted_model(ckpt, key)
+        state = adapted.state_dict()
+        base = ckpt["base"][key]
+        plain = {name: value for name, value in state.items() if ".lora_" not in name}
+        model = model_from_checkpoint(ckpt | {key: plain}, key, lm_head, score_head)
+        add_lora(model, base["lora_rank"], base["lora_alpha"], base["lora_targets"])
+        model.load_state_dict({name: value for name, value in state.items() if ".lora_" in name}, strict=False)
+        return model.requires_grad_(False)
     ckpt = ckpt | {key: merged_weights(ckpt, key)}
     if "hf_config" in ckpt["model_config"]:  # written by the adapter: rebuilt from the config alone
         return HFCausalLM.from_checkpoint(ckpt, key=key, lm_head=lm_head, score_head=score_head)
@@ -420,14 +438,15 @@ def load_init(
     lm_head: bool = True,
     flag: str = "--init",
     kind: str | tuple | None = None,
+    merge: bool = True,
 ):
     """(model, tokenizer, ckpt or None) from an --init spec: `*.pt` our checkpoint | `gpt2`... or a local GPT-2
     folder (native GPT) | `hf:<name-or-path>` or another local HF folder (HFCausalLM) | `scratch` (a tiny config,
-    the given tokenizer). The caller sets the heads."""
+    the given tokenizer). The caller sets the heads. merge: as model_from_checkpoint's."""
     ckpt = None
     if spec.endswith(".pt"):
         ckpt = load_checkpoint(spec, kind=kind, flag=flag)
-        model = model_from_checkpoint(ckpt, lm_head=lm_head, score_head=score_head)
+        model = model_from_checkpoint(ckpt, lm_head=lm_head, score_head=score_head, merge=merge)
         tokenizer = _tokenizer(flag, spec, ckpt["tokenizer"])
     elif spec in GPT2_NAMES or _model_type(spec) == "gpt2":
         try:

@@ -23,6 +23,13 @@ def lora_pair(base: Tensor, rank: int) -> tuple[nn.Parameter, nn.Parameter]:
     return lora_a, lora_b
 
 
+def at_least_fp32(tensor: Tensor) -> Tensor:
+    """A bf16 (or fp16) tensor in fp32; fp32 and fp64 as they are. Where an adapter's update meets its base (a merge;
+    under autocast, the sum of their outputs): on a bf16 base an update under half the grid's spacing at a value
+    would round back to the value."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 class LoRALinear(nn.Linear):
     """nn.Linear plus a low-rank update: y = x Wᵀ + b + (alpha / r) · x Aᵀ Bᵀ, with A and B from lora_pair. With
     lora_enabled False it is the base alone (PPO's reference is the actor with its adapters off). It is an nn.Linear:
@@ -40,11 +47,14 @@ class LoRALinear(nn.Linear):
         y = super().forward(x)
         if not self.lora_enabled:
             return y
-        return y + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
+        update = F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
+        if torch.is_autocast_enabled(x.device.type):  # the base's output in bf16: summed in fp32 (at_least_fp32)
+            return y.float() + update.float()
+        return y + update
 
     def merged_weight(self) -> Tensor:
-        delta = (self.lora_b @ self.lora_a) * self.scaling
-        return self.weight + delta.to(self.weight.dtype)
+        """The base weight plus the update, in fp32 over a bf16 base (at_least_fp32)."""
+        return at_least_fp32(self.weight) + at_least_fp32(self.lora_b @ self.lora_a) * self.scaling
 
 
 class LoRAEmbedding(nn.Embedding):
@@ -66,7 +76,10 @@ class LoRAEmbedding(nn.Embedding):
         x = super().forward(idx)
         if not self.lora_enabled:
             return x
-        return x + F.embedding(idx, self.lora_b) @ self.lora_a * self.scaling
+        update = F.embedding(idx, self.lora_b) @ self.lora_a * self.scaling
+        if torch.is_autocast_enabled(idx.device.type):  # as LoRALinear's
+            return x.float() + update.float()
+        return x + update
 
     merged_weight = LoRALinear.merged_weight  # the same fold: weight + (alpha / r) B A
 
@@ -121,7 +134,8 @@ def lora_disabled(model: nn.Module):
 def merged_state_dict(model: nn.Module, state: dict | None = None) -> dict:
     """The state dict a model without adapters would have: every adapter folded into its weight, the lora_ keys
     dropped. What a LoRA checkpoint's reader gets (hf.merged_weights), so later stages, eval.py and export_hf see
-    merged weights. state: the model's full state dict if gathered elsewhere (FSDP2), else model.state_dict()."""
+    merged weights, in fp32 over a bf16 base (at_least_fp32). state: the model's full state dict if
+    gathered elsewhere (FSDP2), else model.state_dict()."""
     state = dict(model.state_dict() if state is None else state)
     merged = {}  # base weight's storage -> merged weight: a tied embedding and LM head stay one tensor
     for name, module in model.named_modules():
@@ -129,7 +143,8 @@ def merged_state_dict(model: nn.Module, state: dict | None = None) -> dict:
             lora_a, lora_b = state.pop(f"{name}.lora_a"), state.pop(f"{name}.lora_b")
             weight = state[f"{name}.weight"]
             if weight.data_ptr() not in merged:
-                merged[weight.data_ptr()] = (weight + (lora_b @ lora_a).to(weight.dtype) * module.scaling).detach()
+                update = at_least_fp32(lora_b @ lora_a) * module.scaling
+                merged[weight.data_ptr()] = (at_least_fp32(weight) + update).detach()
             state[f"{name}.weight"] = merged[weight.data_ptr()]
     return state
 

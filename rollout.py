@@ -30,7 +30,7 @@ from checkpoints import POLICY_KINDS, load_checkpoint
 from common import UserError
 from data import Order, PromptStream, PtxStream, RLData, encode_prompts, env_spec, load_prompts, prompt_text
 from generate import Episodes, Samples, continuation_budget, join_samples, run_episodes, sample
-from lora import BaseView, merge_lora, merged_state_dict
+from lora import BaseView
 from model import (
     aggregate_rm_scores,
     entropy_from_logits,
@@ -172,19 +172,23 @@ class Models:
         return Models(actor, ref, reward_models, self.sampler, critic)
 
     def with_sampler(self, dtype: torch.dtype, fsdp: bool) -> "Models":
-        """Under bf16, not --fsdp: a frozen bf16 copy of the actor (LoRA adapters merged) that generates the rollouts;
-        refresh_sampler copies the actor in after every update, in place."""
+        """Under bf16, not --fsdp: a frozen bf16 copy of the actor that generates the rollouts; refresh_sampler copies
+        the actor in after every update, in place. LoRA adapters stay unmerged, as in the actor's forward: merged into
+        the bf16 base, most of a small update would round away (lora.LoRALinear.merged_weight)."""
         if dtype == torch.float32 or fsdp:
             return self
-        sampler = merge_lora(copy.deepcopy(self.actor)).requires_grad_(False).eval()
+        sampler = copy.deepcopy(self.actor).requires_grad_(False).eval()
         return replace(self, sampler=parallel.store_low_precision(sampler, dtype))
 
     @torch.no_grad()
     def refresh_sampler(self) -> None:
-        """The actor's weights (adapters merged) into its bf16 sampler, in place (copy_: static caches and CUDA graphs
-        keep their addresses, no recompile); the actor's fp32 master weights and optimizer state are untouched."""
-        if self.sampler is not None:
-            self.sampler.load_state_dict(merged_state_dict(self.actor))
+        """The actor's trained parameters into its bf16 sampler, in place (copy_: static caches and CUDA graphs keep
+        their addresses, no recompile); the actor's fp32 master weights and optimizer state are untouched."""
+        if self.sampler is None:
+            return
+        trained = {name: p for name, p in self.actor.named_parameters() if p.requires_grad}
+        unexpected = self.sampler.load_state_dict(trained, strict=False).unexpected_keys
+        assert not unexpected, f"the sampler lacks {unexpected}"
 
 
 def training_forwards(models: Models, trained: list[common.Trained], setting: str, d) -> Models:

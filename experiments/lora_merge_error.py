@@ -1,16 +1,17 @@
 """How much of a LoRA run's update bf16 keeps. A LoRA run under bf16 stores its frozen base in bf16, so the base sits
-on bf16's grid: merged into it (the RL stages' bf16 sampler, rollout.Models.with_sampler; eval.py's reader,
-hf.merged_weights), an update under half the grid's spacing at a weight rounds back to the weight; unmerged (the
-trainer's forward under autocast), each adapted layer adds the adapter's output to the base's in bf16.
+on bf16's grid: merged into it (a merged export read in bf16; a later stage built on the checkpoint, whose frozen
+base is stored in bf16), an update under half the grid's spacing at a weight rounds back to the weight. Unmerged
+(the trainer's forward, the bf16 sampler's and eval.py's under bf16), each adapted layer adds the adapter's output to
+the base's in fp32 (lora.at_least_fp32), which keeps it.
 
 python experiments/lora_merge_error.py --ckpt out/real_rlvr/chain_sum/grpo/ckpt.pt \
     --prompts out/real_rlvr/data/rg-v1-chain_sum-141e5589b4-seed1337/eval_prompts.jsonl
 
-Prints, over every adapted matrix, the relative error of the update after the merge (||merged - W - BA·s|| /
-||BA·s||, 0: nothing lost, 1: all of it) and the share of the entries the merge leaves unchanged. With --prompts, the
-KL to the policy without the adapters (nats a token over --answer, after each prompt) of three forwards: fp32 with
-the adapters unmerged (the policy the adapters hold), bf16 autocast unmerged (the trainer's), bf16 merged (the
-sampler's and eval.py's)."""
+Prints, over every adapted matrix, the relative error of the update after a merge into the base's dtype
+(||merged - W - BA·s|| / ||BA·s||, 0: nothing lost, 1: all of it) and the share of the entries the merge leaves
+unchanged. With --prompts, the KL to the policy without the adapters (nats a token over --answer, after each prompt)
+of three forwards: fp32 with the adapters unmerged (the policy the adapters hold), bf16 autocast unmerged (the
+trainer's, the sampler's, eval.py's), bf16 merged."""
 
 import copy
 import os
@@ -45,8 +46,8 @@ class Args:
 
 
 def merge_error(model) -> tuple[float, float]:
-    """Over a model's adapters: (the update's relative error after lora's own merge into its base, in the base's
-    dtype; the share of the base's entries the merge leaves unchanged)."""
+    """Over a model's adapters: (the update's relative error after lora's own merge, rounded to the base's dtype; the
+    share of the base's entries the merge leaves unchanged)."""
     lost, total, unchanged, entries = 0.0, 0.0, 0, 0
     seen = set()  # a tied LM head shares its embedding's weight and adapter: counted once
     for layer in lora_layers(model):
@@ -55,7 +56,7 @@ def merge_error(model) -> tuple[float, float]:
         seen.add(layer.weight.data_ptr())
         with torch.no_grad():
             update = (layer.lora_b.float() @ layer.lora_a.float()) * layer.scaling
-            kept = layer.merged_weight().float() - layer.weight.float()
+            kept = layer.merged_weight().to(layer.weight.dtype).float() - layer.weight.float()
         lost += (kept - update).norm().item() ** 2
         total += update.norm().item() ** 2
         unchanged += (kept == 0).sum().item()
@@ -99,15 +100,15 @@ def main(args: Args) -> None:
         return
     exact = copy.deepcopy(model).float()
     merged = store_low_precision(merge_lora(copy.deepcopy(model)), torch.bfloat16)
-    kls = {"fp32 unmerged": [], "bf16 unmerged (the trainer)": [], "bf16 merged (sampler, eval.py)": []}
+    kls = {"fp32 unmerged": [], "bf16 unmerged (trainer, sampler, eval.py)": [], "bf16 merged": []}
     for row in read_jsonl(args.prompts, "prompts")[:48]:
         prompt = prompt_ids(tok, row["prompt"])
         ids = prompt + tok.encode(args.answer) + [tok.eos_id]
         start = len(prompt)
         exact_base, base = without_adapters(exact, ids, start, False), without_adapters(model, ids, start, True)
         kls["fp32 unmerged"].append(kl(answer_logprobs(exact, ids, start, False), exact_base))
-        kls["bf16 unmerged (the trainer)"].append(kl(answer_logprobs(model, ids, start, True), base))
-        kls["bf16 merged (sampler, eval.py)"].append(kl(answer_logprobs(merged, ids, start, True), base))
+        kls["bf16 unmerged (trainer, sampler, eval.py)"].append(kl(answer_logprobs(model, ids, start, True), base))
+        kls["bf16 merged"].append(kl(answer_logprobs(merged, ids, start, True), base))
     for name, values in kls.items():
         print(f"  KL to the policy without the adapters, {name}: {sum(values) / len(values):.4f} nats a token")
 

@@ -354,7 +354,11 @@ def test_load_init_reads_checkpoints_through_model_from_checkpoint(tiny_ckpts, m
 
     monkeypatch.setattr(hf, "model_from_checkpoint", spy)
     model, _, ckpt = load_init(tiny_ckpts[0], score_head=True)
-    assert calls == [dict(lm_head=True, score_head=True)] and type(model) is GPT and model.score_head is not None
+    assert (
+        calls == [dict(lm_head=True, score_head=True, merge=True)]
+        and type(model) is GPT
+        and model.score_head is not None
+    )
 
 
 def test_a_checkpoint_exports_with_its_tokenizer(tmp_path, tiny_ckpts):

@@ -21,7 +21,16 @@ import parallel
 import train_ppo
 import train_rm
 import train_sft
-from lora import BaseView, LoRAEmbedding, LoRALinear, add_lora, lora_disabled, merge_lora, merged_state_dict
+from lora import (
+    BaseView,
+    LoRAEmbedding,
+    LoRALinear,
+    add_lora,
+    lora_disabled,
+    lora_layers,
+    merge_lora,
+    merged_state_dict,
+)
 from model import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=16)
@@ -69,6 +78,34 @@ def test_lora_starts_at_its_base_freezes_it_and_merges_exactly():
     merged_logits, _ = merge_lora(model)(idx, mask)
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
     assert torch.allclose(merged_logits, logits, atol=1e-10)
+
+
+def test_a_small_update_survives_a_bf16_base():
+    """Under bf16 a LoRA run's frozen base sits on bf16's grid. An update far under the grid's spacing at the base's
+    outputs is still expressed: the adapter's output is added in fp32 (lora.at_least_fp32), which a bf16 sum would
+    lose almost whole; merged, the weight comes back in fp32 with the update in it."""
+    torch.manual_seed(0)
+    layer = LoRALinear(torch.nn.Linear(64, 48), rank=4, alpha=8.0)
+    embedding = LoRAEmbedding(torch.nn.Embedding(50, 64), rank=4, alpha=8.0)
+    for adapted in (layer, embedding):
+        adapted.weight.requires_grad_(False)  # the frozen base in bf16, the adapters in fp32: as place_model stores it
+        parallel.store_low_precision(adapted, torch.bfloat16, frozen_only=True)
+        with torch.no_grad():
+            adapted.lora_b.normal_(std=1e-5)  # an update ~1e-4 against outputs ~0.5: a bf16 spacing is ~4e-3
+    x, idx = torch.randn(32, 64), torch.randint(0, 50, (32,))
+    for adapted, inputs in ((layer, x), (embedding, idx)):
+        delta = (adapted.lora_b @ adapted.lora_a) * adapted.scaling  # the update of the weight, in fp32
+        want = torch.nn.functional.linear(x, delta) if adapted is layer else delta[idx]
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with lora_disabled(adapted):
+                without = adapted(inputs)  # bf16
+            update = adapted(inputs) - without.float()
+        summed_in_bf16 = (without + update.to(torch.bfloat16)).float() - without.float()
+        assert (update - want).norm() / want.norm() < 0.02  # the adapter's own matmuls in bf16: ~2^-8
+        assert (summed_in_bf16 - want).norm() / want.norm() > 0.8  # what a bf16 sum would have kept
+        merged = adapted.merged_weight()
+        assert merged.dtype == torch.float32
+        assert (merged - adapted.weight.float() - delta).norm() / delta.norm() < 0.01  # fp32's rounding at the weight
 
 
 def test_lora_shares_the_base_tensors_and_targets_by_name():
@@ -250,6 +287,11 @@ def test_a_lora_checkpoint_holds_adapters_and_the_loader_merges_them_to_the_bit(
     assert_same_tensors(loaded.state_dict(), {name: value.float() for name, value in rm_merged["model"].items()})
     critic = hf.model_from_checkpoint(rm, lm_head=False, score_head=True)  # PPO's critic from a LoRA RM
     assert torch.equal(critic.score_head.weight, rm_merged["model"]["score_head.weight"].float())
+    # unmerged (eval.py under bf16): the run's own model, adapters over its base, the RM's head dropped on request
+    unmerged = hf.model_from_checkpoint(rm, lm_head=True, score_head=False, merge=False)
+    held = {name: value.float() for name, value in rm_model.state_dict().items() if not name.startswith("score_")}
+    assert lora_layers(unmerged) and unmerged.score_head is None
+    assert_same_tensors({name: value.float() for name, value in unmerged.state_dict().items()}, held)
 
 
 def test_a_lora_checkpoint_names_its_missing_or_changed_base(tmp_path, tiny_ckpts, capsys):
