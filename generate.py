@@ -37,6 +37,10 @@ class KVCache:
         self.pos += T
         return self.k[:, :, : self.pos], self.v[:, :, : self.pos]  # (B, nh, pos, hs)
 
+    def copy_rows(self, rows: Tensor) -> None:
+        """Row i of the cache becomes row rows[i] (a shared prefill handed to every row of its prompt)."""
+        self.k, self.v = self.k[rows], self.v[rows]
+
 
 class StaticKVCache(nn.Module):
     """Keys and values of one layer at fixed shapes for the compiled decode: zero buffers (B, nh, max_len, hs),
@@ -104,17 +108,44 @@ def cache_dtype(device: torch.device, weights_dtype: torch.dtype) -> torch.dtype
 
 
 # -----------------------------------------------------------------------------
+# the prompts a batch repeats: prefilled once
+
+
+def shared_prompts(idx: Tensor, real: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Rows that hold one prompt (GRPO's group, eval.py's k samples of a prompt, VinePPO's continuations of a prefix)
+    share its prefill: it runs on one row of each distinct prompt and its KV cache is copied to the others. Returns
+    (first (U,): one row of each distinct prompt, copy (B,): the distinct prompt of each row, an index into first),
+    or None when every row is a prompt of its own."""
+    B = idx.size(0)
+    key = idx.masked_fill(~real, -1)  # where the padding is matters, not its id (-1 is no token's)
+    distinct, copy = torch.unique(key, dim=0, return_inverse=True)
+    if distinct.size(0) == B:
+        return None
+    rows = torch.arange(B, device=idx.device)
+    first = torch.full((distinct.size(0),), B, device=idx.device).scatter_reduce(0, copy, rows, "amin")
+    return first, copy
+
+
+EVERY_ROW = (slice(None), slice(None))  # shared_prompts' (first, copy) when nothing is shared: every row itself
+
+
+# -----------------------------------------------------------------------------
 # model.GPT's prefills: each returns (the last prompt position's logits (B, V), advance(token, step) -> next logits)
 
 
-def eager_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int):
-    """The eager decode: the prompts through the trunk once into a KV cache that grows by a token a step."""
+def eager_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int, shared=None):
+    """The eager decode: the prompts through the trunk once into a KV cache that grows by a token a step. shared:
+    shared_prompts' (first, copy), a distinct prompt prefilled once."""
     B, P = idx.size()
     n_real = real.long().sum(-1)  # (B,) real prompt tokens
     key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1)  # (B, P + max_new_tokens)
     kv_caches = [KVCache(P + max_new_tokens) for _ in range(model.config.n_layer)]
     pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
-    h = model._trunk(idx.masked_fill(~real, 0), pos, padded_causal_mask(real), kv_caches)
+    first, copy = shared or EVERY_ROW
+    h = model._trunk(idx[first].masked_fill(~real[first], 0), pos[first], padded_causal_mask(real[first]), kv_caches)
+    h = h[copy]
+    for cache in kv_caches:
+        cache.copy_rows(copy)
 
     def advance(tok: Tensor, step: int) -> Tensor:
         # the new token sits at position n_real + step (a row past its budget: any position, its output is unused)
@@ -127,11 +158,12 @@ def eager_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int):
     return model.lm_head(h[:, -1]), advance
 
 
-def static_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int, cache_len: int | None = None):
+def static_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int, cache_len: int | None = None, shared=None):
     """The fixed-shape decode (generate's compiled=True): the prompts left-padded to a multiple of 16 (the slots a
     prompt leaves empty are masked), a StaticKVCache per layer, the prefill eager; advance runs compiled_decode with
     the same shapes at every step. cache_len: the caches' length whatever the prompts' width (run_episodes: the
-    context, one shape every turn), the slots past the prompt and the new tokens masked."""
+    context, one shape every turn), the slots past the prompt and the new tokens masked. shared: as eager_prefill's
+    (the distinct prompts prefilled into caches of their own, copied into the kept ones)."""
     if cache_len is None:
         idx, real, key_real, width = static_layout(idx, real, max_new_tokens, model.config.block_size)
         max_len = width + max_new_tokens
@@ -144,12 +176,21 @@ def static_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int, cache_
     device = idx.device
     dtype = cache_dtype(device, model.lm_head.weight.dtype)
     caches, step_slot = static_caches(model, idx.size(0), max_len, dtype, device)
-    for cache in caches:
+    first, copy = shared or EVERY_ROW
+    prefill_caches = caches
+    if shared is not None:
+        n_head, head_size = caches[0].k.size(1), caches[0].k.size(3)
+        prefill_caches = [StaticKVCache(first.numel(), n_head, max_len, head_size, step_slot, dtype) for _ in caches]
+    for cache in prefill_caches:
         cache.slots = torch.arange(width, device=device)  # the prefill writes the prompt's slots
     pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, width)
-    prefill_mask = F.pad(padded_causal_mask(real), (0, max_len - width), value=False)  # (B, 1, width, max_len)
-    h = model._trunk(idx.masked_fill(~real, 0), pos, prefill_mask, caches)
-    for cache in caches:
+    prefill_mask = F.pad(padded_causal_mask(real[first]), (0, max_len - width), value=False)  # (U, 1, width, max_len)
+    h = model._trunk(idx[first].masked_fill(~real[first], 0), pos[first], prefill_mask, prefill_caches)
+    h = h[copy]
+    for cache, prefilled in zip(caches, prefill_caches):
+        if prefilled is not cache:
+            cache.k.copy_(prefilled.k[copy])
+            cache.v.copy_(prefilled.v[copy])
         cache.slots = step_slot  # then one slot a step, refilled in place
     step_fn = compiled_decode(device)
     slot_ids = torch.arange(max_len, device=device)
@@ -267,7 +308,8 @@ def generate(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Sample from model (GPT or HFCausalLM) for left-padded prompts idx, attention_mask (B, P) (None: no padding).
     max_new_tokens: an int or a (B,) per-row budget. generator: None = the global RNG. compiled: static KV caches,
-    cache_len long where given (model.GPT's; None: the prompt's width bucket and the new tokens).
+    cache_len long where given (model.GPT's; None: the prompt's width bucket and the new tokens). Rows that repeat
+    a prompt share its prefill (shared_prompts).
     Returns response (B, Tn) long (pad_id after EOS), response_mask (B, Tn) float (EOS included), logprobs (B, Tn)
     under the full tempered distribution (0 on padding)."""
     assert model.config.lm_head, "generate needs a model with an lm head"
@@ -282,16 +324,17 @@ def generate(
     )
     if steps <= 0:  # nothing to generate
         return idx.new_empty(B, 0), torch.zeros(B, 0, device=idx.device), torch.zeros(B, 0, device=idx.device)
+    shared = shared_prompts(idx, real)
     if hasattr(model, "prefill"):  # hf.HFCausalLM: its own caches, the wrapped model in eval mode while it decodes
         with model.decoding():
-            logits, advance = model.prefill(idx, real, steps, compiled)
+            logits, advance = model.prefill(idx, real, steps, compiled, shared)
             return decode_loop(
                 logits, advance, budget, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator
             )
     if compiled:
-        logits, advance = static_prefill(model, idx, real, steps, cache_len)
+        logits, advance = static_prefill(model, idx, real, steps, cache_len, shared)
     else:
-        logits, advance = eager_prefill(model, idx, real, steps)
+        logits, advance = eager_prefill(model, idx, real, steps, shared)
     return decode_loop(logits, advance, budget, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator)
 
 

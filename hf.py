@@ -20,7 +20,7 @@ from torch import Tensor
 
 from checkpoints import check_base, export_hf, load_checkpoint
 from common import UserError
-from generate import cache_dtype, decode_compile_mode, static_layout
+from generate import EVERY_ROW, cache_dtype, decode_compile_mode, static_layout
 from lora import add_lora, merged_state_dict
 from model import GPT, GPTConfig, strip_wrapper_prefixes
 from parallel import store_low_precision
@@ -262,28 +262,33 @@ class HFCausalLM(nn.Module):
         finally:
             self.hf.train(training)
 
-    def prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int, compiled: bool):
+    def prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int, compiled: bool, shared=None):
         """generate.generate's prefill through the HF model's own KV cache: returns (the last prompt position's
         logits (B, V), advance(token, step) -> the next logits). compiled: a StaticCache and a compiled one-token
-        forward where transformers marks the model compilable (_can_compile_fullgraph), else eager."""
-        static = compiled and getattr(self.hf, "_can_compile_fullgraph", False)
-        prefill = self._static_prefill if static else self._prefill
-        return prefill(idx, real, max_new_tokens)
+        forward where transformers marks the model compilable (_can_compile_fullgraph), else eager. shared:
+        generate.shared_prompts' (first, copy), a distinct prompt prefilled once (the eager decode's DynamicCache;
+        a StaticCache prefills every row)."""
+        if compiled and getattr(self.hf, "_can_compile_fullgraph", False):
+            return self._static_prefill(idx, real, max_new_tokens)
+        return self._prefill(idx, real, max_new_tokens, shared)
 
-    def _prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int):
+    def _prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int, shared=None):
         """The eager decode: a DynamicCache growing by a token a step; returns (the last prompt position's logits
         (B, V), advance(token, step) -> the next logits)."""
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
         B, P = idx.size()
         n_real = real.long().sum(-1)  # (B,) real prompt tokens
         key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1).long()  # (B, P + max_new_tokens)
-        try:
-            cache = DynamicCache(config=self.hf.config)  # sliding-window and hybrid layers laid out per the config
-        except TypeError:  # older transformers
-            cache = DynamicCache()
+        cache = DynamicCache(config=self.hf.config)  # sliding-window and hybrid layers laid out per the config
+        plain = cache.layers and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
+        shared = shared if plain else None  # a hybrid model's other states: every row prefilled
+        first, copy = shared or EVERY_ROW
         kw = {self._cache_kw: cache, "use_cache": True} | ({"logits_to_keep": 1} if self._keep_kw else {})
-        logits = self.hf(**self._inputs(idx, real), **kw).logits[:, -1]  # (B, V)
+        logits = self.hf(**self._inputs(idx[first], real[first]), **kw).logits[:, -1][copy]  # (B, V)
+        if shared is not None:
+            cache.batch_select_indices(copy)  # each row's copy of its prompt's keys and values
 
         def advance(tok: Tensor, step: int) -> Tensor:
             # the new token sits at position n_real + step; it sees the real prompt keys and all new keys

@@ -12,7 +12,7 @@ import torch
 from conftest import boost_eos
 
 from data import pad_left
-from generate import StaticKVCache, generate, sample, sample_tokens
+from generate import StaticKVCache, generate, sample, sample_tokens, shared_prompts
 from model import GPT, GPTConfig, logprobs_from_logits
 
 V = 97  # vocab size of every tiny model
@@ -343,3 +343,57 @@ def test_hf_compiled_decode_gives_the_eager_tokens(temperature):
     assert torch.allclose(logprobs, logprobs_c, atol=1e-6, rtol=0)
     lengths = masks.sum(1)
     assert (lengths < masks.size(1)).any() and (lengths == masks.size(1)).any()
+
+
+# -----------------------------------------------------------------------------
+# a prompt the batch repeats: prefilled once (generate.shared_prompts)
+
+
+def test_shared_prompts_finds_the_rows_of_each_prompt():
+    idx, mask = left_pad([[5, 6], [7], [5, 6], [7], [PAD - 1, 7], [5, 6]])
+    first, copy = shared_prompts(idx, mask.bool())
+    assert sorted(first.tolist()) == [0, 1, 4]
+    assert first[copy].tolist() == [0, 1, 0, 1, 4, 0]  # each row's prompt, by its first row
+    assert shared_prompts(*left_pad([[5, 6], [7], [6, 5]])[:1], torch.ones(3, 2, dtype=torch.bool)) is None
+    # the same ids with the padding elsewhere are two prompts
+    idx = torch.tensor([[PAD, 7, 8], [7, 8, PAD]])
+    assert shared_prompts(idx, idx != PAD) is None
+
+
+@pytest.mark.parametrize(
+    "kind, compiled",
+    [("gpt", False), pytest.param("gpt", True, marks=[pytest.mark.slow, needs_compiler]), ("llama", False)],
+    ids=["gpt", "gpt_compiled", "llama"],
+)
+def test_a_repeated_prompt_is_prefilled_once_and_decodes_as_its_own_rows(monkeypatch, compiled, kind):
+    """Five ragged prompts three times each, as GRPO lays out its groups: the prefill runs on five rows, and each row's
+    greedy tokens and log-probs are its prompt's generated alone; sampled rows of one prompt draw their own tokens.
+    model.GPT (eager, and the static caches of the compiled decode) and a Hugging Face Llama (its DynamicCache; the
+    StaticCache of its compiled decode prefills every row: test_hf_compiled_decode_gives_the_eager_tokens)."""
+
+    model = decode_policy() if kind == "gpt" else tiny_llama()
+    g = torch.Generator().manual_seed(1)
+    distinct = [torch.randint(6, DECODE_V, (n,), generator=g).tolist() for n in (5, 2, 7, 1, 4)]
+    prompts = [prompt for prompt in distinct for _ in range(3)]
+    idx, mask = pad_left(prompts, DECODE_PAD)
+    batches = []  # the rows of each forward, the prefill's first
+    if kind == "gpt" and not compiled:
+        trunk = model._trunk
+        monkeypatch.setattr(model, "_trunk", lambda idx, *a: batches.append(idx.size(0)) or trunk(idx, *a))
+    elif not compiled:
+        forward = model.hf.forward
+        monkeypatch.setattr(
+            model.hf, "forward", lambda **kw: batches.append(kw["attention_mask"].size(0)) or forward(**kw)
+        )
+    generate_kw = dict(eos_id=DECODE_EOS, pad_id=DECODE_PAD, compiled=compiled)
+    response, rmask, logprobs = generate(model, idx, mask, 10, temperature=0.0, **generate_kw)
+    assert compiled or batches[:2] == [5, 15]  # the prefill on one row a prompt, the decode on every row
+    for i, prompt in enumerate(prompts):
+        alone, amask, alp = generate(model, torch.tensor([prompt]), None, 10, DECODE_EOS, DECODE_PAD, temperature=0.0)
+        assert row(response, rmask, i) == row(alone, amask, 0), f"row {i}"
+        n = int(amask.sum())
+        assert (logprobs[i, :n] - alp[0, :n]).abs().max() <= (1e-6 if compiled else 1e-10)
+    generator = torch.Generator().manual_seed(0)
+    sampled, smask, _ = generate(model, idx, mask, 10, temperature=1.0, generator=generator, **generate_kw)
+    assert len({tuple(row(sampled, smask, i)) for i in range(3)}) > 1  # one prompt, three draws
+    assert (smask.sum(1) < smask.size(1)).any()  # some rows ended before the last step
