@@ -112,21 +112,21 @@ def cache_dtype(device: torch.device, weights_dtype: torch.dtype) -> torch.dtype
 
 
 def shared_prompts(idx: Tensor, real: Tensor) -> tuple[Tensor, Tensor] | None:
-    """Rows that hold one prompt (GRPO's group, eval.py's k samples of a prompt, VinePPO's continuations of a prefix)
-    share its prefill: it runs on one row of each distinct prompt and its KV cache is copied to the others. Returns
-    (first (U,): one row of each distinct prompt, copy (B,): the distinct prompt of each row, an index into first),
-    or None when every row is a prompt of its own."""
+    """Rows that hold one prompt (GRPO's group, VinePPO's continuations of a prefix) share its prefill: it runs on one
+    row of each distinct prompt and its KV cache is copied to the others. Returns (first (U,): one row of each
+    distinct prompt, prompt_of (B,): each row's distinct prompt, an index into first), or None when every row is a
+    prompt of its own."""
     B = idx.size(0)
     key = idx.masked_fill(~real, -1)  # where the padding is matters, not its id (-1 is no token's)
-    distinct, copy = torch.unique(key, dim=0, return_inverse=True)
+    distinct, prompt_of = torch.unique(key, dim=0, return_inverse=True)
     if distinct.size(0) == B:
         return None
     rows = torch.arange(B, device=idx.device)
-    first = torch.full((distinct.size(0),), B, device=idx.device).scatter_reduce(0, copy, rows, "amin")
-    return first, copy
+    first = torch.full((distinct.size(0),), B, device=idx.device).scatter_reduce(0, prompt_of, rows, "amin")
+    return first, prompt_of
 
 
-EVERY_ROW = (slice(None), slice(None))  # shared_prompts' (first, copy) when nothing is shared: every row itself
+EVERY_ROW = (slice(None), slice(None))  # shared_prompts' (first, prompt_of) when nothing is shared: each row its own
 
 
 # -----------------------------------------------------------------------------
@@ -135,17 +135,17 @@ EVERY_ROW = (slice(None), slice(None))  # shared_prompts' (first, copy) when not
 
 def eager_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int, shared=None):
     """The eager decode: the prompts through the trunk once into a KV cache that grows by a token a step. shared:
-    shared_prompts' (first, copy), a distinct prompt prefilled once."""
+    shared_prompts' (first, prompt_of), a distinct prompt prefilled once."""
     B, P = idx.size()
     n_real = real.long().sum(-1)  # (B,) real prompt tokens
     key_real = torch.cat([real, real.new_ones(B, max_new_tokens)], dim=1)  # (B, P + max_new_tokens)
     kv_caches = [KVCache(P + max_new_tokens) for _ in range(model.config.n_layer)]
     pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
-    first, copy = shared or EVERY_ROW
+    first, prompt_of = shared or EVERY_ROW
     h = model._trunk(idx[first].masked_fill(~real[first], 0), pos[first], padded_causal_mask(real[first]), kv_caches)
-    h = h[copy]
+    h = h[prompt_of]
     for cache in kv_caches:
-        cache.copy_rows(copy)
+        cache.copy_rows(prompt_of)
 
     def advance(tok: Tensor, step: int) -> Tensor:
         # the new token sits at position n_real + step (a row past its budget: any position, its output is unused)
@@ -176,7 +176,7 @@ def static_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int, cache_
     device = idx.device
     dtype = cache_dtype(device, model.lm_head.weight.dtype)
     caches, step_slot = static_caches(model, idx.size(0), max_len, dtype, device)
-    first, copy = shared or EVERY_ROW
+    first, prompt_of = shared or EVERY_ROW
     prefill_caches = caches
     if shared is not None:
         n_head, head_size = caches[0].k.size(1), caches[0].k.size(3)
@@ -186,11 +186,11 @@ def static_prefill(model, idx: Tensor, real: Tensor, max_new_tokens: int, cache_
     pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # (B, width)
     prefill_mask = F.pad(padded_causal_mask(real[first]), (0, max_len - width), value=False)  # (U, 1, width, max_len)
     h = model._trunk(idx[first].masked_fill(~real[first], 0), pos[first], prefill_mask, prefill_caches)
-    h = h[copy]
+    h = h[prompt_of]
     for cache, prefilled in zip(caches, prefill_caches):
         if prefilled is not cache:
-            cache.k.copy_(prefilled.k[copy])
-            cache.v.copy_(prefilled.v[copy])
+            cache.k.copy_(prefilled.k[prompt_of])
+            cache.v.copy_(prefilled.v[prompt_of])
         cache.slots = step_slot  # then one slot a step, refilled in place
     step_fn = compiled_decode(device)
     slot_ids = torch.arange(max_len, device=device)

@@ -266,7 +266,7 @@ class HFCausalLM(nn.Module):
         """generate.generate's prefill through the HF model's own KV cache: returns (the last prompt position's
         logits (B, V), advance(token, step) -> the next logits). compiled: a StaticCache and a compiled one-token
         forward where transformers marks the model compilable (_can_compile_fullgraph), else eager. shared:
-        generate.shared_prompts' (first, copy), a distinct prompt prefilled once (the eager decode's DynamicCache;
+        generate.shared_prompts' (first, prompt_of), a distinct prompt prefilled once (the eager decode's DynamicCache;
         a StaticCache prefills every row)."""
         if compiled and getattr(self.hf, "_can_compile_fullgraph", False):
             return self._static_prefill(idx, real, max_new_tokens)
@@ -284,11 +284,11 @@ class HFCausalLM(nn.Module):
         cache = DynamicCache(config=self.hf.config)  # sliding-window and hybrid layers laid out per the config
         plain = cache.layers and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
         shared = shared if plain else None  # a hybrid model's other states: every row prefilled
-        first, copy = shared or EVERY_ROW
+        first, prompt_of = shared or EVERY_ROW
         kw = {self._cache_kw: cache, "use_cache": True} | ({"logits_to_keep": 1} if self._keep_kw else {})
-        logits = self.hf(**self._inputs(idx[first], real[first]), **kw).logits[:, -1][copy]  # (B, V)
+        logits = self.hf(**self._inputs(idx[first], real[first]), **kw).logits[:, -1][prompt_of]  # (B, V)
         if shared is not None:
-            cache.batch_select_indices(copy)  # each row's copy of its prompt's keys and values
+            cache.batch_select_indices(prompt_of)  # each row's copy of its prompt's keys and values
 
         def advance(tok: Tensor, step: int) -> Tensor:
             # the new token sits at position n_real + step; it sees the real prompt keys and all new keys

@@ -24,9 +24,8 @@ def lora_pair(base: Tensor, rank: int) -> tuple[nn.Parameter, nn.Parameter]:
 
 
 def at_least_fp32(tensor: Tensor) -> Tensor:
-    """A bf16 (or fp16) tensor in fp32; fp32 and fp64 as they are. Where an adapter's update meets its base (a merge;
-    under autocast, the sum of their outputs): on a bf16 base an update under half the grid's spacing at a value
-    would round back to the value."""
+    """A bf16 (or fp16) tensor in fp32; fp32 and fp64 as they are. What a merge adds in: merged into a bf16 base, an
+    update under half the grid's spacing at a weight would round back to the weight."""
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
@@ -48,7 +47,7 @@ class LoRALinear(nn.Linear):
         if not self.lora_enabled:
             return y
         update = F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
-        if torch.is_autocast_enabled(x.device.type):  # the base's output in bf16: summed in fp32 (at_least_fp32)
+        if torch.is_autocast_enabled(x.device.type):  # y in bf16: summed in bf16, an update under its spacing is lost
             return y.float() + update.float()
         return y + update
 
