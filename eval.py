@@ -293,7 +293,9 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
             ref_logits = packed_response_logits(ref, ids, mask, response_mask, args.temperature)
             if not parallel.full_precision(dtype):  # bf16 (or TF32): the sampler's log-probs and a full forward's
                 # differ (0.3 a token on SmolLM2, 0.07 nats a sequence of a policy to itself): both from a full forward
-                policy_logits = packed_response_logits(model, ids, mask, response_mask, args.temperature)
+                policy_logits = ref_logits  # the reference's own forward when it is the policy
+                if model is not ref:
+                    policy_logits = packed_response_logits(model, ids, mask, response_mask, args.temperature)
                 policy_logprobs = logprobs_from_logits(policy_logits, response)
         ref_logprobs = logprobs_from_logits(ref_logits, response)
         kl = ((policy_logprobs - ref_logprobs) * response_mask).sum(1)
@@ -1025,7 +1027,7 @@ def main(args: Args) -> dict:
     if len(names) != len(args.policy):
         raise UserError(f"--names: {len(names)} names for {len(args.policy)} policies")
     dtype = parallel.resolve_dtype(args.dtype, device)
-    ref, ref_tok, _ = load_model(args.ref, "--ref", device, dtype=dtype)
+    ref, ref_tok, ref_ckpt = load_model(args.ref, "--ref", device, dtype=dtype)
     if args.env:  # multi-turn: each policy's episodes against the environment
         results = episode_results(args, names, rows, ref, ref_tok, device)
         print_episode_table(results)
@@ -1074,7 +1076,10 @@ def main(args: Args) -> dict:
     ref_samples = sample_policy(ref, ref_tok, prompts, args, device)
     _, ref_gold = policy_metrics(ref_samples, task, None)
     for name, path in zip(names, args.policy):
-        model, tok, ckpt = load_model(path, "--policy", device, dtype=dtype)
+        if path == args.ref:  # the reference itself (make real-rlvr's SFT row): one model, its KL from one forward
+            model, tok, ckpt = ref, ref_tok, ref_ckpt
+        else:
+            model, tok, ckpt = load_model(path, "--policy", device, dtype=dtype)
         difference = same_tokenizer(tok, ref_tok, prompts)
         if difference:
             raise UserError(f"--policy {path}: its tokenizer differs from --ref {args.ref}'s: {difference}")

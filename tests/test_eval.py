@@ -4,6 +4,7 @@ context skipped without changing the others, best-of-N (the pick, the KL bound, 
 --reward-fn, --pairs on user data; the reward signal (docs/design.md §5d): the KL-optimal tilt's estimates on a toy with
 an exact optimum, the --kl-optimal rows and their sample cache (gold alone too), --pairs over an RM ensemble."""
 
+import copy
 import json
 import math
 import os
@@ -152,7 +153,7 @@ def test_kl_of_policy_against_itself_is_zero_and_seeds_extend(task_dir):
 def test_kl_of_a_bf16_policy_against_itself_is_zero(task_dir):
     """Under --dtype bfloat16 the sampler's log-probs (one token at a time on a KV cache) and a full forward's differ
     by up to 0.3 a token on SmolLM2; the KL reads both sides from a full forward, so a policy against itself is 0 (a
-    policy whose matrices are stored in bf16, as eval.py loads it)."""
+    policy whose matrices are stored in bf16, as eval.py loads it; the reference itself as the policy: one forward)."""
     torch.manual_seed(0)
     tok = load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=64)).eval()
@@ -162,8 +163,11 @@ def test_kl_of_a_bf16_policy_against_itself_is_zero(task_dir):
     parallel.store_low_precision(model, torch.bfloat16)
     prompts = ["Review of The Silent River (music):", "Review of The Iron Tower (plot, ending):"] * 4
     args = ev.Args(max_new_tokens=24, batch_size=8, dtype="bfloat16")
-    s = ev.sample_policy(model, tok, prompts, args, torch.device("cpu"), ref=model)
+    s = ev.sample_policy(model, tok, prompts, args, torch.device("cpu"), ref=copy.deepcopy(model))
     assert max(abs(k) for k in s["kl"]) < 1e-6 and min(s["n"]) >= 1
+    # the reference itself as the policy (eval.py --policy REF): one forward for both sides, KL 0 exactly
+    itself = ev.sample_policy(model, tok, prompts, args, torch.device("cpu"), ref=model)
+    assert itself["tokens"] == s["tokens"] and set(itself["kl"]) == {0.0}
 
 
 @pytest.fixture(scope="module")
