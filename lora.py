@@ -1,7 +1,8 @@
 """LoRA (Hu et al. 2021, https://arxiv.org/abs/2106.09685): low-rank adapters on linear layers and the token
 embedding, the base frozen, written here (no peft). `add_lora` puts them on any model (a native `model.GPT` or the
 Hugging Face adapter of hf.py); checkpoints store the adapters, and their reader merges them onto the rebuilt base
-(`merged_state_dict`); `BaseView` is the frozen base as a module of its own (PPO's reference and reward model, DPO's
+(`merged_state_dict`; under bf16 a reader keeps them unmerged: a small update would round away in a bf16 base);
+`BaseView` is the frozen base as a module of its own (PPO's reference and reward model, DPO's
 reference).
 """
 
@@ -132,8 +133,8 @@ def lora_disabled(model: nn.Module):
 
 def merged_state_dict(model: nn.Module, state: dict | None = None) -> dict:
     """The state dict a model without adapters would have: every adapter folded into its weight, the lora_ keys
-    dropped. What a LoRA checkpoint's reader gets (hf.merged_weights), so later stages, eval.py and export_hf see
-    merged weights, in fp32 over a bf16 base (at_least_fp32). state: the model's full state dict if
+    dropped. What a LoRA checkpoint's reader gets (hf.merged_weights), so later stages, eval.py under fp32 and
+    export_hf see merged weights, in fp32 over a bf16 base (at_least_fp32). state: the model's full state dict if
     gathered elsewhere (FSDP2), else model.state_dict()."""
     state = dict(model.state_dict() if state is None else state)
     merged = {}  # base weight's storage -> merged weight: a tied embedding and LM head stay one tensor
