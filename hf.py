@@ -266,10 +266,9 @@ class HFCausalLM(nn.Module):
         """generate.generate's prefill through the HF model's own KV cache: returns (the last prompt position's
         logits (B, V), advance(token, step) -> the next logits). compiled: a StaticCache and a compiled one-token
         forward where transformers marks the model compilable (_can_compile_fullgraph), else eager. shared:
-        generate.shared_prompts' (first, prompt_of), a distinct prompt prefilled once (the eager decode's DynamicCache;
-        a StaticCache prefills every row)."""
+        generate.shared_prompts' (first, prompt_of), a distinct prompt prefilled once."""
         if compiled and getattr(self.hf, "_can_compile_fullgraph", False):
-            return self._static_prefill(idx, real, max_new_tokens)
+            return self._static_prefill(idx, real, max_new_tokens, shared)
         return self._prefill(idx, real, max_new_tokens, shared)
 
     def _prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int, shared=None):
@@ -299,11 +298,13 @@ class HFCausalLM(nn.Module):
 
         return logits, advance
 
-    def _static_prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int):
+    def _static_prefill(self, idx: Tensor, real: Tensor, max_new_tokens: int, shared=None):
         """The fixed-shape decode: prompts left-padded to a multiple of 16, a StaticCache of width + max_new_tokens
         slots, the prefill eager, then the compiled forward at the same shapes every step (one token, its position, the
-        whole (B, max_len) key mask)."""
+        whole (B, max_len) key mask). shared: as _prefill's (the distinct prompts prefilled into a StaticCache of
+        their own, copied into the kept one)."""
         from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
 
         idx, real, key_real, width = static_layout(idx, real, max_new_tokens, self.config.block_size)
         key_real = key_real.long()  # (B, max_len)
@@ -315,9 +316,23 @@ class HFCausalLM(nn.Module):
             self._kept_cache = (key, StaticCache(config=self.hf.config, max_cache_len=width + max_new_tokens))
         cache = self._kept_cache[1]
         cache.reset()  # zeros, and no slot written yet
+        if not all(type(layer) is StaticLayer for layer in cache.layers):
+            shared = None  # sliding-window or hybrid layers: every row prefilled
+        first, prompt_of = shared or EVERY_ROW
         kw = {self._cache_kw: cache, "use_cache": True} | ({"logits_to_keep": 1} if self._keep_kw else {})
-        inputs = self._inputs(idx, real) | {"attention_mask": key_real}
-        logits = self.hf(**inputs, **kw).logits[:, -1]  # (B, V)
+        prefill_kw = kw  # the distinct prompts' own StaticCache when some rows share one
+        if shared is not None:
+            prefill_kw = kw | {self._cache_kw: StaticCache(config=self.hf.config, max_cache_len=width + max_new_tokens)}
+        inputs = self._inputs(idx[first], real[first]) | {"attention_mask": key_real[first]}
+        logits = self.hf(**inputs, **prefill_kw).logits[:, -1][prompt_of]  # (B, V)
+        if shared is not None:  # each row's copy of its prompt's keys and values, into the kept cache's buffers
+            for layer, prefilled in zip(cache.layers, prefill_kw[self._cache_kw].layers):
+                keys, values = prefilled.keys[prompt_of], prefilled.values[prompt_of]
+                if not layer.is_initialized:
+                    layer.lazy_initialization(keys, values)  # allocated at the kept cache's fixed addresses
+                layer.keys.copy_(keys)
+                layer.values.copy_(values)
+                layer.cumulative_length.copy_(prefilled.cumulative_length)
         step_fn = self._compiled_forward(idx.device)
 
         def advance(tok: Tensor, step: int) -> Tensor:

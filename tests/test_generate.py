@@ -362,14 +362,19 @@ def test_shared_prompts_finds_the_rows_of_each_prompt():
 
 @pytest.mark.parametrize(
     "kind, compiled",
-    [("gpt", False), pytest.param("gpt", True, marks=[pytest.mark.slow, needs_compiler]), ("llama", False)],
-    ids=["gpt", "gpt_compiled", "llama"],
+    [
+        ("gpt", False),
+        pytest.param("gpt", True, marks=[pytest.mark.slow, needs_compiler]),
+        ("llama", False),
+        pytest.param("llama", True, marks=[pytest.mark.slow, needs_compiler]),
+    ],
+    ids=["gpt", "gpt_compiled", "llama", "llama_compiled"],
 )
 def test_a_repeated_prompt_is_prefilled_once_and_decodes_as_its_own_rows(monkeypatch, compiled, kind):
     """Five ragged prompts three times each, as GRPO lays out its groups: the prefill runs on five rows, and each row's
     greedy tokens and log-probs are its prompt's generated alone; sampled rows of one prompt draw their own tokens.
-    model.GPT (eager, and the static caches of the compiled decode) and a Hugging Face Llama (its DynamicCache; the
-    StaticCache of its compiled decode prefills every row: test_hf_compiled_decode_gives_the_eager_tokens)."""
+    model.GPT (eager, and the static caches of the compiled decode) and a Hugging Face Llama (its DynamicCache, and
+    the StaticCache of its compiled decode)."""
 
     model = decode_policy() if kind == "gpt" else tiny_llama()
     g = torch.Generator().manual_seed(1)
