@@ -400,8 +400,10 @@ def model_from_checkpoint(
         ckpt = torch.load(path, map_location="cpu", weights_only=False) | {"path": path}  # our own files: RNG states
     if not merge and key not in ckpt:
         adapted = adapted_model(ckpt, key)
-        state = adapted.state_dict()
         base = ckpt["base"][key]
+        if lm_head in (None, base["lm_head"]) and score_head in (None, base["score_head"]):
+            return adapted.requires_grad_(False)  # the heads asked for are the run's
+        state = adapted.state_dict()  # else the same weights in a model with the heads asked for
         plain = {name: value for name, value in state.items() if ".lora_" not in name}
         model = model_from_checkpoint(ckpt | {key: plain}, key, lm_head, score_head)
         add_lora(model, base["lora_rank"], base["lora_alpha"], base["lora_targets"])

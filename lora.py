@@ -30,6 +30,15 @@ def at_least_fp32(tensor: Tensor) -> Tensor:
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
+def plus_update(output: Tensor, update: Tensor) -> Tensor:
+    """An adapted layer's output: the base's plus the adapter's update. Under autocast the base's output is bf16, on
+    bf16's grid, where an update under half its spacing would round away: the sum is in fp32. Outside autocast (fp32
+    runs, FSDP2's bf16 parameters) as before, bit for bit."""
+    if torch.is_autocast_enabled(output.device.type):
+        return output.float() + update.float()
+    return output + update
+
+
 class LoRALinear(nn.Linear):
     """nn.Linear plus a low-rank update: y = x Wᵀ + b + (alpha / r) · x Aᵀ Bᵀ, with A and B from lora_pair. With
     lora_enabled False it is the base alone (PPO's reference is the actor with its adapters off). It is an nn.Linear:
@@ -47,10 +56,7 @@ class LoRALinear(nn.Linear):
         y = super().forward(x)
         if not self.lora_enabled:
             return y
-        update = F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
-        if torch.is_autocast_enabled(x.device.type):  # y in bf16: summed in bf16, an update under its spacing is lost
-            return y.float() + update.float()
-        return y + update
+        return plus_update(y, F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling)
 
     def merged_weight(self) -> Tensor:
         """The base weight plus the update, in fp32 over a bf16 base (at_least_fp32)."""
@@ -76,10 +82,7 @@ class LoRAEmbedding(nn.Embedding):
         x = super().forward(idx)
         if not self.lora_enabled:
             return x
-        update = F.embedding(idx, self.lora_b) @ self.lora_a * self.scaling
-        if torch.is_autocast_enabled(idx.device.type):  # as LoRALinear's
-            return x.float() + update.float()
-        return x + update
+        return plus_update(x, F.embedding(idx, self.lora_b) @ self.lora_a * self.scaling)
 
     merged_weight = LoRALinear.merged_weight  # the same fold: weight + (alpha / r) B A
 
