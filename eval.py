@@ -143,7 +143,9 @@ class Args:
     max_new_tokens: int = 64
     """longest response"""
     batch_size: int = 128
-    """prompts per generation batch"""
+    """samples per generation batch (each holds every seed of its prompts: at least one prompt)"""
+    micro_batch_size: int = 16
+    """samples per full forward (the KL's log-probs): a batch's logits at once would be B x T x vocabulary floats"""
     seed: int = 1234
     """first sampling seed (the same for every policy)"""
     task: str = "reviews"
@@ -272,7 +274,7 @@ def weighted_mean_se(values: list, weights: list, cluster: list) -> dict:
 
 
 @torch.no_grad()
-def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=None, rms=()) -> dict:
+def sample_batch(model, tok, prompts: list, args: Args, device, generators: list, ref=None, rms=()) -> dict:
     """One response per prompt of one generation batch; per-sample lists (see sample_policy)."""
     query, query_mask = (t.to(device) for t in encode_prompts(tok, prompts))
     compiled = parallel.use_compile(args.compile, device)
@@ -280,7 +282,14 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     with amp:
         samples = sample(
-            model, tok, query, query_mask, args.max_new_tokens, args.temperature, generator=generator, compiled=compiled
+            model,
+            tok,
+            query,
+            query_mask,
+            args.max_new_tokens,
+            args.temperature,
+            generator=generators,
+            compiled=compiled,
         )
     response, response_mask = samples.response, samples.mask
     lengths = response_mask.sum(1).long()
@@ -290,14 +299,12 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
     if ref is not None:  # k1 summed over the sequence, at the sampling temperature
         policy_logprobs = samples.logprobs
         with amp:
-            ref_logits = packed_response_logits(ref, ids, mask, response_mask, args.temperature)
+            ref_logprobs = forward_logprobs(ref, ids, mask, response, response_mask, args)
             if not parallel.full_precision(dtype):  # bf16 (or TF32): the sampler's log-probs and a full forward's
                 # differ (0.3 a token on SmolLM2, 0.07 nats a sequence of a policy to itself): both from a full forward
-                policy_logits = ref_logits  # the reference's own forward when it is the policy
+                policy_logprobs = ref_logprobs  # the reference's own forward when it is the policy
                 if model is not ref:
-                    policy_logits = packed_response_logits(model, ids, mask, response_mask, args.temperature)
-                policy_logprobs = logprobs_from_logits(policy_logits, response)
-        ref_logprobs = logprobs_from_logits(ref_logits, response)
+                    policy_logprobs = forward_logprobs(model, ids, mask, response, response_mask, args)
         kl = ((policy_logprobs - ref_logprobs) * response_mask).sum(1)
     score = torch.full((len(prompts),), float("nan"), device=device)
     member_scores = torch.zeros(0, len(prompts), device=device)
@@ -322,19 +329,43 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generator, ref=N
     }
 
 
+def forward_logprobs(
+    model, ids: torch.Tensor, mask: torch.Tensor, response: torch.Tensor, response_mask: torch.Tensor, args: Args
+) -> torch.Tensor:
+    """(B, T) log-probs of the response tokens (B, T) at --temperature, from a full forward of each packed row (ids,
+    mask (B, W): model.left_pack), --micro-batch-size rows a forward, each cut to its longest row."""
+    logprobs = []
+    for start in range(0, ids.size(0), args.micro_batch_size):
+        rows = slice(start, start + args.micro_batch_size)
+        width = int(mask[rows].sum(1).max())  # left-packed: the columns before it are padding in every row
+        chunk_ids, chunk_mask = ids[rows, -width:], mask[rows, -width:]
+        logits = packed_response_logits(model, chunk_ids, chunk_mask, response_mask[rows], args.temperature)
+        logprobs.append(logprobs_from_logits(logits, response[rows]))
+    return torch.cat(logprobs)
+
+
 def over_seeds(items: list, args: Args, device, batch_fn) -> dict:
-    """batch_fn(batch of items, generator) -> per-item lists, over every seed and --batch-size batch: seed-major,
-    each seed its own fresh generator; the lists joined, with prompt_index (the cluster) and seed."""
-    joined = {}
-    for seed in range(args.seed, args.seed + args.seeds):
-        generator = torch.Generator(device=device).manual_seed(seed)
-        for start in range(0, len(items), args.batch_size):
-            batch_items = items[start : start + args.batch_size]
-            batch = batch_fn(batch_items, generator)
-            batch["prompt_index"] = list(range(start, start + len(batch_items)))
-            batch["seed"] = [seed] * len(batch_items)
-            for key, values in batch.items():
-                joined.setdefault(key, []).extend(values)
+    """batch_fn(batch of items, generators) -> per-item lists, for every item and seed (--seed ... --seed + --seeds -
+    1). Each (item, seed) row draws from a generator of its own, seeded by both: its sample depends on nothing else in
+    its batch (not --batch-size, --seeds or --best-of-n; up to float rounding), and every policy meets the same draws.
+    A batch of --batch-size rows holds every seed of its items, so a prompt's seeds share its prefill
+    (generate.shared_prompts). The lists joined seed-major (every item under the first seed, then the next), with
+    prompt_index (the cluster) and seed."""
+    seeds = range(args.seed, args.seed + args.seeds)
+    items_a_batch = max(1, args.batch_size // args.seeds)
+    keys, joined = [], {}
+    for start in range(0, len(items), items_a_batch):
+        batch_keys = [(seed, index) for index in range(start, min(start + items_a_batch, len(items))) for seed in seeds]
+        # a CPU generator keeps a seed's low 32 bits: distinct for 2**20 items and 4096 consecutive seeds
+        generators = [torch.Generator().manual_seed((seed << 20) + index) for seed, index in batch_keys]
+        batch = batch_fn([items[index] for _, index in batch_keys], generators)
+        keys += batch_keys
+        for key, values in batch.items():
+            joined.setdefault(key, []).extend(values)
+    order = sorted(range(len(keys)), key=keys.__getitem__)  # seed-major
+    joined = {key: [values[row] for row in order] for key, values in joined.items()}
+    joined["prompt_index"] = [keys[row][1] for row in order]
+    joined["seed"] = [keys[row][0] for row in order]
     return joined
 
 
@@ -344,14 +375,14 @@ def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rms=(
     tokens (with EOS), ended, logprob_sum, n, kl (to ref, 0 without), score (the RMs' aggregate, NaN without),
     member_scores, prompt_index (the cluster), seed."""
 
-    def batch_fn(batch_prompts: list, generator) -> dict:
-        return sample_batch(model, tok, batch_prompts, args, device, generator, ref, rms)
+    def batch_fn(batch_prompts: list, generators: list) -> dict:
+        return sample_batch(model, tok, batch_prompts, args, device, generators, ref, rms)
 
     return over_seeds(prompts, args, device, batch_fn)
 
 
 @torch.no_grad()
-def episode_batch(model, tok, rows: list, make_env, args: Args, device, generator, ref) -> dict:
+def episode_batch(model, tok, rows: list, make_env, args: Args, device, generators: list, ref) -> dict:
     """One generation batch of episodes, one a row; per-episode lists (see sample_episodes)."""
     query, query_mask = (t.to(device) for t in encode_prompts(tok, [row["prompt"] for row in rows]))
     compiled = parallel.use_compile(args.compile, device)
@@ -368,7 +399,7 @@ def episode_batch(model, tok, rows: list, make_env, args: Args, device, generato
             args.max_turns,
             args.max_new_tokens,
             temperature=args.temperature,
-            generator=generator,
+            generator=generators,
             compiled=compiled,
         )
     # the tokens after the prompt: the model's (mask) and the observations' (attention_mask)
@@ -379,11 +410,9 @@ def episode_batch(model, tok, rows: list, make_env, args: Args, device, generato
     # k1 summed over the model's tokens, each read in the whole episode's context (observations included)
     ids, packed_mask = left_pack(episodes.sequences, episodes.attention_mask)
     with amp:
-        ref_logits = packed_response_logits(ref, ids, packed_mask, attention, args.temperature)
+        ref_logprobs = forward_logprobs(ref, ids, packed_mask, response, attention, args)
         if not parallel.full_precision(dtype):  # bf16: both from a full forward, as sample_batch reads them
-            policy_logits = packed_response_logits(model, ids, packed_mask, attention, args.temperature)
-            policy_logprobs = logprobs_from_logits(policy_logits, response)
-    ref_logprobs = logprobs_from_logits(ref_logits, response)
+            policy_logprobs = forward_logprobs(model, ids, packed_mask, response, attention, args)
     kl = ((policy_logprobs - ref_logprobs) * mask).sum(1)
     info = [
         {key: float(values[b]) for key, values in episodes.info.items() if not math.isnan(values[b])}
@@ -411,8 +440,8 @@ def sample_episodes(model, tok, rows: list, make_env, args: Args, device, ref) -
     return, turns, truncated, ended (its last turn), n (model tokens), observation_tokens, logprob_sum, kl (to ref,
     over the model's tokens), info (the environment's last values), prompt_index (the cluster), seed."""
 
-    def batch_fn(batch_rows: list, generator) -> dict:
-        return episode_batch(model, tok, batch_rows, make_env, args, device, generator, ref)
+    def batch_fn(batch_rows: list, generators: list) -> dict:
+        return episode_batch(model, tok, batch_rows, make_env, args, device, generators, ref)
 
     return over_seeds(rows, args, device, batch_fn)
 
@@ -797,6 +826,9 @@ def check_args(args: Args) -> None:
         )
     if args.seeds < 1:
         raise UserError(f"--seeds {args.seeds}: samples per prompt, use >= 1")
+    for flag, value in (("--batch-size", args.batch_size), ("--micro-batch-size", args.micro_batch_size)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: samples at a time, use >= 1")
     if args.best_of_n and min(args.best_of_n) < 1:
         raise UserError(f"--best-of-n {min(args.best_of_n)}: N counts samples per prompt, use >= 1")
     if args.best_of_n and not rm_paths(args) and not args.reward_fn:
@@ -868,6 +900,7 @@ def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) 
         temperature=args.temperature,
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
+        draws="a generator per prompt and seed",  # a cache of the earlier seed-major draws is not these samples
     )
     cached = (
         torch.load(args.sample_cache, weights_only=False)

@@ -229,11 +229,24 @@ def static_caches(model, batch: int, max_len: int, dtype: torch.dtype, device: t
 # sampling
 
 
-def sample_tokens(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """One token per row from softmax(logits) (B, V) -> (B,), by inverse CDF with one uniform per row; a -inf logit
-    is never sampled."""
+Generators = torch.Generator | list[torch.Generator] | None  # one stream for the batch, one a row, or the global
+
+
+def uniforms(rows: int, generator: Generators, device) -> Tensor:
+    """(rows, 1) float64 uniforms in [0, 1): from one generator (None: the global RNG), or one from each row's own
+    (a list, CPU generators: a row's draws then depend on nothing else in its batch)."""
+    if isinstance(generator, list):
+        assert len(generator) == rows, f"{len(generator)} generators for {rows} rows"
+        draws = [torch.rand((), generator=row_generator, dtype=torch.float64) for row_generator in generator]
+        return torch.stack(draws)[:, None].to(device)
+    return torch.rand(rows, 1, generator=generator, device=device, dtype=torch.float64)
+
+
+def sample_tokens(logits: Tensor, generator: Generators = None) -> Tensor:
+    """One token per row from softmax(logits) (B, V) -> (B,), by inverse CDF with one uniform per row (uniforms); a
+    -inf logit is never sampled."""
     cdf = F.softmax(logits, dim=-1, dtype=torch.float64).cumsum(-1)  # (B, V)
-    u = torch.rand(logits.size(0), 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    u = uniforms(logits.size(0), generator, cdf.device)
     u = torch.minimum(u * cdf[:, -1:], cdf[:, -1:] * (1 - 1e-12))  # (B, 1) strictly below the total: no p = 0 pick
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
@@ -261,7 +274,7 @@ def decode_loop(
     top_k: int | None,
     top_p: float | None,
     min_new_tokens: int,
-    generator: torch.Generator | None,
+    generator: Generators,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The sampling loop every generate shares (model.GPT's, hf.HFCausalLM's; eager or compiled decode): logits
     (B, V) of each prompt's next token from the prefill, advance(token (B,), step) -> the next logits, budget (B,)
@@ -302,14 +315,14 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     min_new_tokens: int = 0,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     compiled: bool = False,
     cache_len: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Sample from model (GPT or HFCausalLM) for left-padded prompts idx, attention_mask (B, P) (None: no padding).
-    max_new_tokens: an int or a (B,) per-row budget. generator: None = the global RNG. compiled: static KV caches,
-    cache_len long where given (model.GPT's; None: the prompt's width bucket and the new tokens). Rows that repeat
-    a prompt share its prefill (shared_prompts).
+    max_new_tokens: an int or a (B,) per-row budget. generator: one, one a row, or None (the global RNG, as in
+    uniforms). compiled: static KV caches, cache_len long where given (model.GPT's; None: the prompt's width bucket
+    and the new tokens). Rows that repeat a prompt share its prefill (shared_prompts).
     Returns response (B, Tn) long (pad_id after EOS), response_mask (B, Tn) float (EOS included), logprobs (B, Tn)
     under the full tempered distribution (0 on padding)."""
     assert model.config.lm_head, "generate needs a model with an lm head"
@@ -365,6 +378,8 @@ def sample(
         kept_query, kept_mask = query[fits][:, -width:], query_mask[fits][:, -width:]
         if isinstance(max_new_tokens, Tensor):  # a budget per row
             max_new_tokens = max_new_tokens[fits]
+        if isinstance(kw.get("generator"), list):  # a generator per row
+            kw["generator"] = [row_generator for row_generator, kept in zip(kw["generator"], fits.tolist()) if kept]
     response, mask, logprobs = generate(
         model, kept_query, kept_mask, max_new_tokens, tok.eos_id, tok.pad_id, temperature=temperature, **kw
     )

@@ -137,7 +137,9 @@ def test_policy_metrics_hand_made():
 
 
 def test_kl_of_policy_against_itself_is_zero_and_seeds_extend(task_dir):
-    """KL of a policy to itself is 0; --seeds 2 keeps seed s's samples and adds seed s + 1's after them."""
+    """KL of a policy to itself is 0; --seeds 2 keeps seed s's samples and adds seed s + 1's after them (a sample is
+    its prompt's and seed's: the same in a batch of every seed of one prompt, where the prompt's prefill is shared,
+    as in a batch of one seed's prompts), and the seeds of a prompt draw differently."""
     torch.manual_seed(0)
     tok = load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32)).eval()
@@ -148,6 +150,9 @@ def test_kl_of_policy_against_itself_is_zero_and_seeds_extend(task_dir):
     assert max(abs(k) for k in s["kl"]) < 1e-4 and min(s["n"]) >= 1
     assert s["tokens"][: len(prompts)] == one_seed["tokens"]
     assert s["seed"] == [1234] * 12 + [1235] * 12 and s["prompt_index"] == list(range(12)) * 2
+    one_prompt_a_batch = ev.sample_policy(model, tok, prompts, replace(args, batch_size=3), torch.device("cpu"))
+    assert one_prompt_a_batch["tokens"] == s["tokens"]
+    assert s["tokens"][:12] != s["tokens"][12:]
 
 
 def test_kl_of_a_bf16_policy_against_itself_is_zero(task_dir):
