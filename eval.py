@@ -145,7 +145,8 @@ class Args:
     batch_size: int = 128
     """samples per generation batch (each holds every seed of its prompts: at least one prompt)"""
     micro_batch_size: int = 16
-    """samples per full forward (the KL's log-probs): a batch's logits at once would be B x T x vocabulary floats"""
+    """episodes per full forward (--env: the KL's log-probs): a batch's logits at once would be B x T x vocabulary
+    floats"""
     seed: int = 1234
     """first sampling seed (the same for every policy)"""
     task: str = "reviews"
@@ -296,16 +297,17 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generators: list
     # each row's prompt and response packed: a row needs only its own to fit the context (as the RL rollout scores)
     ids, mask = left_pack(torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1))
     kl = torch.zeros(len(prompts), device=device)
-    if ref is not None:  # k1 summed over the sequence, at the sampling temperature
-        policy_logprobs = samples.logprobs
+    if ref is not None and model is not ref:  # k1 summed over the sequence, at the sampling temperature
+        # the reference reads the sampled tokens along the decode that drew them (the same batch, shared prefills and
+        # steps): under bf16 the decode and a full forward differ by up to 0.3 a token on SmolLM2, and a policy read
+        # along one path against a reference along the other had a KL to itself of 0.065 nats a response
         with amp:
-            ref_logprobs = forward_logprobs(ref, ids, mask, response, response_mask, args)
-            if not parallel.full_precision(dtype):  # bf16 (or TF32): the sampler's log-probs and a full forward's
-                # differ (0.3 a token on SmolLM2, 0.07 nats a sequence of a policy to itself): both from a full forward
-                policy_logprobs = ref_logprobs  # the reference's own forward when it is the policy
-                if model is not ref:
-                    policy_logprobs = forward_logprobs(model, ids, mask, response, response_mask, args)
-        kl = ((policy_logprobs - ref_logprobs) * response_mask).sum(1)
+            scored = sample(
+                ref, tok, query, query_mask, response.size(1), args.temperature, forced=response, compiled=compiled
+            )
+        if not torch.equal(scored.mask, response_mask):
+            raise UserError(f"--ref {args.ref}: its context ends before a response of the policy does")
+        kl = ((samples.logprobs - scored.logprobs) * response_mask).sum(1)
     score = torch.full((len(prompts),), float("nan"), device=device)
     member_scores = torch.zeros(0, len(prompts), device=device)
     if rms:
@@ -411,7 +413,7 @@ def episode_batch(model, tok, rows: list, make_env, args: Args, device, generato
     ids, packed_mask = left_pack(episodes.sequences, episodes.attention_mask)
     with amp:
         ref_logprobs = forward_logprobs(ref, ids, packed_mask, response, attention, args)
-        if not parallel.full_precision(dtype):  # bf16: both from a full forward, as sample_batch reads them
+        if not parallel.full_precision(dtype):  # bf16: both from a full forward (no single decode drew an episode)
             policy_logprobs = forward_logprobs(model, ids, packed_mask, response, attention, args)
     kl = ((policy_logprobs - ref_logprobs) * mask).sum(1)
     info = [

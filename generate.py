@@ -275,11 +275,13 @@ def decode_loop(
     top_p: float | None,
     min_new_tokens: int,
     generator: Generators,
+    forced: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The sampling loop every generate shares (model.GPT's, hf.HFCausalLM's; eager or compiled decode): logits
     (B, V) of each prompt's next token from the prefill, advance(token (B,), step) -> the next logits, budget (B,)
-    long: the new tokens each row may take (it is finished after them, ended or not). Returns generate's (response,
-    response_mask, logprobs)."""
+    long: the new tokens each row may take (it is finished after them, ended or not). forced (B, Tf): take these
+    tokens instead of drawing (a row's EOS still ends it): their log-probs as the decode reads them. Returns
+    generate's (response, response_mask, logprobs)."""
     finished = budget <= 0
     max_new_tokens = int(budget.max())  # one host sync: the steps to run
     tokens, masks, logprobs = [], [], []
@@ -288,7 +290,9 @@ def decode_loop(
         logits = logits / temperature if temperature > 0 else logits
         if step < min_new_tokens:
             logits[:, eos_id] = -float("inf")
-        if temperature > 0:  # the random draw: eager, from the caller's generator
+        if forced is not None:  # a finished row's padding is fed as its EOS (its tokens are padding after it anyway)
+            tok = forced[:, step].masked_fill(finished, eos_id)  # (B,)
+        elif temperature > 0:  # the random draw: eager, from the caller's generator
             tok = sample_tokens(filter_logits(logits, top_k, top_p), generator)  # (B,)
         else:
             tok = logits.argmax(dim=-1)  # (B,)
@@ -318,11 +322,13 @@ def generate(
     generator: Generators = None,
     compiled: bool = False,
     cache_len: int | None = None,
+    forced: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Sample from model (GPT or HFCausalLM) for left-padded prompts idx, attention_mask (B, P) (None: no padding).
     max_new_tokens: an int or a (B,) per-row budget. generator: one, one a row, or None (the global RNG, as in
     uniforms). compiled: static KV caches, cache_len long where given (model.GPT's; None: the prompt's width bucket
-    and the new tokens). Rows that repeat a prompt share its prefill (shared_prompts).
+    and the new tokens). Rows that repeat a prompt share its prefill (shared_prompts). forced (B, Tf), pad_id after a
+    row's end: score these tokens instead of drawing, at most Tf of them (decode_loop).
     Returns response (B, Tn) long (pad_id after EOS), response_mask (B, Tn) float (EOS included), logprobs (B, Tn)
     under the full tempered distribution (0 on padding)."""
     assert model.config.lm_head, "generate needs a model with an lm head"
@@ -330,6 +336,8 @@ def generate(
     real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     room = model.config.block_size - real.long().sum(-1)  # (B,) each row's own room in the context
     asked = torch.as_tensor(max_new_tokens, device=idx.device).clamp(min=0)  # () or (B,)
+    if forced is not None:
+        asked = asked.clamp(max=forced.size(1))
     budget = torch.minimum(room, asked)  # (B,) each row's new tokens
     least, steps, most_asked = torch.stack([room.min(), budget.max(), asked.max()]).tolist()  # one host sync
     assert P <= model.config.block_size and least > 0 or most_asked <= 0, (
@@ -342,13 +350,15 @@ def generate(
         with model.decoding():
             logits, advance = model.prefill(idx, real, steps, compiled, shared)
             return decode_loop(
-                logits, advance, budget, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator
+                logits, advance, budget, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator, forced
             )
     if compiled:
         logits, advance = static_prefill(model, idx, real, steps, cache_len, shared)
     else:
         logits, advance = eager_prefill(model, idx, real, steps, shared)
-    return decode_loop(logits, advance, budget, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator)
+    return decode_loop(
+        logits, advance, budget, eos_id, pad_id, temperature, top_k, top_p, min_new_tokens, generator, forced
+    )
 
 
 @dataclass
@@ -380,6 +390,8 @@ def sample(
             max_new_tokens = max_new_tokens[fits]
         if isinstance(kw.get("generator"), list):  # a generator per row
             kw["generator"] = [row_generator for row_generator, kept in zip(kw["generator"], fits.tolist()) if kept]
+        if kw.get("forced") is not None:  # tokens to score, a row each
+            kw["forced"] = kw["forced"][fits]
     response, mask, logprobs = generate(
         model, kept_query, kept_mask, max_new_tokens, tok.eos_id, tok.pad_id, temperature=temperature, **kw
     )

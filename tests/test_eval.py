@@ -155,6 +155,26 @@ def test_kl_of_policy_against_itself_is_zero_and_seeds_extend(task_dir):
     assert s["tokens"][:12] != s["tokens"][12:]
 
 
+def test_kl_to_another_model_is_a_full_forwards_on_ragged_prompts(task_dir):
+    """The KL of a policy to a different reference, read along the decode that drew each response (the reference's
+    decode forced to the drawn tokens), equals Σ log π - log ref from one plain forward of each sample alone, fp64."""
+    tok = load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
+    policy, ref = (tiny_gpt(tok, seed=seed).double().eval() for seed in (0, 1))
+    boost_eos(policy, tok.eos_id)  # responses that end at different lengths
+    prompts = ["Review of The Silent River (music):", "Review of The Iron Tower (plot, ending, acting, music):"] * 3
+    args = ev.Args(max_new_tokens=12, batch_size=4, seeds=2)
+    s = ev.sample_policy(policy, tok, prompts, args, torch.device("cpu"), ref=ref)
+    assert len(set(s["n"])) > 1  # ragged responses
+    for prompt, tokens, kl in zip(s["prompt"], s["tokens"], s["kl"]):
+        context = ev.prompt_ids(tok, prompt)
+        ids = torch.tensor([context + tokens])
+        expected = 0.0
+        for model, sign in ((policy, 1.0), (ref, -1.0)):
+            logits = model(ids)[0][0, len(context) - 1 : -1] / args.temperature  # the logits predicting each token
+            expected += sign * logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None]).sum().item()
+        assert kl == pytest.approx(expected, abs=1e-9)
+
+
 def test_kl_of_a_bf16_policy_against_itself_is_zero(task_dir):
     """Under --dtype bfloat16 the sampler's log-probs (one token at a time on a KV cache) and a full forward's differ
     by up to 0.3 a token on SmolLM2; the KL reads both sides from a full forward, so a policy against itself is 0 (a

@@ -372,8 +372,8 @@ def test_shared_prompts_finds_the_rows_of_each_prompt():
 )
 def test_a_repeated_prompt_is_prefilled_once_and_decodes_as_its_own_rows(monkeypatch, compiled, kind):
     """Five ragged prompts three times each, as GRPO lays out its groups: the prefill runs on five rows, and each row's
-    greedy tokens and log-probs are its prompt's generated alone; sampled rows of one prompt draw their own tokens.
-    model.GPT (eager, and the static caches of the compiled decode) and a Hugging Face Llama (its DynamicCache, and
+    greedy tokens and log-probs are its prompt's generated alone; sampled rows of one prompt draw their own tokens, and
+    forced through the decode again they read the sampler's log-probs. model.GPT (eager, and the static caches of the compiled decode) and a Hugging Face Llama (its DynamicCache, and
     the StaticCache of its compiled decode)."""
 
     model = decode_policy() if kind == "gpt" else tiny_llama()
@@ -399,6 +399,9 @@ def test_a_repeated_prompt_is_prefilled_once_and_decodes_as_its_own_rows(monkeyp
         n = int(amask.sum())
         assert (logprobs[i, :n] - alp[0, :n]).abs().max() <= (1e-6 if compiled else 1e-10)
     generator = torch.Generator().manual_seed(0)
-    sampled, smask, _ = generate(model, idx, mask, 10, temperature=1.0, generator=generator, **generate_kw)
+    sampled, smask, slogprobs = generate(model, idx, mask, 10, temperature=1.0, generator=generator, **generate_kw)
     assert len({tuple(row(sampled, smask, i)) for i in range(3)}) > 1  # one prompt, three draws
     assert (smask.sum(1) < smask.size(1)).any()  # some rows ended before the last step
+    # the drawn tokens forced through the same decode: the log-probs the sampler read, bit for bit (eval.py's KL)
+    forced = generate(model, idx, mask, sampled.size(1), temperature=1.0, forced=sampled, **generate_kw)
+    assert all(torch.equal(a, b) for a, b in zip(forced, (sampled, smask, slogprobs)))
