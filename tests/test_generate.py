@@ -373,8 +373,8 @@ def test_shared_prompts_finds_the_rows_of_each_prompt():
 def test_a_repeated_prompt_is_prefilled_once_and_decodes_as_its_own_rows(monkeypatch, compiled, kind):
     """Five ragged prompts three times each, as GRPO lays out its groups: the prefill runs on five rows, and each row's
     greedy tokens and log-probs are its prompt's generated alone; sampled rows of one prompt draw their own tokens, and
-    forced through the decode again they read the sampler's log-probs. model.GPT (eager, and the static caches of the compiled decode) and a Hugging Face Llama (its DynamicCache, and
-    the StaticCache of its compiled decode)."""
+    forced through the decode again they read the sampler's log-probs. model.GPT (eager, and the static caches of the
+    compiled decode) and a Hugging Face Llama (its DynamicCache, and the StaticCache of its compiled decode)."""
 
     model = decode_policy() if kind == "gpt" else tiny_llama()
     g = torch.Generator().manual_seed(1)
