@@ -552,13 +552,11 @@ def write_from_gguf(gguf_path: str, out_dir: str, num_layers: int | None = None)
         raise UserError(f"{gguf_path}: no such GGUF file")
     folder, name = os.path.split(os.path.abspath(gguf_path))
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    layers = {} if num_layers is None else {"num_hidden_layers": num_layers}  # the blocks past it never built
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **layers)
     # the weights are plain fp32 now: drop the quantisation that save_pretrained refuses
     model.hf_quantizer = None
     del model.config.quantization_config
-    if num_layers is not None:
-        model.model.layers = model.model.layers[:num_layers]
-        model.config.num_hidden_layers = num_layers
     model.save_pretrained(out_dir)
     print(f"wrote {name} dequantised to {out_dir} (--init hf:{out_dir})")
 
