@@ -294,8 +294,6 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generators: list
         )
     response, response_mask = samples.response, samples.mask
     lengths = response_mask.sum(1).long()
-    # each row's prompt and response packed: a row needs only its own to fit the context (as the RL rollout scores)
-    ids, mask = left_pack(torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1))
     kl = torch.zeros(len(prompts), device=device)
     if ref is not None and model is not ref:  # k1 summed over the sequence, at the sampling temperature
         # the reference reads the sampled tokens along the decode that drew them (the same batch, shared prefills and
@@ -311,6 +309,8 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generators: list
     score = torch.full((len(prompts),), float("nan"), device=device)
     member_scores = torch.zeros(0, len(prompts), device=device)
     if rms:
+        # each row's prompt and response packed: a row needs only its own to fit the context (as the RL rollout scores)
+        ids, mask = left_pack(torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1))
         members = []
         for rm in rms:
             with amp:
@@ -346,7 +346,7 @@ def forward_logprobs(
     return torch.cat(logprobs)
 
 
-def over_seeds(items: list, args: Args, device, batch_fn) -> dict:
+def over_seeds(items: list, args: Args, batch_fn) -> dict:
     """batch_fn(batch of items, generators) -> per-item lists, for every item and seed (--seed ... --seed + --seeds -
     1). Each (item, seed) row draws from a generator of its own, seeded by both: its sample depends on nothing else in
     its batch (not --batch-size, --seeds or --best-of-n; up to float rounding), and every policy meets the same draws.
@@ -380,7 +380,7 @@ def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rms=(
     def batch_fn(batch_prompts: list, generators: list) -> dict:
         return sample_batch(model, tok, batch_prompts, args, device, generators, ref, rms)
 
-    return over_seeds(prompts, args, device, batch_fn)
+    return over_seeds(prompts, args, batch_fn)
 
 
 @torch.no_grad()
@@ -445,7 +445,7 @@ def sample_episodes(model, tok, rows: list, make_env, args: Args, device, ref) -
     def batch_fn(batch_rows: list, generators: list) -> dict:
         return episode_batch(model, tok, batch_rows, make_env, args, device, generators, ref)
 
-    return over_seeds(rows, args, device, batch_fn)
+    return over_seeds(rows, args, batch_fn)
 
 
 def episode_metrics(episodes: dict) -> dict:

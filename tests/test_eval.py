@@ -155,7 +155,7 @@ def test_kl_of_policy_against_itself_is_zero_and_seeds_extend(task_dir):
     assert s["tokens"][:12] != s["tokens"][12:]
 
 
-def test_kl_to_another_model_is_a_full_forwards_on_ragged_prompts(task_dir):
+def test_kl_to_another_model_equals_a_plain_forwards_on_ragged_answers(task_dir):
     """The KL of a policy to a different reference, read along the decode that drew each response (the reference's
     decode forced to the drawn tokens), equals Σ log π - log ref from one plain forward of each sample alone, fp64."""
     tok = load_tokenizer(build_task(task_dir, 1337)["tokenizer"])
