@@ -246,7 +246,7 @@ def test_results_json_layout(tmp_path, task_dir, tiny_policy):
         assert res["sft"][f"{key}_se"] >= 0.0, key
 
 
-def test_temperature_zero_is_rejected(tmp_path, tiny_policy, capsys, monkeypatch):
+def test_temperature_zero_and_empty_batches_are_rejected(tmp_path, tiny_policy, capsys, monkeypatch):
     with pytest.raises(common.UserError, match="--temperature 0: kl and perplexity"):
         ev.main(ev.Args(policy=[tiny_policy], ref=tiny_policy, rm="none", temperature=0))
     monkeypatch.chdir(tmp_path)
@@ -254,6 +254,9 @@ def test_temperature_zero_is_rejected(tmp_path, tiny_policy, capsys, monkeypatch
     assert err.strip().splitlines() == [
         "error: --temperature 0: kl and perplexity are measured at the sampling temperature; use > 0 (e.g. 1.0)"
     ]
+    for flag in ("batch_size", "micro_batch_size"):
+        with pytest.raises(common.UserError, match=f"--{flag.replace('_', '-')} 0: samples at a time, use >= 1"):
+            ev.main(ev.Args(policy=[tiny_policy], ref=tiny_policy, rm="none", **{flag: 0}))
 
 
 def test_best_of_n_picks_the_rm_argmax_over_the_first_n():
