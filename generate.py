@@ -232,21 +232,20 @@ def static_caches(model, batch: int, max_len: int, dtype: torch.dtype, device: t
 Generators = torch.Generator | list[torch.Generator] | None  # one stream for the batch, one a row, or the global
 
 
-def uniforms(rows: int, generator: Generators, device) -> Tensor:
-    """(rows, 1) float64 uniforms in [0, 1): from one generator (None: the global RNG), or one from each row's own
-    (a list, CPU generators: a row's draws then depend on nothing else in its batch)."""
+def uniforms(rows: int, generator: Generators, device, steps: int = 1) -> Tensor:
+    """(rows, steps) float64 uniforms in [0, 1): from one generator (None: the global RNG), or each row's from its own
+    (a list of CPU generators: a row's draws then depend on nothing else in its batch)."""
     if isinstance(generator, list):
         assert len(generator) == rows, f"{len(generator)} generators for {rows} rows"
-        draws = [torch.rand((), generator=row_generator, dtype=torch.float64) for row_generator in generator]
-        return torch.stack(draws)[:, None].to(device)
-    return torch.rand(rows, 1, generator=generator, device=device, dtype=torch.float64)
+        draws = [torch.rand(steps, generator=row_generator, dtype=torch.float64) for row_generator in generator]
+        return torch.stack(draws).to(device)
+    return torch.rand(rows, steps, generator=generator, device=device, dtype=torch.float64)
 
 
-def sample_tokens(logits: Tensor, generator: Generators = None) -> Tensor:
-    """One token per row from softmax(logits) (B, V) -> (B,), by inverse CDF with one uniform per row (uniforms); a
-    -inf logit is never sampled."""
+def sample_tokens(logits: Tensor, u: Tensor) -> Tensor:
+    """One token per row from softmax(logits) (B, V) -> (B,), by inverse CDF with the row's uniform u (B, 1) in [0, 1)
+    (uniforms); a -inf logit is never sampled."""
     cdf = F.softmax(logits, dim=-1, dtype=torch.float64).cumsum(-1)  # (B, V)
-    u = uniforms(logits.size(0), generator, cdf.device)
     u = torch.minimum(u * cdf[:, -1:], cdf[:, -1:] * (1 - 1e-12))  # (B, 1) strictly below the total: no p = 0 pick
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
@@ -284,6 +283,10 @@ def decode_loop(
     generate's (response, response_mask, logprobs)."""
     finished = budget <= 0
     max_new_tokens = int(budget.max())  # one host sync: the steps to run
+    rows = budget.size(0)
+    row_draws = None  # a generator a row: each row's uniforms for every step in one draw (not one a row and step)
+    if isinstance(generator, list) and temperature > 0 and forced is None:
+        row_draws = uniforms(rows, generator, logits.device, max_new_tokens)
     tokens, masks, logprobs = [], [], []
     for step in range(max_new_tokens):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -293,7 +296,8 @@ def decode_loop(
         if forced is not None:  # a finished row's padding is fed as its EOS (its tokens are padding after it anyway)
             tok = forced[:, step].masked_fill(finished, eos_id)  # (B,)
         elif temperature > 0:  # the random draw: eager, from the caller's generator
-            tok = sample_tokens(filter_logits(logits, top_k, top_p), generator)  # (B,)
+            u = row_draws[:, step : step + 1] if row_draws is not None else uniforms(rows, generator, logits.device)
+            tok = sample_tokens(filter_logits(logits, top_k, top_p), u)  # (B,)
         else:
             tok = logits.argmax(dim=-1)  # (B,)
         lp = logits.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (B,)

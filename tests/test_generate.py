@@ -12,7 +12,7 @@ import torch
 from conftest import boost_eos
 
 from data import pad_left
-from generate import StaticKVCache, generate, sample, sample_tokens, shared_prompts
+from generate import StaticKVCache, generate, sample, sample_tokens, shared_prompts, uniforms
 from model import GPT, GPTConfig, logprobs_from_logits
 
 V = 97  # vocab size of every tiny model
@@ -224,14 +224,15 @@ def test_sample_tokens_distribution_and_masked_logits():
         [[0.0, 1.0, -float("inf"), 2.0, -1.0], [-float("inf"), -float("inf"), 5.0, -float("inf"), -float("inf")]]
     )
     n = 20000
-    toks = torch.stack([sample_tokens(logits, g) for _ in range(n)])  # (n, 2)
+    toks = torch.stack([sample_tokens(logits, uniforms(2, g, "cpu")) for _ in range(n)])  # (n, 2)
     assert (toks[:, 1] == 2).all() and (toks[:, 0] != 2).all()
     freq = torch.bincount(toks[:, 0], minlength=5).double() / n
     p = torch.softmax(logits[0].double(), -1)
     assert (freq - p).abs().max() <= 4 * (p * (1 - p) / n).sqrt().max()
     # a leading zero-probability token is never chosen, even for u = 0
     g0 = torch.Generator().manual_seed(1)
-    assert (torch.stack([sample_tokens(torch.tensor([[-float("inf"), 0.0]]), g0) for _ in range(200)]) == 1).all()
+    sampled = [sample_tokens(torch.tensor([[-float("inf"), 0.0]]), uniforms(1, g0, "cpu")) for _ in range(200)]
+    assert (torch.stack(sampled) == 1).all()
 
 
 # -----------------------------------------------------------------------------
