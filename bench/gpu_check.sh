@@ -13,7 +13,7 @@
 #                                        # the compiles at Llama-1B shape
 #   bash bench/gpu_check.sh rl           # at most 240 s: bench/rl_check.py, the critic-free stage (GRPO, GSPO, CISPO,
 #                                        # distillation, VinePPO, dynamic sampling) in bf16 and compiled, GRPO in fp32
-#                                        # against the 1e-4 log-prob bound, a SIGKILL and --resume held bit-equal
+#                                        # against the 1e-3 log-prob bound, a SIGKILL and --resume held bit-equal
 #   bash bench/gpu_check.sh multiturn    # at most 60 s: experiments/multiturn.py --tiny, the guessing game's SFT, then
 #                                        # PPO-max, GRPO and RLOO over its episodes, compiled, and eval.py's episodes
 #   bash bench/gpu_check.sh long         # pipeline + scale + bench (about 10 minutes on one H200)

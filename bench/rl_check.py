@@ -2,7 +2,7 @@
 small SFT and RM on the built-in task, then train_grpo.py as GRPO, GSPO, CISPO, on-policy distillation, VinePPO (its
 continuations) and DAPO's dynamic sampling in the stages' own dtype (bf16 on a GPU) with --compile auto (compiled
 training forward and decode, CUDA graphs, on a GPU); GRPO in fp32, whose sampler and training forward must agree
-to 1e-4 in log-prob (rollout.check_logprobs raises past it, and this check reads the bound again from the events);
+to 1e-3 in log-prob (rollout.check_logprobs raises past it, and this check reads the bound again from the events);
 and a kill-and-resume (SIGKILL once a checkpoint of step >= 2 exists, then --resume) whose final model must equal an
 uninterrupted run's tensor for tensor. Each run has its own timeout inside --limit; a table of what passed, with
 its seconds, largest log-prob difference and tokens/s, comes last, whatever failed.
@@ -28,7 +28,7 @@ import torch
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FP32_LOGPROB_BOUND = 1e-4  # rollout.check_logprobs' own bound in fp32
+FP32_LOGPROB_BOUND = 1e-3  # rollout.FP32_LOGPROB_BOUND, check_logprobs' own bound in fp32
 
 
 @dataclass
@@ -108,7 +108,7 @@ def read_scalars(out_dir: str) -> dict[str, list[float]]:
 
 def run_figures(name: str, out_dir: str, fp32: bool) -> tuple[bool, str]:
     """(passed, figures) of a finished RL run from its events: every scalar finite, the largest sampler/trainer
-    log-prob difference (held to 1e-4 in fp32), the median tokens/s after the first iteration (the compile), and
+    log-prob difference (held to 1e-3 in fp32), the median tokens/s after the first iteration (the compile), and
     what only some estimators log."""
     scalars = read_scalars(out_dir)
     bad = sorted(tag for tag, values in scalars.items() if not all(math.isfinite(v) for v in values))

@@ -235,7 +235,7 @@ def test_the_bf16_check_bounds_the_mean_error_a_token():
     stale = logprobs + 0.5 * torch.randn(4, 16, generator=g)  # another model sampled (a stale copy)
     with pytest.raises(RuntimeError, match="a sampler copy that is not the actor, or a model that decodes without"):
         rollout.check_logprobs(stale, logprobs, mask, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="> 1e-4 in fp32"):
+    with pytest.raises(RuntimeError, match="> 0.001 in fp32"):
         rollout.check_logprobs(rounding, logprobs, mask, torch.float32)
     largest, mean = rollout.check_logprobs(logprobs + 1e-6, logprobs, mask, torch.float32)
     assert largest == pytest.approx(1e-6, rel=0.1) and mean == pytest.approx(1e-6, rel=0.1)
@@ -252,7 +252,7 @@ def matmul_precision():
 
 def test_fp32_means_fp32_on_cuda_and_the_check_follows_the_matmuls_in_use(monkeypatch, matmul_precision):
     """setup_dist on CUDA leaves fp32 matmuls at full precision (it turned TF32 on, and --dtype float32 then failed its
-    own 1e-4 check); where TF32 is on anyway (a fork's choice), an fp32 run is checked like bf16, on the mean."""
+    own fp32 check); where TF32 is on anyway (a fork's choice), an fp32 run is checked like bf16, on the mean."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.delenv("RANK", raising=False)
@@ -262,12 +262,12 @@ def test_fp32_means_fp32_on_cuda_and_the_check_follows_the_matmuls_in_use(monkey
     mask = torch.ones(4, 16)
     logprobs = -torch.rand(4, 16, generator=g) * 3
     tf32_rounding = logprobs + 2e-3 * torch.randn(4, 16, generator=g)
-    with pytest.raises(RuntimeError, match="> 1e-4 in fp32"):
+    with pytest.raises(RuntimeError, match="> 0.001 in fp32"):
         rollout.check_logprobs(tf32_rounding, logprobs, mask, torch.float32)
     torch.backends.cuda.matmul.allow_tf32 = True
     assert not parallel.full_precision(torch.float32)
     largest, mean = rollout.check_logprobs(tf32_rounding, logprobs, mask, torch.float32)
-    assert largest > 1e-4 and mean < 0.01
+    assert largest > rollout.FP32_LOGPROB_BOUND and mean < 0.01
     with pytest.raises(RuntimeError, match="more than bf16 or TF32 rounding"):
         rollout.check_logprobs(logprobs + 0.5, logprobs, mask, torch.float32)
 
