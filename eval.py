@@ -1111,7 +1111,7 @@ def main(args: Args) -> dict:
     ref_samples = sample_policy(ref, ref_tok, prompts, args, device)
     _, ref_gold = policy_metrics(ref_samples, task, None)
     for name, path in zip(names, args.policy):
-        if path == args.ref:  # the reference itself (make real-rlvr's SFT row): one model, its KL from one forward
+        if path == args.ref:  # the reference itself (make real-rlvr's SFT row): one model, its KL 0 without scoring
             model, tok, ckpt = ref, ref_tok, ref_ckpt
         else:
             model, tok, ckpt = load_model(path, "--policy", device, dtype=dtype)
