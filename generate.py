@@ -113,9 +113,9 @@ def cache_dtype(device: torch.device, weights_dtype: torch.dtype) -> torch.dtype
 
 def shared_prompts(idx: Tensor, real: Tensor) -> tuple[Tensor, Tensor] | None:
     """Rows that hold one prompt (GRPO's group, VinePPO's continuations of a prefix, eval.py's seeds of a prompt) share
-    its prefill: it runs on one row of each distinct prompt and its KV cache is copied to the others. Returns (first (U,): one row of each
-    distinct prompt, prompt_of (B,): each row's distinct prompt, an index into first), or None when every row is a
-    prompt of its own."""
+    its prefill: it runs on one row of each distinct prompt and its KV cache is copied to the others. Returns (first
+    (U,): one row of each distinct prompt, prompt_of (B,): each row's distinct prompt, an index into first), or None
+    when every row is a prompt of its own."""
     B = idx.size(0)
     key = idx.masked_fill(~real, -1)  # where the padding is matters, not its id (-1 is no token's)
     distinct, prompt_of = torch.unique(key, dim=0, return_inverse=True)
