@@ -26,6 +26,12 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs one worker a core: o
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def pytest_collection_modifyitems(items):
+    """The slow tests first, the fast ones after in their own order: xdist's workers then end on short tests and
+    together (a 40-second chain started last kept the other worker idle for 20 seconds)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 # -----------------------------------------------------------------------------
 # the built-in task and tiny checkpoints
 
@@ -331,6 +337,23 @@ def kill_process_tree(pid: int) -> None:
             os.kill(member, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def run_here(cmd: str) -> None:
+    """`<python> <script> <flags>` (a command as kill_and_resume takes it) run to its end in this process, on one thread
+    as ENV's processes: the uninterrupted run a killed one is compared with, without a process's start (about 3 s:
+    torch, and torch._dynamo, which the first optimizer imports)."""
+    import runpy
+
+    _, script, *flags = shlex.split(cmd)
+    argv, threads = sys.argv, torch.get_num_threads()
+    sys.argv = [script, *flags]
+    torch.set_num_threads(1)
+    try:
+        runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
 
 
 def kill_and_resume(cmd: str, out_dir: str, min_step: int) -> None:

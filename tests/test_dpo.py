@@ -15,7 +15,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, assert_same_weights, exits_2_with_one_line, kill_and_resume, read_scalars
+from conftest import ENV, ROOT, assert_same_weights, exits_2_with_one_line, kill_and_resume, read_scalars, run_here
 
 import common
 import data
@@ -495,18 +495,13 @@ def test_kto_mistakes_are_one_line(tmp_path):
 def test_dpo_ddp_matches_single_process(tmp_path, task_dir, tiny_ckpts):
     """2 ranks (gloo) with the same global batch end with the same weights and logged statistics as 1 process."""
     flags = f"--task-dir {task_dir} --init {tiny_ckpts[0]} {TINY_FLAGS} --max-steps 3 --eval-every 3"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmds = [
-        f"{sys.executable} train_dpo.py {flags} --out-dir {tmp_path}/one",
-        f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_dpo.py {flags} "
-        f"--out-dir {tmp_path}/two",
-    ]
-    procs = [
-        subprocess.Popen(shlex.split(c), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for c in cmds
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[1][-2000:] for o in outs)
+    two = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_dpo.py {flags}"
+    with open(tmp_path / "two.err", "w") as err:
+        two_ranks = subprocess.Popen(
+            shlex.split(f"{two} --out-dir {tmp_path}/two"), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err
+        )
+        run_here(f"{sys.executable} train_dpo.py {flags} --out-dir {tmp_path}/one")  # meanwhile, in this process
+        assert two_ranks.wait(timeout=300) == 0, (tmp_path / "two.err").read_text()[-2000:]
     one = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
     two = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
     assert two["world_size"] == 2 and len(two["rng"]) == 2
@@ -525,9 +520,7 @@ def test_dpo_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts):
         f"{sys.executable} train_dpo.py --task-dir {task_dir} --init {tiny_ckpts[0]} {TINY_FLAGS} --max-steps 12 "
         "--eval-every 6 --save-every 1"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    full = subprocess.run(shlex.split(f"{base} --out-dir {tmp_path}/full"), cwd=ROOT, env=env, capture_output=True)
-    assert full.returncode == 0, full.stderr[-3000:]
+    run_here(f"{base} --out-dir {tmp_path}/full")
     kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=4)
     assert_same_weights(tmp_path / "full" / "ckpt.pt", tmp_path / "killed" / "ckpt.pt")
     lines = open(tmp_path / "killed" / "samples.jsonl").read().splitlines()

@@ -27,7 +27,7 @@ from conftest import (
     kill_and_resume,
     ragged,
     read_scalars,
-    run,
+    run_here,
     tiny_gpt,
     trained,
 )
@@ -821,8 +821,7 @@ DYNAMIC_FLAGS = "--estimator grpo --group-size 2 --dynamic-sampling --max-sample
 def test_grpo_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts, flags):
     sft, rm = tiny_ckpts
     base = f"{sys.executable} train_grpo.py --task-dir {task_dir} --sft-ckpt {sft} --rm-ckpt {rm} {GRPO_FLAGS} {flags}"
-    r = run(f"{base} --out-dir {tmp_path}/full")
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_here(f"{base} --out-dir {tmp_path}/full")
     kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=5)
     full, killed = (torch.load(tmp_path / p / "ckpt.pt", weights_only=False) for p in ("full", "killed"))
     assert "critic" not in full and "kl_ctl" not in full

@@ -20,7 +20,7 @@ from conftest import (
     kill_and_resume,
     ppo_update_once,
     read_scalars,
-    run,
+    run_here,
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -263,8 +263,7 @@ def test_multiturn_grpo_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts,
         "--num-minibatches 2 --micro-batch-size 4 --ptx-batch-size 4 --max-new-tokens 6 --warmup-steps 2 "
         "--sample-every 1 --log-every 2 --save-every 1"
     )
-    r = run(f"{base} --out-dir {tmp_path}/full")
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_here(f"{base} --out-dir {tmp_path}/full")
     kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=3)
     assert_same_weights(tmp_path / "full" / "ckpt.pt", tmp_path / "killed" / "ckpt.pt")
     full, killed = (torch.load(tmp_path / p / "ckpt.pt", weights_only=False) for p in ("full", "killed"))

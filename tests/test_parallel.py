@@ -31,6 +31,7 @@ from conftest import (
     ppo_update_once,
     read_scalars,
     run,
+    run_here,
 )
 from torch._dynamo.utils import counters
 
@@ -218,7 +219,7 @@ def loads_in_one_process(path) -> None:
 @pytest.mark.slow
 def test_sft_fsdp_equals_one_process_and_resumes_after_sigkill(tmp_path, task_dir):
     base = f"train_sft.py --task-dir {task_dir} {SFT_FLAGS} --max-steps 16"
-    succeeds(f"{sys.executable} {base} --out-dir {tmp_path}/single")
+    run_here(f"{sys.executable} {base} --out-dir {tmp_path}/single")
     succeeds(f"{TORCHRUN} {base} --fsdp --out-dir {tmp_path}/sharded")  # saving at the end only: the reference
     single, sharded = weights(tmp_path / "single" / "ckpt.pt"), weights(tmp_path / "sharded" / "ckpt.pt")
     assert_close(single, sharded, atol=1e-4)  # full weights in the checkpoint, whatever the sharding

@@ -30,6 +30,7 @@ from conftest import (
     read_events,
     read_scalars,
     run,
+    run_here,
     tiny_gpt,
     trained,
     valid,
@@ -776,8 +777,7 @@ LORA_FLAGS = "--lora-rank 4 --lora-alpha 8 --lora-targets c_attn c_proj c_fc wte
 def test_ppo_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts, extra):
     sft, rm = tiny_ckpts
     base = f"{sys.executable} train_ppo.py --task-dir {task_dir} --sft-ckpt {sft} --rm-ckpt {rm} {PPO_FLAGS} {extra}"
-    r = run(f"{base} --out-dir {tmp_path}/full")
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_here(f"{base} --out-dir {tmp_path}/full")
     kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=5)
     full, killed = (torch.load(tmp_path / p / "ckpt.pt", weights_only=False) for p in ("full", "killed"))
     keys = ("model", "critic")
@@ -867,8 +867,7 @@ def test_ppo_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, task_dir, tin
     flags (CPU, one thread: the stop is at an iteration boundary, like a --save-every checkpoint)."""
     sft, rm = tiny_ckpts
     base = f"{sys.executable} train_ppo.py --task-dir {task_dir} --sft-ckpt {sft} --rm-ckpt {rm} {TERM_FLAGS}"
-    r = run(f"{base} --out-dir {tmp_path}/full")
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_here(f"{base} --out-dir {tmp_path}/full")
     out = tmp_path / "stopped"
     env = {**ENV, "PYTHONUNBUFFERED": "1"}
     with open(tmp_path / "stderr.txt", "w") as stderr:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    ENV,
     ROOT,
     RUN_KEYS,
     assert_same_weights,
@@ -21,7 +22,7 @@ from conftest import (
     kill_and_resume,
     read_events,
     read_scalars,
-    run,
+    run_here,
     write_jsonl,
 )
 
@@ -378,18 +379,13 @@ def test_rm_ddp_matches_single_process(tmp_path, task_dir, sft_ckpt):
         f"--task-dir {task_dir} --init {sft_ckpt} --max-steps 3 --batch-size 8 --micro-batch-size 2 "
         "--warmup-steps 1 --eval-every 3 --eval-pairs 16 --probe-size 4 --calib-size 64 --log-every 1"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmds = [
-        f"{sys.executable} train_rm.py {flags} --out-dir {tmp_path}/one",
-        f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_rm.py {flags} "
-        f"--out-dir {tmp_path}/two",
-    ]
-    procs = [
-        subprocess.Popen(shlex.split(c), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for c in cmds
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[1][-2000:] for o in outs)
+    two = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_rm.py {flags}"
+    with open(tmp_path / "two.err", "w") as err:
+        two_ranks = subprocess.Popen(
+            shlex.split(f"{two} --out-dir {tmp_path}/two"), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err
+        )
+        run_here(f"{sys.executable} train_rm.py {flags} --out-dir {tmp_path}/one")  # meanwhile, in this process
+        assert two_ranks.wait(timeout=300) == 0, (tmp_path / "two.err").read_text()[-2000:]
     a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
     b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
     assert b["world_size"] == 2 and len(b["rng"]) == 2
@@ -449,8 +445,7 @@ def test_rm_kill_and_resume_is_exact(tmp_path, task_dir, tiny_ckpts):
     base = (
         f"{sys.executable} train_rm.py --task-dir {task_dir} --init {tiny_ckpts[0]} --eval-data {held_out} {RM_FLAGS}"
     )
-    r = run(f"{base} --out-dir {tmp_path}/full")
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_here(f"{base} --out-dir {tmp_path}/full")
     kill_and_resume(f"{base} --out-dir {tmp_path}/killed", str(tmp_path / "killed"), min_step=12)
     assert_same_weights(tmp_path / "full" / "ckpt.pt", tmp_path / "killed" / "ckpt.pt")
     full, killed = (torch.load(tmp_path / p / "ckpt.pt", weights_only=False) for p in ("full", "killed"))
