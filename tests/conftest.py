@@ -26,12 +26,6 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs one worker a core: o
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def pytest_collection_modifyitems(items):
-    """The slow tests first, the fast ones after in their own order: xdist's workers then end on short tests and
-    together (a 40-second chain started last kept the other worker idle for 20 seconds)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 # -----------------------------------------------------------------------------
 # the built-in task and tiny checkpoints
 
