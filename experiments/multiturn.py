@@ -87,8 +87,9 @@ def cell(row: dict, column: str) -> str:
 def main(args: Args) -> None:
     started = time.time()
     os.makedirs(args.out_dir, exist_ok=True)
-    threads = os.environ.get("OMP_NUM_THREADS") or "1"
-    env = os.environ | {"OMP_NUM_THREADS": threads}
+    # OMP_NUM_THREADS in the environment wins at every step (the tests' one thread a process)
+    given = os.environ.get("OMP_NUM_THREADS")
+    env = os.environ | {"OMP_NUM_THREADS": given or "1"}
     # 1. SFT on the weak player's episodes, at OMP_NUM_THREADS too: on 2 cores busy with other work this model ran 8
     # times slower at 2 threads (4 steps a second) than at 1 (32)
     sft = os.path.join(args.out_dir, "sft", "ckpt.pt")
@@ -115,7 +116,7 @@ def main(args: Args) -> None:
     if os.path.exists(results_path):
         os.remove(results_path)
     log_path = os.path.join(args.out_dir, "eval.txt")
-    wait([(run(command + ["--json", results_path], log_path, env | {"OMP_NUM_THREADS": "2"}), log_path)])
+    wait([(run(command + ["--json", results_path], log_path, env | {"OMP_NUM_THREADS": given or "2"}), log_path)])
     # 4. the runs' own numbers beside eval's
     results = json.load(open(results_path))
     for name in RUNS:

@@ -126,8 +126,10 @@ def crossing(sft: dict, best: dict) -> str:
 def main(args: Args) -> None:
     started = time.time()
     os.makedirs(args.out_dir, exist_ok=True)
-    threads = os.environ.get("OMP_NUM_THREADS") or "1"
-    env = os.environ | {"OMP_NUM_THREADS": threads}
+    # OMP_NUM_THREADS in the environment wins at every step (the tests' one thread a process: beside another test, a
+    # process of two threads spins while the other waits for a core, and costs twice the CPU)
+    given = os.environ.get("OMP_NUM_THREADS")
+    env = os.environ | {"OMP_NUM_THREADS": given or "1"}
     # 1. SFT on the task's demonstrations
     sft = os.path.join(args.out_dir, "sft", "ckpt.pt")
     if not os.path.exists(sft):
@@ -139,7 +141,7 @@ def main(args: Args) -> None:
         command += ["--n-layer", "1", "--n-embd", "32", "--max-steps", "20", "--num-samples", "16"] if args.tiny else []
         command += [] if args.tiny else ["--epochs", "6"]
         log_path = os.path.join(os.path.dirname(sft), "stdout.txt")
-        wait([(run(command, log_path, env | {"OMP_NUM_THREADS": str(os.cpu_count() or 2)}), log_path)])
+        wait([(run(command, log_path, env | {"OMP_NUM_THREADS": given or str(os.cpu_count() or 2)}), log_path)])
     # 2. the RL runs, --jobs at a time
     todo = [name for name in RUNS if not os.path.exists(os.path.join(args.out_dir, name, "ckpt.pt"))]
     while todo:
@@ -161,7 +163,7 @@ def main(args: Args) -> None:
     if os.path.exists(results_path):
         os.remove(results_path)
     log_path = os.path.join(args.out_dir, "eval.txt")
-    wait([(run(command + ["--json", results_path], log_path, env | {"OMP_NUM_THREADS": "2"}), log_path)])
+    wait([(run(command + ["--json", results_path], log_path, env | {"OMP_NUM_THREADS": given or "2"}), log_path)])
     # 4. the runs' own numbers beside eval's
     results = json.load(open(results_path))
     for name in RUNS:
