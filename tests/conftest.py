@@ -350,6 +350,18 @@ def run_here(cmd: str) -> None:
         torch.set_num_threads(threads)
 
 
+def one_and_two_ranks(script: str, flags: str, out_dir) -> None:
+    """`script flags` to out_dir/two on 2 gloo ranks (torchrun, its own processes) and meanwhile to out_dir/one in this
+    process (run_here): the pair a test of data parallelism compares."""
+    two = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 {script} {flags}"
+    with open(os.path.join(out_dir, "two.err"), "w") as err:
+        two_ranks = subprocess.Popen(
+            shlex.split(f"{two} --out-dir {out_dir}/two"), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err
+        )
+        run_here(f"{sys.executable} {script} {flags} --out-dir {out_dir}/one")
+        assert two_ranks.wait(timeout=300) == 0, open(os.path.join(out_dir, "two.err")).read()[-2000:]
+
+
 def kill_and_resume(cmd: str, out_dir: str, min_step: int) -> None:
     """Start cmd, SIGKILL it once a checkpoint of step >= min_step exists (mid-step: saving is every step), resume."""
     proc = subprocess.Popen(shlex.split(cmd), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -7,15 +7,20 @@ the same whatever the micro-batch), the unpaired reader and a tiny KTO run."""
 import json
 import math
 import os
-import shlex
-import subprocess
 import sys
 from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ENV, ROOT, assert_same_weights, exits_2_with_one_line, kill_and_resume, read_scalars, run_here
+from conftest import (
+    assert_same_weights,
+    exits_2_with_one_line,
+    kill_and_resume,
+    one_and_two_ranks,
+    read_scalars,
+    run_here,
+)
 
 import common
 import data
@@ -495,13 +500,7 @@ def test_kto_mistakes_are_one_line(tmp_path):
 def test_dpo_ddp_matches_single_process(tmp_path, task_dir, tiny_ckpts):
     """2 ranks (gloo) with the same global batch end with the same weights and logged statistics as 1 process."""
     flags = f"--task-dir {task_dir} --init {tiny_ckpts[0]} {TINY_FLAGS} --max-steps 3 --eval-every 3"
-    two = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_dpo.py {flags}"
-    with open(tmp_path / "two.err", "w") as err:
-        two_ranks = subprocess.Popen(
-            shlex.split(f"{two} --out-dir {tmp_path}/two"), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err
-        )
-        run_here(f"{sys.executable} train_dpo.py {flags} --out-dir {tmp_path}/one")  # meanwhile, in this process
-        assert two_ranks.wait(timeout=300) == 0, (tmp_path / "two.err").read_text()[-2000:]
+    one_and_two_ranks("train_dpo.py", flags, tmp_path)
     one = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
     two = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
     assert two["world_size"] == 2 and len(two["rng"]) == 2

@@ -6,20 +6,17 @@ import json
 import math
 import os
 import re
-import shlex
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
-    ENV,
-    ROOT,
     RUN_KEYS,
     assert_same_weights,
     exits_2_with_one_line,
     kill_and_resume,
+    one_and_two_ranks,
     read_events,
     read_scalars,
     run_here,
@@ -379,13 +376,7 @@ def test_rm_ddp_matches_single_process(tmp_path, task_dir, sft_ckpt):
         f"--task-dir {task_dir} --init {sft_ckpt} --max-steps 3 --batch-size 8 --micro-batch-size 2 "
         "--warmup-steps 1 --eval-every 3 --eval-pairs 16 --probe-size 4 --calib-size 64 --log-every 1"
     )
-    two = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_rm.py {flags}"
-    with open(tmp_path / "two.err", "w") as err:
-        two_ranks = subprocess.Popen(
-            shlex.split(f"{two} --out-dir {tmp_path}/two"), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err
-        )
-        run_here(f"{sys.executable} train_rm.py {flags} --out-dir {tmp_path}/one")  # meanwhile, in this process
-        assert two_ranks.wait(timeout=300) == 0, (tmp_path / "two.err").read_text()[-2000:]
+    one_and_two_ranks("train_rm.py", flags, tmp_path)
     a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
     b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
     assert b["world_size"] == 2 and len(b["rng"]) == 2
