@@ -651,11 +651,6 @@ def first_rows(path: str, num_samples: int) -> list:
     return rows[:num_samples]
 
 
-def first_prompts(path: str, num_samples: int) -> list:
-    """The first --num-samples prompts of a prompts file (first_rows' prompts)."""
-    return [row["prompt"] for row in first_rows(path, num_samples)]
-
-
 def write_best(path: str, picked: dict, prompts: list, n: int, rank_by: str) -> None:
     """best_of_n's picks as SFT records in prompt order: {"prompt", "response"} for a text prompt, {"messages": the
     prompt's and the reply as an assistant turn} for a conversation; the ones without EOS are left out (SFT would

@@ -659,9 +659,9 @@ def test_an_rm_member_with_a_smaller_context_reads_the_pairs_through_its_own(tmp
 def test_num_samples_says_how_many_prompts_the_file_held(tmp_path, capsys):
     """--num-samples counts prompts: cutting a file says how many it held (it printed only "for 32 prompts")."""
     path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(10)])
-    assert ev.first_prompts(path, 4) == ["p0", "p1", "p2", "p3"]
+    assert [row["prompt"] for row in ev.first_rows(path, 4)] == ["p0", "p1", "p2", "p3"]
     assert f"the first 4 of the 10 prompts in {path} (--num-samples counts prompts)" in capsys.readouterr().out
-    ev.first_prompts(path, 10)
+    ev.first_rows(path, 10)
     assert capsys.readouterr().out == ""
 
 
