@@ -28,7 +28,8 @@ import torch
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FP32_LOGPROB_BOUND = 1e-3  # rollout.FP32_LOGPROB_BOUND, check_logprobs' own bound in fp32
+sys.path.insert(0, ROOT)
+from rollout import FP32_LOGPROB_BOUND  # noqa: E402  check_logprobs' own bound in fp32
 
 
 @dataclass

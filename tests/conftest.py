@@ -24,6 +24,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs one worker a core: o
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TORCHRUN = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2"  # 2 gloo ranks on CPU
 
 
 # -----------------------------------------------------------------------------
@@ -353,7 +354,7 @@ def run_here(cmd: str) -> None:
 def one_and_two_ranks(script: str, flags: str, out_dir) -> None:
     """`script flags` to out_dir/two on 2 gloo ranks (torchrun, its own processes) and meanwhile to out_dir/one in this
     process (run_here): the pair a test of data parallelism compares."""
-    two = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 {script} {flags}"
+    two = f"{TORCHRUN} {script} {flags}"
     with open(os.path.join(out_dir, "two.err"), "w") as err:
         two_ranks = subprocess.Popen(
             shlex.split(f"{two} --out-dir {out_dir}/two"), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err

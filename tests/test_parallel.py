@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from conftest import (
     ENV,
     ROOT,
+    TORCHRUN,
     critic_free_experience,
     fake_experience,
     free_port,
@@ -49,7 +50,6 @@ from train_ppo import RunningMoments
 needs_compiler = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler"
 )
-TORCHRUN = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2"
 
 
 def succeeds(cmd: str) -> None:

@@ -21,6 +21,7 @@ from conftest import (
     ROOT,
     RUN_KEYS,
     TINY_PPO,
+    TORCHRUN,
     assert_same_weights,
     boost_eos,
     fake_experience,
@@ -742,7 +743,7 @@ def test_ppo_two_ranks_torchrun(tmp_path, task_dir, tiny_ckpts):
     sft, rm = tiny_ckpts
     out = tmp_path / "ppo"
     cmd = (
-        f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_ppo.py --task-dir "
+        f"{TORCHRUN} train_ppo.py --task-dir "
         f"{task_dir} --sft-ckpt {sft} --rm-ckpt {rm} --out-dir {out} --max-steps 2 --rollout-batch-size 8 "
         "--num-minibatches 2 --micro-batch-size 2 --max-new-tokens 12 --critic-warmup-steps 1 --warmup-steps 1 "
         "--ptx-batch-size 4 --log-every 1 --sample-every 2 --collapse-window 2 --device cpu"

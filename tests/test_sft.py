@@ -11,7 +11,16 @@ import sys
 
 import pytest
 import torch
-from conftest import RUN_KEYS, assert_same_weights, exits_2_with_one_line, kill_and_resume, read_scalars, run, run_here
+from conftest import (
+    RUN_KEYS,
+    TORCHRUN,
+    assert_same_weights,
+    exits_2_with_one_line,
+    kill_and_resume,
+    read_scalars,
+    run,
+    run_here,
+)
 
 import train_sft
 from model import GPT
@@ -140,10 +149,7 @@ def test_ddp_matches_single_process(tmp_path, task_dir):
     the work (1 process: 4 accumulation steps of 2; 2 ranks: --micro-batch-size 8 is capped at a rank's share, 4)."""
     flags = f"--task-dir {task_dir} {TINY_FLAGS} --max-steps 3 --batch-size 8"
     run_here(f"{sys.executable} train_sft.py {flags} --micro-batch-size 2 --out-dir {tmp_path}/one")
-    r2 = run(
-        f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node 2 train_sft.py {flags} "
-        f"--micro-batch-size 8 --out-dir {tmp_path}/two"
-    )
+    r2 = run(f"{TORCHRUN} train_sft.py {flags} --micro-batch-size 8 --out-dir {tmp_path}/two")
     assert r2.returncode == 0, r2.stderr[-2000:]
     a = torch.load(tmp_path / "one" / "ckpt.pt", weights_only=False)
     b = torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)
