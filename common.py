@@ -2,11 +2,13 @@
 step, logging, the LR schedule, MFU, reward functions and environments. The command line is cli.py's.
 """
 
+import ctypes
 import importlib
 import importlib.util
 import json
 import math
 import os
+import platform
 import random
 import shlex
 import signal
@@ -139,6 +141,7 @@ def print0(*args, **kwargs) -> None:
 def run_main(main: Callable, args) -> None:
     """Run a stage's main(args); a UserError becomes one line on stderr (rank 0 only) and exit code 2."""
     try:
+        keep_freed_memory()
         offline_unless_reachable(args)
         main(args)
     except UserError as e:
@@ -147,6 +150,18 @@ def run_main(main: Callable, args) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
+
+
+def keep_freed_memory() -> None:
+    """Without a GPU, under glibc: malloc keeps freed memory for the next allocation. By default a block over 32 MB
+    (a micro-batch's logits at SmolLM2's vocabulary) is mapped afresh each time and page-faults in again: 15-20 % of
+    a SmolLM2 PPO iteration (docs/design.md §7). A process then keeps about its peak memory, as torch's CUDA
+    allocator does on a GPU."""
+    if torch.cuda.is_available() or platform.libc_ver()[0] != "glibc":
+        return
+    libc = ctypes.CDLL(None)
+    libc.mallopt(-4, 0)  # M_MMAP_MAX: no block mapped on its own
+    libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: the heap's top not given back under 2 GB
 
 
 def hub_names(args) -> list[str]:

@@ -246,6 +246,7 @@ class GemmRecorder:
 
 
 def main(args: Args) -> None:
+    common.keep_freed_memory()  # as every stage's run_main does
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

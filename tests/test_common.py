@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import platform
 import re
 import shlex
 import signal
@@ -17,7 +18,7 @@ import time
 
 import pytest
 import torch
-from conftest import exits_2_with_one_line, offline, run
+from conftest import ROOT, exits_2_with_one_line, offline, run
 
 import checkpoints
 import cli
@@ -85,6 +86,36 @@ def test_peak_flops_measured_on_cpu_in_the_runs_dtype(monkeypatch):
         common.peak_flops(torch.device("cpu"), dtype=dtype)
         after.append(torch.rand(4))
     torch.testing.assert_close(after[0], after[1], rtol=0, atol=0)
+
+
+FAULTS_OF_LARGE_BLOCKS = """
+import resource, sys, torch
+import common
+if sys.argv[1] == "kept":
+    common.keep_freed_memory()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+small = []
+for _ in range(20):
+    block = torch.ones(16 * 2**20)  # 64 MB, over glibc's 32 MB ceiling for its heap
+    small.append(torch.ones(1000))  # something small allocated after it, as a forward's activations are
+    del block
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or platform.libc_ver()[0] != "glibc", reason="glibc CPU runs only")
+def test_keep_freed_memory_reuses_large_freed_blocks(tmp_path):
+    """20 blocks of 64 MB, each freed before the next: by default each page-faults in afresh (16,384 pages of 4 KB a
+    block), after keep_freed_memory (which run_main calls before every stage) the heap serves most of them from
+    memory already touched (it grows by a few blocks first, as the small allocations after a block pin its hole)."""
+    script = tmp_path / "faults.py"
+    script.write_text(FAULTS_OF_LARGE_BLOCKS)
+    faults = {}
+    for mode in ("default", "kept"):
+        r = run(f"{sys.executable} {script} {mode}", env={"PYTHONPATH": ROOT})
+        assert r.returncode == 0, r.stderr[-2000:]
+        faults[mode] = int(r.stdout)
+    assert faults["default"] > 20 * 16_000 and faults["kept"] < 8 * 16_384, faults
 
 
 def test_logger_owns_samples_jsonl(tmp_path, capsys):
