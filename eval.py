@@ -215,15 +215,10 @@ def perplexity_se(logprob_sums: list, lengths: list, cluster: list) -> dict:
     return {"value": perplexity, "se": None if nll["se"] is None else perplexity * nll["se"]}
 
 
-def distinct_n(responses: list, n: int = 2) -> float:
-    """Unique n-grams / all n-grams over all responses (token id lists); 0 when there are none."""
-    grams = [tuple(r[i : i + n]) for r in responses for i in range(len(r) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 0.0
-
-
 def distinct_n_se(responses: list, cluster: list, n: int = 2) -> dict:
-    """distinct_n and its delete-one-cluster jackknife standard error: leaving cluster c out removes its n-grams from
-    the total and, from the unique ones, those no other cluster has; se² = (C-1)/C · Σ_c (θ_-c - mean θ_-c)²."""
+    """Unique n-grams / all n-grams over all responses (token id lists; 0 when there are none) and its
+    delete-one-cluster jackknife standard error: leaving cluster c out removes its n-grams from the total and, from
+    the unique ones, those no other cluster has; se² = (C-1)/C · Σ_c (θ_-c - mean θ_-c)²."""
     grams_of = {}
     for response, key in zip(responses, cluster):
         grams_of.setdefault(key, []).extend(tuple(response[i : i + n]) for i in range(len(response) - n + 1))
@@ -307,7 +302,6 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generators: list
             raise UserError(f"--ref {args.ref}: its context ends before a response of the policy does")
         kl = ((samples.logprobs - scored.logprobs) * response_mask).sum(1)
     score = torch.full((len(prompts),), float("nan"), device=device)
-    member_scores = torch.zeros(0, len(prompts), device=device)
     if rms:
         # each row's prompt and response packed: a row needs only its own to fit the context (as the RL rollout scores)
         ids, mask = left_pack(torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1))
@@ -327,7 +321,6 @@ def sample_batch(model, tok, prompts: list, args: Args, device, generators: list
         "n": lengths.tolist(),
         "kl": kl.tolist(),
         "score": score.tolist(),
-        "member_scores": member_scores.t().tolist(),
     }
 
 
@@ -375,7 +368,7 @@ def over_seeds(items: list, args: Args, batch_fn) -> dict:
 def sample_policy(model, tok, prompts: list, args: Args, device, ref=None, rms=()) -> dict:
     """One response per prompt and seed (over_seeds). Returns per-sample lists: prompt, response (text without EOS),
     tokens (with EOS), ended, logprob_sum, n, kl (to ref, 0 without), score (the RMs' aggregate, NaN without),
-    member_scores, prompt_index (the cluster), seed."""
+    prompt_index (the cluster), seed."""
 
     def batch_fn(batch_prompts: list, generators: list) -> dict:
         return sample_batch(model, tok, batch_prompts, args, device, generators, ref, rms)
@@ -480,23 +473,17 @@ def episode_metrics(episodes: dict) -> dict:
 
 
 def episode_results(args: Args, names: list, rows: list, ref, ref_tok, device) -> dict:
-    """--env: each policy's episodes over the prompt rows that fit the context, {name: episode_metrics + train
-    seconds}; the first --show episodes printed turn by turn."""
+    """--env: each policy's episodes over the prompt rows, {name: episode_metrics + train seconds}; the first --show
+    episodes printed turn by turn."""
     dtype = parallel.resolve_dtype(args.dtype, device)
-    context = min(context_size(path) for path in [args.ref, *args.policy])
-    fitting = [row for row in rows if len(prompt_ids(ref_tok, row["prompt"])) < context]
-    if not fitting:
-        raise UserError(f"--prompts: no prompt leaves room for a response in the context of {context}")
-    if len(fitting) < len(rows):
-        print(f"eval: {len(rows) - len(fitting)} of {len(rows)} prompts leave no room in the context of {context}")
-    make_env = common.load_env(args.env, fitting[0], args.max_turns)
+    make_env = common.load_env(args.env, rows[0], args.max_turns)
     task_module = builtin_task(args)
     results = {}
     for name, path in zip(names, args.policy):
         model, tok, ckpt = load_model(path, "--policy", device, dtype=dtype)
         if tok.state() != ref_tok.state():
             raise UserError(f"--policy {path}: its tokenizer differs from the reference's ({args.ref})")
-        episodes = sample_episodes(model, tok, fitting, make_env, args, device, ref)
+        episodes = sample_episodes(model, tok, rows, make_env, args, device, ref)
         results[name] = episode_metrics(episodes) | {"train_seconds": round((ckpt or {}).get("seconds", 0.0), 1)}
         if args.env == getattr(task_module, "ENV", None):  # the built-in game: the optimum's values beside
             results[name] |= task_module.optimum_columns(results[name]["kl"])
@@ -887,7 +874,7 @@ def load_rms(paths: list[str], device, tok, dtype: torch.dtype, prompts: list) -
 @torch.no_grad()
 def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) -> dict:
     """--kl-optimal: --seeds samples per prompt of the reference (from --sample-cache when it matches), scored by
-    every RM (member_scores) and their aggregate (score), a response's score read at its last token. The cache also
+    every RM and their aggregate (score), a response's score read at its last token. The cache also
     keeps each RM's scores by its file's hash, so screening an ensemble scores only the members new to it."""
     key = dict(
         ref=checkpoints.init_fingerprint(args.ref),
@@ -914,7 +901,6 @@ def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) 
     scored = cached.setdefault("rm_scores", {})  # RM file hash -> its score of every sample
     known = len(scored)
     samples["score"] = [float("nan")] * len(samples["prompt"])  # without an RM (a cached set keeps no scores)
-    samples["member_scores"] = [[] for _ in samples["prompt"]]
     if rms:
         heads = {prompt_text(tok, prompt): prompt_ids(tok, prompt) for prompt in prompts}  # text -> its ids
         sequences = [heads[p] + ids for p, ids in zip(samples["prompt"], samples["tokens"])]
@@ -925,11 +911,9 @@ def reference_samples(model, tok, prompts: list, args: Args, device, rms: list) 
                 dtype = parallel.resolve_dtype(args.dtype, device)
                 scored[sha] = score_sequences(rm, sequences, tok.pad_id, args.batch_size, device, dtype).tolist()
             members.append(torch.tensor(scored[sha]))
-        members = torch.stack(members)
-        samples["member_scores"] = members.t().tolist()
-        samples["score"] = aggregate_rm_scores(members, args.rm_agg, args.rm_uwo_coef).tolist()
+        samples["score"] = aggregate_rm_scores(torch.stack(members), args.rm_agg, args.rm_uwo_coef).tolist()
     if args.sample_cache and (fresh or len(scored) > known):
-        samples_only = {k: v for k, v in samples.items() if k not in ("member_scores", "score")}
+        samples_only = {k: v for k, v in samples.items() if k != "score"}
         partial = f"{args.sample_cache}.tmp.{os.getpid()}"  # a killed run leaves the old cache whole
         torch.save({"key": key, "samples": samples_only, "rm_scores": scored}, partial)
         os.replace(partial, args.sample_cache)
@@ -1050,7 +1034,6 @@ def main(args: Args) -> dict:
         return write_json(args.json, results)
     # 1. prompts, reference and reward models
     rows = first_rows(args.prompts or task_files["eval_prompts"], args.num_samples)
-    prompts = [row["prompt"] for row in rows]
     # a checkpoint is named by its folder (out/ppo/ckpt.pt: ppo), a pretrained model by itself (hf:out/smollm2)
     folders = [os.path.dirname(p) if p.endswith(".pt") else p.removeprefix("hf:").rstrip("/") for p in args.policy]
     names = args.names or [os.path.basename(folder) or f"policy{i}" for i, folder in enumerate(folders)]
@@ -1058,6 +1041,19 @@ def main(args: Args) -> dict:
         raise UserError(f"--names: {len(names)} names for {len(args.policy)} policies")
     dtype = parallel.resolve_dtype(args.dtype, device)
     ref, ref_tok, ref_ckpt = load_model(args.ref, "--ref", device, dtype=dtype)
+    # every policy and the reference answer the same prompts (KL and win rate stay paired): those with room for a
+    # response in the smallest context among them
+    context = min(context_size(path) for path in [args.ref, *args.policy])
+    fitting = [row for row in rows if len(prompt_ids(ref_tok, row["prompt"])) < context]
+    if len(fitting) < len(rows):
+        print(
+            f"eval: {len(rows) - len(fitting)} of {len(rows)} prompts leave no room for a response in the "
+            f"context of {context}: skipped"
+        )
+    if not fitting:
+        raise UserError(f"--prompts: no prompt leaves room for a response in the context of {context}")
+    rows = fitting
+    prompts = [row["prompt"] for row in rows]
     if args.env:  # multi-turn: each policy's episodes against the environment
         results = episode_results(args, names, rows, ref, ref_tok, device)
         print_episode_table(results)
@@ -1070,18 +1066,6 @@ def main(args: Args) -> dict:
     if args.reward_fn:  # called once at start-up, on the first prompt as the function will see it
         reward_fn = common.load_reward_fn(args.reward_fn, prompt_text(ref_tok, prompts[0]))
     rms = load_rms(rm_paths(args), device, ref_tok, dtype, prompts)
-    # every policy and the reference answer the same prompts (KL and win rate stay paired): those with room for a
-    # response in the smallest context among them
-    context = min(context_size(path) for path in [args.ref, *args.policy])
-    fitting = [prompt for prompt in prompts if len(prompt_ids(ref_tok, prompt)) < context]
-    if len(fitting) < len(prompts):
-        print(
-            f"eval: {len(prompts) - len(fitting)} of {len(prompts)} prompts leave no room for a response in the "
-            f"context of {context}: skipped"
-        )
-    if not fitting:
-        raise UserError(f"--prompts: no prompt leaves room for a response in the context of {context}")
-    prompts = fitting
     # the gold reward knows the built-in task's prompts: task is its module when every prompt is one
     task_module = builtin_task(args)
     task = task_module if all(task_module.is_task_prompt(prompt) for prompt in prompts) else None

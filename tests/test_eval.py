@@ -42,10 +42,17 @@ POLICY_KEYS = [
 ]
 
 
+def distinct_n(responses: list, n: int) -> float:
+    """The reference: unique n-grams / all n-grams over all responses, 0 when there are none."""
+    grams = [tuple(r[i : i + n]) for r in responses for i in range(len(r) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
 def test_distinct_2_by_hand():
-    assert ev.distinct_n([[1, 2, 3], [1, 2, 4]], 2) == pytest.approx(3 / 4)  # (1,2) twice, (2,3), (2,4)
-    assert ev.distinct_n([[5, 5, 5, 5]], 2) == pytest.approx(1 / 3)
-    assert ev.distinct_n([[1], []], 2) == 0.0
+    # [[1, 2, 3], [1, 2, 4]]: (1, 2) twice, (2, 3), (2, 4)
+    for responses, expected in (([[1, 2, 3], [1, 2, 4]], 3 / 4), ([[5, 5, 5, 5]], 1 / 3), ([[1], []], 0.0)):
+        assert distinct_n(responses, 2) == pytest.approx(expected)
+        assert ev.distinct_n_se(responses, list(range(len(responses))), 2)["value"] == pytest.approx(expected)
 
 
 def test_win_rate_ties_count_half():
@@ -98,8 +105,8 @@ def test_distinct_2_se_is_the_jackknife():
     responses = [[rng.randint(0, 6) for _ in range(rng.randint(0, 8))] for _ in range(40)]
     cluster = [i % 20 for i in range(40)]
     stat = ev.distinct_n_se(responses, cluster, 2)
-    assert stat["value"] == pytest.approx(ev.distinct_n(responses, 2))
-    reference = jackknife_se(lambda rs: ev.distinct_n(rs, 2), responses, cluster)
+    assert stat["value"] == pytest.approx(distinct_n(responses, 2))
+    reference = jackknife_se(lambda rs: distinct_n(rs, 2), responses, cluster)
     assert stat["se"] == pytest.approx(reference)
 
 
