@@ -446,37 +446,6 @@ def loss_weights(
     raise ValueError(f"unknown loss aggregation {agg!r}")
 
 
-def policy_loss(
-    logprobs, old_logprobs, advantages, mask, cliprange, weights, denom, cliprange_high=None, dual_clip=None
-):
-    """Clipped surrogate l = max(-A*rho, -A*clip(rho, 1-eps, 1+eps_high)) per token, all (B, T), eps_high =
-    cliprange_high or cliprange (cliprange None: no clip); dual_clip c: l = min(l, -c*A) where A < 0. Returns
-    (sum(l * weights) / denom, stats: clipfrac, clipfrac_low, clipfrac_high, approx_kl, ratio_mean)."""
-    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)  # masked before the exponential
-    ratio = torch.exp(log_ratio)
-    lower, upper = 0.0, math.inf  # cliprange None: no clip (a ratio is > 0)
-    if cliprange is not None:
-        lower = 1.0 - cliprange
-        upper = 1.0 + (cliprange if cliprange_high is None else cliprange_high)
-    pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, lower, upper)
-    token_losses = torch.max(pg_losses, pg_losses2)
-    if dual_clip is not None:
-        capped = torch.min(token_losses, -dual_clip * advantages)
-        token_losses = torch.where(advantages < 0, capped, token_losses)
-    pg_loss = (token_losses * weights).sum() / denom
-    with torch.no_grad():
-        clipped = pg_losses2 > pg_losses
-        stats = {
-            "clipfrac": masked_mean(clipped.float(), mask),
-            "clipfrac_low": masked_mean((clipped & (ratio < lower)).float(), mask),
-            "clipfrac_high": masked_mean((clipped & (ratio > upper)).float(), mask),
-            "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
-            "ratio_mean": masked_mean(ratio, mask),
-        }
-    return pg_loss, stats
-
-
 def ratio_bounds(cliprange, cliprange_high=None) -> tuple[float, float]:
     """The interval [1 - cliprange, 1 + (cliprange_high or cliprange)] a ratio is clipped to; cliprange None: (0, inf),
     no clip."""
@@ -495,6 +464,28 @@ def ratio_stats(ratio, log_ratio, mask, clipped_low, clipped_high) -> dict:
         "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
         "ratio_mean": masked_mean(ratio, mask),
     }
+
+
+def policy_loss(
+    logprobs, old_logprobs, advantages, mask, cliprange, weights, denom, cliprange_high=None, dual_clip=None
+):
+    """Clipped surrogate l = max(-A*rho, -A*clip(rho, 1-eps, 1+eps_high)) per token, all (B, T), eps_high =
+    cliprange_high or cliprange (cliprange None: no clip); dual_clip c: l = min(l, -c*A) where A < 0. Returns
+    (sum(l * weights) / denom, stats: clipfrac, clipfrac_low, clipfrac_high, approx_kl, ratio_mean)."""
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)  # masked before the exponential
+    ratio = torch.exp(log_ratio)
+    lower, upper = ratio_bounds(cliprange, cliprange_high)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, lower, upper)
+    token_losses = torch.max(pg_losses, pg_losses2)
+    if dual_clip is not None:
+        capped = torch.min(token_losses, -dual_clip * advantages)
+        token_losses = torch.where(advantages < 0, capped, token_losses)
+    pg_loss = (token_losses * weights).sum() / denom
+    with torch.no_grad():
+        clipped = pg_losses2 > pg_losses  # only where the ratio lies outside [lower, upper]
+        stats = ratio_stats(ratio, log_ratio, mask, clipped & (ratio < lower), clipped & (ratio > upper))
+    return pg_loss, stats
 
 
 # the recipe (the module docstring) clips at the paper's eps, --cliprange 3e-4 --cliprange-high 4e-4: a sequence ratio,
@@ -942,7 +933,7 @@ def grpo_update(
     """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches (shuffled by
     generator), one guarded optimizer step per minibatch (none when no policy-loss token is left), with ptx_stream's
     text under the ptx loss (None: none). Returns (metrics: global means over the steps taken, plus policy/update_kl;
-    diagnostics: updates, skipped, first_micro_batch: the first micro-batch's ratio_diagnostics, on device)."""
+    diagnostics: updates, first_micro_batch: the first micro-batch's ratio_diagnostics, on device)."""
     mask = experience["mask"]
     device = mask.device
     minibatch_rows = exact_div(mask.size(0), args.num_minibatches, "rollout rows per rank over --num-minibatches")
@@ -968,7 +959,6 @@ def grpo_update(
     totals = defaultdict(float)  # this rank's sums over the steps taken
     first_micro_batch = {}
     updates = 0
-    skipped_before = guard.skipped
     lengths = row_extent(
         experience["attention_mask"]
     ).tolist()  # one host sync: each micro-batch trims its right padding
@@ -1034,12 +1024,7 @@ def grpo_update(
     metrics |= guard.read()
     metrics |= update_metrics(totals, updates, device)
     metrics["policy/update_kl"] = rollout.update_kl(actor.forward, experience, micro_batch_size, args.temperature, amp)
-    diagnostics = {
-        "updates": updates,
-        "skipped": guard.skipped - skipped_before,
-        "first_micro_batch": first_micro_batch,
-    }
-    return metrics, diagnostics
+    return metrics, {"updates": updates, "first_micro_batch": first_micro_batch}
 
 
 def update_metrics(totals: dict, updates: int, device) -> dict:
@@ -1201,7 +1186,6 @@ def main(args: Args) -> None:
             "train/kl_coef": args.kl_coef,
             "train/updates": loop.updates,
             "train/episodes": loop.episodes,
-            "train/skipped_steps": loop.guard.skipped,
         }
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree
             largest, mean = metrics["rollout/logprob_err"], metrics["rollout/logprob_err_mean"]

@@ -441,7 +441,7 @@ def ppo_update(
     """Step 6 on this rank's share of the experience: ppo_epochs x minibatches x micro-batches (shuffled by
     generator), one guarded optimizer step per minibatch for the critic and, from iteration --critic-warmup-steps on,
     the actor (with ptx_stream's text under the ptx loss; None: none). Returns (metrics: global means over the steps
-    each model took, plus policy/update_kl; diagnostics: updates, skipped, first_micro_batch: the actor's first
+    each model took, plus policy/update_kl; diagnostics: updates, first_micro_batch: the actor's first
     micro-batch's ratio_diagnostics, on device)."""
     mask = experience["mask"]
     device = mask.device
@@ -467,7 +467,6 @@ def ppo_update(
     steps = {"actor": 0, "critic": 0}  # the steps each model took (the same on every rank)
     first_micro_batch = {}
     updates = 0  # optimizer steps every model took
-    skipped_before = guard.skipped
     lengths = row_extent(
         experience["attention_mask"]
     ).tolist()  # one host sync: each micro-batch trims its right padding
@@ -521,12 +520,7 @@ def ppo_update(
     metrics |= guard.read({"model": "train/grad_norm", "critic": "value/grad_norm"})  # the actor is "model"
     metrics |= update_metrics(totals, steps, device)
     metrics["policy/update_kl"] = rollout.update_kl(actor.forward, experience, micro_batch_size, args.temperature, amp)
-    diagnostics = {
-        "updates": updates,
-        "skipped": guard.skipped - skipped_before,
-        "first_micro_batch": first_micro_batch,
-    }
-    return metrics, diagnostics
+    return metrics, {"updates": updates, "first_micro_batch": first_micro_batch}
 
 
 def update_metrics(totals: dict, steps: dict, device) -> dict:
@@ -678,7 +672,6 @@ def main(args: Args) -> None:
             "train/kl_coef": kl_coef,
             "train/updates": loop.updates,
             "train/episodes": loop.episodes,
-            "train/skipped_steps": loop.guard.skipped,
             "collapse/alarm": float(alarm),
         }
         if step == start_step + 1:  # the first iteration of this process: how close sampler and trainer agree

@@ -452,7 +452,7 @@ def test_non_finite_loss_skips_the_step(monkeypatch):
 
     monkeypatch.setattr(train_ppo, "ppo_policy_loss", nan_policy_loss)
     stats = ppo_update_once(actor, critic, exp, micro_batch_size=4)
-    assert stats["skipped"] == 1 and all(torch.equal(v, before[k]) for k, v in actor.state_dict().items())
+    assert stats["train/skipped_steps"] == 1 and all(torch.equal(v, before[k]) for k, v in actor.state_dict().items())
     assert not torch.equal(critic.score_head.weight, critic_before)
     assert stats["updates"] == 0 and "policy/loss" not in stats and "train/grad_norm" not in stats
     assert math.isfinite(stats["value/loss"]) and math.isfinite(stats["value/grad_norm"])
@@ -474,7 +474,7 @@ def test_both_norms_non_finite_count_one_skipped_step(monkeypatch):
     monkeypatch.setattr(train_ppo, "ppo_policy_loss", nan_policy_loss)
     monkeypatch.setattr(train_ppo, "ppo_value_loss", nan_value_loss)
     stats = ppo_update_once(actor, critic, exp, micro_batch_size=4)
-    assert stats["skipped"] == 1 and stats["updates"] == 0
+    assert stats["train/skipped_steps"] == 1 and stats["updates"] == 0
     assert "value/loss" not in stats and "value/grad_norm" not in stats and "policy/loss" not in stats
 
 
