@@ -80,7 +80,8 @@ class Args:
     policy: list[str] = field(default_factory=lambda: ["out/sft/ckpt.pt", "out/ppo/ckpt.pt"])
     """policies: checkpoints (.pt of any stage with an LM head) or pretrained models (hf:<name-or-path>, gpt2, ...)"""
     names: Optional[list[str]] = None
-    """a name per policy for the table and JSON (None: sft, ppo, ... from the checkpoints' kinds)"""
+    """a name per policy for the table and JSON (None: each checkpoint's folder, out/ppo/ckpt.pt: ppo; a pretrained
+    model's own name)"""
     ref: str = "out/sft/ckpt.pt"
     """reference policy for kl and win_rate_vs_ref (a checkpoint or a pretrained model, as --policy)"""
     rm: list[str] = field(default_factory=lambda: ["out/rm/ckpt.pt"])
@@ -781,9 +782,8 @@ def print_table(results: dict) -> None:
     cols[1:1] = sorted((key for key in pass_cols if not key.endswith("_se")), key=lambda key: int(key[5:]))
     print("| policy | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
     for name, entry in results.items():
-        if name != "rm":
-            print(f"| {name} | " + " | ".join(format_value(entry, c) for c in cols) + " |")
-    policies = [entry for name, entry in results.items() if name != "rm"]
+        print(f"| {name} | " + " | ".join(format_value(entry, c) for c in cols) + " |")
+    policies = list(results.values())
     reasons = (  # why a column is empty for every policy
         (
             "gold",
