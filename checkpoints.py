@@ -298,8 +298,8 @@ def model_state(model: torch.nn.Module, key: str = "model", base: Optional[dict]
 def training_state(entry: Trained, out_dir: str, base: Optional[dict] = None) -> dict:
     """model_state plus the optimizer's state (`optimizer` for the model, `<name>_optimizer` for another name, e.g.
     critic_optimizer): what a checkpoint in out_dir holds of one trained model. Every rank calls it under --fsdp."""
-    optimizer = optimizer_state(entry.model, entry.optimizer, out_dir, entry.optimizer_key)
-    return model_state(entry.model, entry.name, base) | {entry.optimizer_key: optimizer}
+    optimizer = optimizer_state(entry.model, entry.optimizer, out_dir, entry.key("optimizer"))
+    return model_state(entry.model, entry.name, base) | {entry.key("optimizer"): optimizer}
 
 
 def load_model_state(model: torch.nn.Module, ckpt: dict, key: str = "model") -> None:
@@ -419,11 +419,6 @@ def load_resume(path: str, kind: str, world_size: int, max_steps: int, inputs: d
     return ck
 
 
-def schedule_key(entry: Trained) -> str:
-    """The checkpoint key of a trained model's LR schedule: `scheduler`, or `<name>_scheduler` (critic_scheduler)."""
-    return "scheduler" if entry.name == "model" else f"{entry.name}_scheduler"
-
-
 @dataclass
 class Run:
     """One stage's run as its checkpoints see it: the checkpoint dict it writes and reads back, over the models it
@@ -466,7 +461,7 @@ class Run:
             checkpoint["base"] = {name: base for name, base in bases.items() if base is not None}
         for entry in self.trained:
             checkpoint[f"{entry.name}_config"] = asdict(entry.model.config)
-            checkpoint[schedule_key(entry)] = entry.schedule.state_dict()
+            checkpoint[entry.key("scheduler")] = entry.schedule.state_dict()
         checkpoint |= dict(
             tokenizer=self.tokenizer.state(),
             args=asdict(self.args),
@@ -487,8 +482,8 @@ class Run:
         step = ckpt["step"]
         for entry in self.trained:
             load_model_state(entry.model, ckpt, entry.name)
-            load_optimizer_state(entry.model, entry.optimizer, ckpt[entry.optimizer_key], self.args.out_dir)
-            saved = LRSchedule(**ckpt[schedule_key(entry)])
+            load_optimizer_state(entry.model, entry.optimizer, ckpt[entry.key("optimizer")], self.args.out_dir)
+            saved = LRSchedule(**ckpt[entry.key("scheduler")])
             if saved.max_steps != entry.schedule.max_steps:
                 retimed = saved.retimed(step, entry.schedule.max_steps)
                 print0(

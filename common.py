@@ -434,9 +434,10 @@ class Trained:
         if self.forward is None:
             self.forward = self.model
 
-    @property
-    def optimizer_key(self) -> str:
-        return "optimizer" if self.name == "model" else f"{self.name}_optimizer"
+    def key(self, entry: str) -> str:
+        """This model's checkpoint key for entry (optimizer, scheduler): the entry itself for the model named `model`,
+        `<name>_<entry>` for the others (critic_optimizer)."""
+        return entry if self.name == "model" else f"{self.name}_{entry}"
 
 
 @dataclass
