@@ -298,8 +298,9 @@ def model_state(model: torch.nn.Module, key: str = "model", base: Optional[dict]
 def training_state(entry: Trained, out_dir: str, base: Optional[dict] = None) -> dict:
     """model_state plus the optimizer's state (`optimizer` for the model, `<name>_optimizer` for another name, e.g.
     critic_optimizer): what a checkpoint in out_dir holds of one trained model. Every rank calls it under --fsdp."""
-    optimizer = optimizer_state(entry.model, entry.optimizer, out_dir, entry.key("optimizer"))
-    return model_state(entry.model, entry.name, base) | {entry.key("optimizer"): optimizer}
+    key = entry.key("optimizer")
+    optimizer = optimizer_state(entry.model, entry.optimizer, out_dir, key)
+    return model_state(entry.model, entry.name, base) | {key: optimizer}
 
 
 def load_model_state(model: torch.nn.Module, ckpt: dict, key: str = "model") -> None:

@@ -154,9 +154,9 @@ def run_main(main: Callable, args) -> None:
 
 def keep_freed_memory() -> None:
     """Without a GPU, under glibc: malloc keeps freed memory for the next allocation. By default a block over 32 MB
-    (a micro-batch's logits at SmolLM2's vocabulary) is mapped afresh each time and page-faults in again: 15-20 % of
-    a SmolLM2 PPO iteration (docs/design.md §7). A process then keeps about its peak memory, as torch's CUDA
-    allocator does on a GPU."""
+    (a micro-batch's logits at SmolLM2's vocabulary) is mapped afresh each time and page-faults in again: SmolLM2's
+    PPO update took 7.2-9.3 s an iteration so, 6.1-6.3 s kept (docs/design.md §7). A process then keeps about its
+    peak memory, as torch's CUDA allocator does on a GPU."""
     if torch.cuda.is_available() or platform.libc_ver()[0] != "glibc":
         return
     libc = ctypes.CDLL(None)
