@@ -434,10 +434,10 @@ class Trained:
         if self.forward is None:
             self.forward = self.model
 
-    def key(self, entry: str) -> str:
-        """This model's checkpoint key for entry (optimizer, scheduler): the entry itself for the model named `model`,
-        `<name>_<entry>` for the others (critic_optimizer)."""
-        return entry if self.name == "model" else f"{self.name}_{entry}"
+    def key(self, part: str) -> str:
+        """This model's checkpoint key for part (optimizer, scheduler): the part itself for the model named `model`,
+        `<name>_<part>` for the others (critic_optimizer)."""
+        return part if self.name == "model" else f"{self.name}_{part}"
 
 
 @dataclass

@@ -783,7 +783,6 @@ def print_table(results: dict) -> None:
     print("| policy | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
     for name, entry in results.items():
         print(f"| {name} | " + " | ".join(format_value(entry, c) for c in cols) + " |")
-    policies = list(results.values())
     reasons = (  # why a column is empty for every policy
         (
             "gold",
@@ -793,7 +792,7 @@ def print_table(results: dict) -> None:
         ("score", "score", "no reward model: --rm none"),
     )
     for key, columns, why in reasons:
-        if policies and all(entry.get(key) is None for entry in policies):
+        if results and all(entry.get(key) is None for entry in results.values()):
             print(f"{columns}: - ({why})")
 
 
