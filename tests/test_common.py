@@ -89,33 +89,38 @@ def test_peak_flops_measured_on_cpu_in_the_runs_dtype(monkeypatch):
 
 
 FAULTS_OF_LARGE_BLOCKS = """
-import resource, sys, torch
+import resource, torch
 import common
-if sys.argv[1] == "kept":
-    common.keep_freed_memory()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):  # a training step's pattern: large and small blocks, all freed when the step ends
-    logits = torch.ones(16 * 2**20)  # 64 MB, over glibc's 32 MB ceiling for its heap
-    activations = [torch.ones(1000) for _ in range(10)]
-    gradient = torch.ones(16 * 2**20)
-    del logits, activations, gradient
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+
+def faults_of_steps() -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):  # a training step's pattern: large and small blocks, all freed when the step ends
+        logits = torch.ones(16 * 2**20)  # 64 MB, over glibc's 32 MB ceiling for its heap
+        activations = [torch.ones(1000) for _ in range(10)]
+        gradient = torch.ones(16 * 2**20)
+        del logits, activations, gradient
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+default = faults_of_steps()
+common.keep_freed_memory()
+print(default, faults_of_steps())
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or platform.libc_ver()[0] != "glibc", reason="glibc CPU runs only")
 def test_keep_freed_memory_reuses_large_freed_blocks(tmp_path):
-    """20 steps of two 64 MB blocks and small ones, all freed at the step's end: by default each large block
-    page-faults in afresh (16,384 pages of 4 KB a block, 40 blocks), after keep_freed_memory (which run_main calls
-    before every stage) the heap serves them from memory already touched once it has grown by a few blocks."""
+    """20 steps of two 64 MB blocks and small ones, all freed at the step's end, in a fresh process: by default each
+    large block page-faults in afresh (16,384 pages of 4 KB a block, 40 blocks); after keep_freed_memory (which
+    run_main calls before every stage) the same 20 steps are served from memory already touched once the heap has
+    grown by a few blocks."""
     script = tmp_path / "faults.py"
     script.write_text(FAULTS_OF_LARGE_BLOCKS)
-    faults = {}
-    for mode in ("default", "kept"):
-        r = run(f"{sys.executable} {script} {mode}", env={"PYTHONPATH": ROOT})
-        assert r.returncode == 0, r.stderr[-2000:]
-        faults[mode] = int(r.stdout)
-    assert faults["default"] > 40 * 16_000 and faults["kept"] < 8 * 16_384, faults
+    r = run(f"{sys.executable} {script}", env={"PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-2000:]
+    default, kept = map(int, r.stdout.split())
+    assert default > 40 * 16_000 and kept < 8 * 16_384, (default, kept)
 
 
 def test_logger_owns_samples_jsonl(tmp_path, capsys):
