@@ -57,6 +57,8 @@ class Args:
     """--feedback-turns: held-out questions of the feedback game's evaluation, one episode each"""
     group_size: int = 8
     """GRPO's responses per question"""
+    lr: float = 2e-4
+    """GRPO's learning rate (LoRA rank 16)"""
     eval_prompts: int = 64
     """held-out questions of the evaluation"""
     max_new_tokens: int = 32
@@ -99,7 +101,7 @@ def train_task(args: Args, out: str, name: str, dtype: str, sizes: dict) -> dict
     # GRPO's runs on the scorer's reward, LoRA on the SFT policy (their reference), at equal episodes
     common = [*task, "--sft-ckpt", sft, "--rm-ckpt", "none", *sampling, "--rollout-batch-size", str(sizes["batch"])]
     common += ["--total-episodes", str(sizes["episodes"]), "--micro-batch-size", str(sizes["batch"])]
-    common += ["--lora-rank", "16", "--lr", "2e-4", "--warmup-steps", "1", "--ptx-coef", "0"]
+    common += ["--lora-rank", "16", "--lr", str(args.lr), "--warmup-steps", "1", "--ptx-coef", "0"]
     common += ["--log-every", "1", "--sample-every", "4"]
     runs = {loss: [*common, "--reward-fn", "rg:score", *loss_flags(loss, sizes)] for loss in args.losses}
     if args.feedback_turns:  # GRPO in the feedback game: a wrong attempt answered by its verdict, up to K attempts
