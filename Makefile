@@ -16,7 +16,7 @@
 #   make real            RLHF on a real pretrained model: SmolLM2-135M-Instruct (out/smollm2, from a PyPI package), an RM
 #                        on its own samples labelled by VADER, PPO-max on the RM and on VADER, eval (42 min on 2
 #                        cores in fp32; 29 with DTYPE=bfloat16 where the CPU has bf16 matmuls; resumes; out/real/)
-#   make real-rlvr       RLVR on SmolLM2 on two reasoning-gym tasks (chain_sum, countdown): a format SFT, GRPO on
+#   make real-rlvr       RLVR on SmolLM2 on two reasoning-gym tasks (chain_sum, leg_counting): a format SFT, GRPO on
 #                        the task's own scorer, pass@1 and pass@8 on 64 held-out questions each
 #                        (out/real_rlvr/results.json; 25 min on 2 cores with DTYPE=bfloat16 where the CPU has bf16
 #                        matmuls)
