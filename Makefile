@@ -18,8 +18,7 @@
 #                        cores in fp32; 29 with DTYPE=bfloat16 where the CPU has bf16 matmuls; resumes; out/real/)
 #   make real-rlvr       RLVR on SmolLM2 on two reasoning-gym tasks (chain_sum, leg_counting): a format SFT, GRPO on
 #                        the task's own scorer, pass@1 and pass@8 on 64 held-out questions each
-#                        (out/real_rlvr/results.json; 25 min on 2 cores with DTYPE=bfloat16 where the CPU has bf16
-#                        matmuls)
+#                        (out/real_rlvr/results.json; 22 min on 2 cores in fp32)
 #   make real-rlvr-losses    after make real-rlvr: DAPO's recipe, GSPO, CISPO, DPPO (TV, KL) beside its GRPO on
 #                        chain_sum, at equal episodes (into out/real_rlvr/results.json)
 #   make real-rlvr-feedback  after make real-rlvr: GRPO on chain_sum in a feedback game (up to 3 attempts, the

@@ -542,6 +542,12 @@ def encode_prefs(tok, rows: list[dict], block_size: int) -> tuple[list, int]:
     return examples, skipped
 
 
+def longest_sequence(example) -> int:
+    """An encoded record's longest sequence (encode_prefs's and encode_kto's examples hold their sequences first):
+    a rank's records are sorted by it into micro-batches."""
+    return max(len(seq) for seq in example[0])
+
+
 def encode_kto(tok, rows: list[dict], block_size: int) -> tuple[list, int]:
     """KTO's examples from unpaired records and preferences: ([(seqs, n_prompt, labels, row), ...], n_skipped) with
     seqs as in encode_prefs and labels[k] True for a desirable sequence: an unpaired record's completion with its

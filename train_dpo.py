@@ -40,6 +40,7 @@ from data import (
     encode_kto,
     encode_prefs,
     encode_prompts,
+    longest_sequence,
     pad_right,
     read_jsonl,
     read_train_eval,
@@ -273,11 +274,6 @@ def reference_point(policy, ref, kl_examples: list, micro_batch_size: int, pad_i
     count = sum(len(seqs) for seqs, *_ in kl_examples)
     total, count = parallel.all_reduce_stack([total, count], device)
     return (total / count.clamp(min=1)).clamp(min=0).float()
-
-
-def longest_sequence(example) -> int:
-    """An encoded record's longest sequence: a rank's records are sorted by it into micro-batches."""
-    return max(len(seq) for seq in example[0])
 
 
 @torch.no_grad()

@@ -32,6 +32,7 @@ from data import (
     builtin_task,
     drop_tied,
     encode_prefs,
+    longest_sequence,
     pad_right,
     read_jsonl,
     read_train_eval,
@@ -113,11 +114,6 @@ def weighted_accuracy(gaps: torch.Tensor, weights: torch.Tensor) -> float:
     """Weighted share of pairs (P,) with a positive score gap, a tie counting 1/2."""
     correct = (gaps > 0) + 0.5 * (gaps == 0)
     return (weights * correct).sum().item() / weights.sum().item()
-
-
-def longest_sequence(example) -> int:
-    """An encoded record's longest sequence: rank's records are sorted by it into micro-batches."""
-    return max(len(seq) for seq in example[0])
 
 
 def collate(examples: list, pad_id: int):
